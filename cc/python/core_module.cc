@@ -1,0 +1,238 @@
+// perseus_tf._core: the runtime's Python face, without TensorFlow.
+//
+// It starts and stops the process's runtime (shared with the TF op library),
+// reports rank and statistics, and runs collectives on numpy arrays, which is
+// how the runtime is tested where TensorFlow is not installed. Collectives
+// are submitted asynchronously and return a Handle, so tests can enqueue many
+// tensors in a chosen order before waiting on any.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "cc/runtime/common.h"
+#include "cc/runtime/reduce.h"
+#include "cc/runtime/runtime.h"
+
+namespace py = pybind11;
+
+namespace perseus {
+namespace {
+
+struct MismatchError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct CommunicationError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct InvalidError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] void Raise(const Status& s) {
+  switch (s.code) {
+    case StatusCode::kFailedPrecondition: throw MismatchError(s.message);
+    case StatusCode::kInvalidArgument: throw InvalidError(s.message);
+    default: throw CommunicationError(s.message);
+  }
+}
+
+// State of one submitted collective, shared with the runtime's callback.
+struct HandleState {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  Status status;
+  std::vector<char> storage;  // outputs whose shape comes from negotiation
+  std::vector<int64_t> shape;
+};
+
+class Handle {
+ public:
+  Handle(std::shared_ptr<HandleState> state, std::shared_ptr<Request> request,
+         py::object input, py::object output, py::object dtype)
+      : state_(std::move(state)), request_(std::move(request)), input_(std::move(input)),
+        output_(std::move(output)), dtype_(std::move(dtype)) {}
+  Handle(Handle&&) = default;
+  Handle(const Handle&) = delete;
+
+  // The runtime writes into arrays this handle keeps alive: a handle dropped
+  // early must not free them under a running collective.
+  ~Handle() {
+    if (!state_) return;
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait(lock, [&] { return state_->finished; });
+  }
+
+  // Returns (output array, received_splits or None).
+  py::tuple Wait() {
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(state_->mu);
+      state_->cv.wait(lock, [&] { return state_->finished; });
+    }
+    if (!state_->status.ok()) Raise(state_->status);
+    py::object result = output_;
+    if (result.is_none()) {
+      py::array arr(py::dtype::from_args(dtype_), state_->shape);
+      if (!state_->storage.empty()) {
+        std::memcpy(arr.mutable_data(), state_->storage.data(), state_->storage.size());
+      }
+      result = arr;
+    }
+    py::object splits = py::none();
+    if (request_->meta.op == OpType::kAlltoall) splits = py::cast(request_->received_splits);
+    return py::make_tuple(result, splits);
+  }
+
+  bool Done() {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->finished;
+  }
+
+ private:
+  std::shared_ptr<HandleState> state_;
+  std::shared_ptr<Request> request_;
+  py::object input_;
+  py::object output_;
+  py::object dtype_;
+};
+
+Handle Submit(int op, py::array input, const std::string& name, int dtype, int reduce_op,
+              int root, double prescale, double postscale, std::vector<int64_t> splits,
+              py::object output) {
+  if (!(input.flags() & py::array::c_style)) {
+    throw InvalidError("input array must be C-contiguous");
+  }
+  auto state = std::make_shared<HandleState>();
+  auto req = std::make_shared<Request>();
+  req->meta.name = name;
+  req->meta.op = static_cast<OpType>(op);
+  req->meta.dtype = static_cast<DataType>(dtype);
+  req->meta.reduce_op = static_cast<ReduceOp>(reduce_op);
+  for (py::ssize_t i = 0; i < input.ndim(); ++i) req->meta.shape.push_back(input.shape(i));
+  req->meta.root = root;
+  req->meta.prescale = prescale;
+  req->meta.postscale = postscale;
+  req->meta.splits = std::move(splits);
+  req->input = input.data();
+  if (!output.is_none()) {
+    py::array out = output.cast<py::array>();
+    req->output = out.mutable_data();
+  } else {
+    DataType dt = req->meta.dtype;
+    req->allocate = [state, dt](const std::vector<int64_t>& shape) -> void* {
+      state->shape = shape;
+      state->storage.resize(static_cast<size_t>(NumElements(shape)) * DataTypeSize(dt));
+      return state->storage.data();
+    };
+  }
+  req->done = [state](const Status& s) {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->status = s;
+    state->finished = true;
+    state->cv.notify_all();
+  };
+  Status s = Runtime::Get().Enqueue(req);
+  if (!s.ok()) Raise(s);
+  return Handle(state, req, input, output, input.attr("dtype"));
+}
+
+py::dict StatsDict() {
+  Stats st = Runtime::Get().GetStats();
+  py::dict d;
+  d["cycles"] = st.cycles;
+  d["control_bytes_sent"] = st.control_bytes_sent;
+  d["requests"] = st.requests;
+  d["responses"] = st.responses;
+  d["fused_responses"] = st.fused_responses;
+  py::list streams;
+  for (const StreamStats& s : st.streams) {
+    py::dict sd;
+    sd["responses"] = s.responses;
+    sd["tensors"] = s.tensors;
+    sd["bytes"] = s.bytes;
+    sd["busy_seconds"] = s.busy_seconds;
+    streams.append(sd);
+  }
+  d["streams"] = streams;
+  return d;
+}
+
+}  // namespace
+}  // namespace perseus
+
+PYBIND11_MODULE(_core, m) {
+  using namespace perseus;
+  m.doc() = "Perseus-TF native runtime (shared with the TensorFlow op library).";
+  py::register_exception<MismatchError>(m, "MismatchError", PyExc_RuntimeError);
+  py::register_exception<CommunicationError>(m, "CommunicationError", PyExc_RuntimeError);
+  py::register_exception<InvalidError>(m, "InvalidArgumentError", PyExc_ValueError);
+
+  m.def("init", [](py::dict o) {
+    InitOptions opts;
+    opts.rank = o["rank"].cast<int>();
+    opts.size = o["size"].cast<int>();
+    opts.local_rank = o["local_rank"].cast<int>();
+    opts.local_size = o["local_size"].cast<int>();
+    opts.cross_rank = o["cross_rank"].cast<int>();
+    opts.cross_size = o["cross_size"].cast<int>();
+    opts.store_addr = o["store_addr"].cast<std::string>();
+    opts.store_port = o["store_port"].cast<int>();
+    opts.secret = o["secret"].cast<std::string>();
+    opts.job_id = o["job_id"].cast<std::string>();
+    opts.host_addr = o["host_addr"].cast<std::string>();
+    opts.gloo_iface = o["gloo_iface"].cast<std::string>();
+    opts.streams = o["streams"].cast<int>();
+    opts.timeout_seconds = o["timeout_seconds"].cast<double>();
+    opts.fusion_threshold_bytes = o["fusion_threshold_bytes"].cast<int64_t>();
+    opts.cycle_time_ms = o["cycle_time_ms"].cast<double>();
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Runtime::Get().Init(opts);
+    }
+    if (!s.ok()) Raise(s);
+  });
+  m.def("shutdown", [] {
+    py::gil_scoped_release release;
+    Runtime::Get().Shutdown();
+  });
+  m.def("is_initialized", [] { return Runtime::Get().initialized(); });
+  m.def("topology", [] {
+    const InitOptions& o = Runtime::Get().options();
+    py::dict d;
+    d["rank"] = o.rank;
+    d["size"] = o.size;
+    d["local_rank"] = o.local_rank;
+    d["local_size"] = o.local_size;
+    d["cross_rank"] = o.cross_rank;
+    d["cross_size"] = o.cross_size;
+    return d;
+  });
+  m.def("stats", &StatsDict);
+  m.def("f16c_available", &CpuHasF16C);
+
+  py::class_<Handle>(m, "Handle")
+      .def("wait", &Handle::Wait)
+      .def("done", &Handle::Done);
+  m.def("submit", &Submit, py::arg("op"), py::arg("input"), py::arg("name"), py::arg("dtype"),
+        py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("prescale") = 1.0,
+        py::arg("postscale") = 1.0, py::arg("splits") = std::vector<int64_t>(),
+        py::arg("output") = py::none());
+  m.def("raw_allreduce", [](py::array data, int dtype) {
+    Status s;
+    void* p = data.mutable_data();
+    size_t n = static_cast<size_t>(data.size());
+    {
+      py::gil_scoped_release release;
+      s = Runtime::Get().RawAllreduce(p, n, static_cast<DataType>(dtype));
+    }
+    if (!s.ok()) Raise(s);
+  });
+}

@@ -1,0 +1,40 @@
+// What ranks tell each other during negotiation, and its byte encoding.
+//
+// A TensorMeta describes one named collective request as a rank sees it.
+// Every cycle each rank sends the metas it enqueued since the last cycle;
+// every rank receives all of them and runs the same deterministic decision
+// (negotiation.h), so no coordinator reply has to travel.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cc/runtime/common.h"
+
+namespace perseus {
+
+struct TensorMeta {
+  std::string name;
+  OpType op = OpType::kAllreduce;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp reduce_op = ReduceOp::kSum;
+  std::vector<int64_t> shape;
+  int32_t root = 0;                // broadcast
+  double prescale = 1.0;           // allreduce / reducescatter
+  double postscale = 1.0;
+  std::vector<int64_t> splits;     // alltoall: rows sent to each rank
+  int32_t group = 0;               // >0: members of one grouped request fuse together
+};
+
+// One rank's message for one negotiation cycle.
+struct CycleMessage {
+  bool shutdown = false;           // this rank asks every rank to stop
+  std::vector<TensorMeta> requests;
+};
+
+std::vector<char> EncodeCycle(const CycleMessage& msg);
+// Throws std::runtime_error on malformed input.
+CycleMessage DecodeCycle(const char* data, size_t size);
+
+}  // namespace perseus

@@ -1,0 +1,236 @@
+#include "cc/runtime/negotiation.h"
+
+#include <functional>
+#include <sstream>
+#include <tuple>
+
+namespace perseus {
+namespace {
+
+// "rank 0 has X; ranks 1, 2 have Y" from one printable value per rank.
+std::string DescribeByRank(const std::vector<std::string>& values) {
+  std::vector<std::string> distinct;
+  std::vector<std::vector<int>> ranks;
+  for (size_t r = 0; r < values.size(); ++r) {
+    size_t i = 0;
+    while (i < distinct.size() && distinct[i] != values[r]) ++i;
+    if (i == distinct.size()) {
+      distinct.push_back(values[r]);
+      ranks.emplace_back();
+    }
+    ranks[i].push_back(static_cast<int>(r));
+  }
+  std::ostringstream out;
+  for (size_t i = 0; i < distinct.size(); ++i) {
+    if (i) out << "; ";
+    out << (ranks[i].size() == 1 ? "rank " : "ranks ");
+    for (size_t j = 0; j < ranks[i].size(); ++j) {
+      if (j) out << ", ";
+      out << ranks[i][j];
+    }
+    out << (ranks[i].size() == 1 ? " has " : " have ") << distinct[i];
+  }
+  return out.str();
+}
+
+template <typename F>
+bool AllSame(const std::vector<TensorMeta>& metas, F key) {
+  for (const TensorMeta& m : metas) {
+    if (key(m) != key(metas[0])) return false;
+  }
+  return true;
+}
+
+template <typename F>
+std::vector<std::string> Column(const std::vector<TensorMeta>& metas, F show) {
+  std::vector<std::string> out;
+  for (const TensorMeta& m : metas) out.push_back(show(m));
+  return out;
+}
+
+std::vector<int64_t> TrailingDims(const TensorMeta& m) {
+  if (m.shape.empty()) return {};
+  return std::vector<int64_t>(m.shape.begin() + 1, m.shape.end());
+}
+
+}  // namespace
+
+Negotiator::Negotiator(int size, int64_t fusion_threshold_bytes)
+    : size_(size), fusion_threshold_(fusion_threshold_bytes) {}
+
+void Negotiator::Add(int rank, const TensorMeta& meta) {
+  auto it = table_.find(meta.name);
+  if (it == table_.end()) {
+    Entry e;
+    e.seq = next_seq_++;
+    e.have.assign(size_, false);
+    e.metas.resize(size_);
+    it = table_.emplace(meta.name, std::move(e)).first;
+  }
+  Entry& e = it->second;
+  if (e.have[rank]) return;  // the runtime rejects local duplicates first
+  e.have[rank] = true;
+  e.metas[rank] = meta;
+  if (++e.count == size_) complete_.emplace(e.seq, meta.name);
+}
+
+Status Negotiator::Validate(const std::string& name, const Entry& e) const {
+  const std::vector<TensorMeta>& m = e.metas;
+  auto fail = [&](const std::string& what, const std::vector<std::string>& by_rank) {
+    std::ostringstream out;
+    out << "Perseus " << OpTypeName(m[0].op) << " of tensor '" << name
+        << "': ranks disagree on " << what << ": " << DescribeByRank(by_rank);
+    return Status::Error(StatusCode::kFailedPrecondition, out.str());
+  };
+  if (!AllSame(m, [](const TensorMeta& t) { return t.op; })) {
+    return fail("the operation", Column(m, [](const TensorMeta& t) {
+                  return std::string(OpTypeName(t.op));
+                }));
+  }
+  if (!AllSame(m, [](const TensorMeta& t) { return t.dtype; })) {
+    return fail("the dtype", Column(m, [](const TensorMeta& t) {
+                  return std::string(DataTypeName(t.dtype));
+                }));
+  }
+  const OpType op = m[0].op;
+  auto shape_of = [](const TensorMeta& t) { return ShapeString(t.shape); };
+  if (op == OpType::kAllreduce || op == OpType::kBroadcast ||
+      op == OpType::kReducescatter) {
+    if (!AllSame(m, [](const TensorMeta& t) { return t.shape; })) {
+      return fail("the shape", Column(m, shape_of));
+    }
+  }
+  if (op == OpType::kAllgather || op == OpType::kAlltoall) {
+    if (!AllSame(m, [](const TensorMeta& t) { return t.shape.size(); }) ||
+        !AllSame(m, TrailingDims) || m[0].shape.empty()) {
+      return fail("the shape (all dimensions but the first must match)",
+                  Column(m, shape_of));
+    }
+  }
+  if (op == OpType::kAllreduce || op == OpType::kReducescatter) {
+    if (!AllSame(m, [](const TensorMeta& t) { return t.reduce_op; })) {
+      return fail("the reduction", Column(m, [](const TensorMeta& t) {
+                    return std::string(ReduceOpName(t.reduce_op));
+                  }));
+    }
+    if (!AllSame(m, [](const TensorMeta& t) {
+          return std::make_tuple(t.prescale, t.postscale);
+        })) {
+      return fail("the prescale/postscale factors",
+                  Column(m, [](const TensorMeta& t) {
+                    std::ostringstream s;
+                    s << "prescale " << t.prescale << ", postscale " << t.postscale;
+                    return s.str();
+                  }));
+    }
+  }
+  if (op == OpType::kBroadcast &&
+      !AllSame(m, [](const TensorMeta& t) { return t.root; })) {
+    return fail("the root rank", Column(m, [](const TensorMeta& t) {
+                  return "root " + std::to_string(t.root);
+                }));
+  }
+  if (op == OpType::kAlltoall) {
+    for (int r = 0; r < size_; ++r) {
+      if (!m[r].splits.empty() &&
+          static_cast<int>(m[r].splits.size()) != size_) {
+        return fail("splits (one entry per rank is needed)",
+                    Column(m, [](const TensorMeta& t) {
+                      return "splits " + ShapeString(t.splits);
+                    }));
+      }
+    }
+  }
+  return Status::OK();
+}
+
+Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
+  Response resp;
+  resp.op = e.metas[0].op;
+  resp.names.push_back(name);
+  resp.error = Validate(name, e);
+  if (resp.error.ok()) {
+    if (resp.op == OpType::kAllgather) {
+      std::vector<int64_t> dims;
+      for (const TensorMeta& m : e.metas) dims.push_back(m.shape[0]);
+      resp.first_dims.push_back(std::move(dims));
+    } else if (resp.op == OpType::kAlltoall) {
+      for (const TensorMeta& m : e.metas) {
+        std::vector<int64_t> s = m.splits;
+        if (s.empty()) {
+          // No splits: the first dimension is divided evenly; the sender
+          // checked divisibility before enqueueing.
+          s.assign(size_, m.shape[0] / size_);
+        }
+        resp.splits.push_back(std::move(s));
+      }
+    }
+  }
+  resp.metas.push_back(std::move(e.metas[0]));
+  return resp;
+}
+
+std::vector<Response> Negotiator::TakeReady() {
+  std::vector<Response> ready;
+  for (auto& kv : complete_) {
+    auto it = table_.find(kv.second);
+    ready.push_back(MakeResponse(kv.second, std::move(it->second)));
+    table_.erase(it);
+  }
+  complete_.clear();
+  return Fuse(std::move(ready));
+}
+
+std::vector<Response> Negotiator::Fuse(std::vector<Response> ready) const {
+  // Allreduces with the same dtype, reduction and scale factors share a
+  // bucket until it would exceed the threshold; everything else passes
+  // through in order. A bucket takes the position of its first member.
+  std::vector<Response> out;
+  std::map<std::tuple<int, int, double, double>, size_t> open;  // key -> index in out
+  std::vector<int64_t> bucket_bytes;
+  for (Response& r : ready) {
+    bool fusable = r.op == OpType::kAllreduce && r.error.ok() &&
+                   fusion_threshold_ > 0;
+    if (!fusable) {
+      out.push_back(std::move(r));
+      bucket_bytes.push_back(0);
+      continue;
+    }
+    const TensorMeta& m = r.metas[0];
+    int64_t bytes = NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
+    auto key = std::make_tuple(static_cast<int>(m.dtype),
+                               static_cast<int>(m.reduce_op), m.prescale,
+                               m.postscale);
+    auto it = open.find(key);
+    if (it != open.end() &&
+        bucket_bytes[it->second] + bytes <= fusion_threshold_) {
+      Response& b = out[it->second];
+      b.names.push_back(r.names[0]);
+      b.metas.push_back(std::move(r.metas[0]));
+      bucket_bytes[it->second] += bytes;
+      continue;
+    }
+    open[key] = out.size();
+    out.push_back(std::move(r));
+    bucket_bytes.push_back(bytes);
+  }
+  return out;
+}
+
+std::string Negotiator::DescribePending() const {
+  std::ostringstream out;
+  int shown = 0;
+  for (const auto& kv : table_) {
+    if (shown++ == 5) {
+      out << " ...";
+      break;
+    }
+    out << (shown > 1 ? "; " : "") << "'" << kv.first << "' waiting for rank(s)";
+    for (int r = 0; r < size_; ++r) {
+      if (!kv.second.have[r]) out << " " << r;
+    }
+  }
+  return out.str();
+}
+
+}  // namespace perseus

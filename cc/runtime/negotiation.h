@@ -1,0 +1,70 @@
+// Online negotiation: deciding, identically on every rank, which requested
+// collectives are ready and in which order they run.
+//
+// Every rank feeds the Negotiator the same sequence of (rank, TensorMeta)
+// pairs (the allgathered cycle messages, in rank order), so every rank's
+// Negotiator reaches the same decisions without a coordinator reply. A name
+// is ready once every rank has asked for it; ready names run in the order in
+// which they first appeared. Requests that disagree across ranks become error
+// responses that every rank raises, so a mismatch never hangs.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "cc/runtime/common.h"
+#include "cc/runtime/message.h"
+
+namespace perseus {
+
+// One unit of work that every rank executes in the same order.
+struct Response {
+  OpType op = OpType::kAllreduce;
+  // Tensor names; more than one for a fused allreduce bucket.
+  std::vector<std::string> names;
+  // Meta of each tensor as rank 0 sent it (identical on all ranks once
+  // validated, except first dimensions and splits, kept below).
+  std::vector<TensorMeta> metas;
+  // allgather: first dimension of each rank's tensor, per name.
+  std::vector<std::vector<int64_t>> first_dims;
+  // alltoall: splits[r][d] = rows rank r sends to rank d.
+  std::vector<std::vector<int64_t>> splits;
+  // Non-OK: every rank completes these names with this error.
+  Status error;
+};
+
+class Negotiator {
+ public:
+  Negotiator(int size, int64_t fusion_threshold_bytes);
+
+  void Add(int rank, const TensorMeta& meta);
+  // Ready work, fused and ordered. Identical on every rank.
+  std::vector<Response> TakeReady();
+  // Names some but not all ranks have requested.
+  bool HasPending() const { return !table_.empty(); }
+  // Describes stalled requests: which ranks have not asked yet.
+  std::string DescribePending() const;
+
+ private:
+  struct Entry {
+    uint64_t seq = 0;
+    int count = 0;
+    std::vector<bool> have;
+    std::vector<TensorMeta> metas;  // indexed by rank
+  };
+
+  Status Validate(const std::string& name, const Entry& e) const;
+  Response MakeResponse(const std::string& name, Entry&& e) const;
+  std::vector<Response> Fuse(std::vector<Response> ready) const;
+
+  int size_;
+  int64_t fusion_threshold_;
+  uint64_t next_seq_ = 0;
+  std::unordered_map<std::string, Entry> table_;
+  std::map<uint64_t, std::string> complete_;  // seq -> name, this cycle
+};
+
+}  // namespace perseus

@@ -1,0 +1,624 @@
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <sstream>
+
+#include "cc/backends/gloo_backend.h"
+#include "cc/runtime/reduce.h"
+#include "cc/runtime/store_client.h"
+
+namespace perseus {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long an idle rank waits before joining the next (empty) cycle. A rank
+// with work joins at once; the others join within this bound.
+constexpr auto kIdleWait = std::chrono::milliseconds(5);
+
+std::string ClosedKey(const std::string& job, int rank) {
+  return "__closed__/" + job + "/rank" + std::to_string(rank);
+}
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  out << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  return out.str();
+}
+
+std::vector<int64_t> Trailing(const std::vector<int64_t>& shape) {
+  return std::vector<int64_t>(shape.begin() + (shape.empty() ? 0 : 1), shape.end());
+}
+
+}  // namespace
+
+Runtime& Runtime::Get() {
+  // Never destroyed: its threads may still run while the process exits.
+  static Runtime* runtime = new Runtime();
+  return *runtime;
+}
+
+Status Runtime::Init(const InitOptions& options) {
+  if (state_.load() == State::kRunning) return Status::OK();
+  if (background_.joinable()) Shutdown();
+  if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "rank " + std::to_string(options.rank) + " is outside world size " +
+                             std::to_string(options.size));
+  }
+  if (options.streams < 1 || options.streams > 12) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "PERSEUS_ALLREDUCE_STREAMS must be from 1 to 12");
+  }
+  options_ = options;
+  GlooBackendOptions bo;
+  bo.rank = options.rank;
+  bo.size = options.size;
+  bo.streams = options.streams;
+  bo.host_addr = options.host_addr;
+  bo.iface = options.gloo_iface;
+  bo.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000));
+  bo.key_prefix = options.job_id + "/gen" + std::to_string(generation_);
+  try {
+    if (options.size > 1) {
+      auto wait = std::max(bo.timeout, std::chrono::milliseconds(300000));
+      store_.reset(new StoreClient(options.store_addr, options.store_port, options.secret, wait));
+      store_->Own(options.job_id + "/rank" + std::to_string(options.rank));
+    }
+    backend_.reset(new GlooBackend(bo, store_.get()));
+  } catch (const std::exception& e) {
+    backend_.reset();
+    store_.reset();
+    return Status::Error(StatusCode::kUnavailable,
+                         "Perseus could not connect rank " + std::to_string(options.rank) +
+                             " of " + std::to_string(options.size) + ": " + e.what());
+  }
+  negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.clear();
+    pending_.clear();
+    shutdown_requested_ = false;
+    shutdown_by_.clear();
+    failure_ = Status::OK();
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_ = Stats();
+    stats_.streams.resize(options.streams);
+  }
+  dispatched_ = 0;
+  streams_.clear();
+  for (int s = 0; s < options.streams; ++s) streams_.emplace_back(new Stream());
+  state_ = State::kRunning;
+  last_cycle_ = Clock::now();
+  for (int s = 0; s < options.streams; ++s) {
+    streams_[s]->thread = std::thread(&Runtime::StreamLoop, this, s);
+  }
+  background_ = std::thread(&Runtime::BackgroundLoop, this);
+  return Status::OK();
+}
+
+void Runtime::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_requested_ = true;
+  }
+  queue_cv_.notify_all();
+  if (background_.joinable()) background_.join();
+  StopThreads();
+  FailAllPending(Status::Error(StatusCode::kUnavailable,
+                               "Perseus was shut down before this collective ran"));
+  backend_.reset();
+  store_.reset();
+  if (state_.load() == State::kRunning) state_ = State::kShutdown;
+  ++generation_;
+}
+
+void Runtime::StopThreads() {
+  for (auto& s : streams_) {
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->stop = true;
+    }
+    s->cv.notify_all();
+  }
+  for (auto& s : streams_) {
+    if (s->thread.joinable()) s->thread.join();
+  }
+}
+
+Status Runtime::Enqueue(std::shared_ptr<Request> request) {
+  State state = state_.load();
+  if (state != State::kRunning) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state == State::kFailed) return failure_;
+    if (state == State::kShutdown) {
+      return Status::Error(StatusCode::kUnavailable,
+                           "Perseus has been shut down" +
+                               (shutdown_by_.empty() ? std::string() : " (" + shutdown_by_ + ")") +
+                               "; no collective can run after shutdown()");
+    }
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         "Perseus is not initialized: call perseus_tf.init() (or hvd.init()) first");
+  }
+  const TensorMeta& m = request->meta;
+  const int size = options_.size;
+  auto invalid = [&](const std::string& msg) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         std::string("Perseus ") + OpTypeName(m.op) + " of tensor '" + m.name +
+                             "': " + msg);
+  };
+  if (m.name.empty()) return invalid("a collective needs a name");
+  if (m.op == OpType::kAllreduce || m.op == OpType::kReducescatter) {
+    if (GetReduceFn(m.dtype, m.reduce_op) == nullptr) {
+      return invalid(std::string("reduction '") + ReduceOpName(m.reduce_op) +
+                     "' is not defined for dtype " + DataTypeName(m.dtype) +
+                     (m.dtype == DataType::kBool ? " (use min or max for bool)" : ""));
+    }
+    if (m.reduce_op == ReduceOp::kAverage && m.dtype == DataType::kBool) {
+      return invalid("average is not defined for bool");
+    }
+  }
+  if (m.op == OpType::kBroadcast && (m.root < 0 || m.root >= size)) {
+    return invalid("root_rank " + std::to_string(m.root) + " is out of range: valid ranks are 0 to " +
+                   std::to_string(size - 1));
+  }
+  if ((m.op == OpType::kAllgather || m.op == OpType::kAlltoall ||
+       m.op == OpType::kReducescatter) && m.shape.empty()) {
+    return invalid("needs a tensor with at least one dimension, got a scalar");
+  }
+  if (m.op == OpType::kAlltoall) {
+    if (m.splits.empty()) {
+      if (m.shape[0] % size != 0) {
+        return invalid("first dimension " + std::to_string(m.shape[0]) +
+                       " is not divisible by the number of ranks (" + std::to_string(size) +
+                       "); pass splits");
+      }
+    } else {
+      if (static_cast<int>(m.splits.size()) != size) {
+        return invalid("splits has " + std::to_string(m.splits.size()) +
+                       " entries; it needs one per rank (" + std::to_string(size) + ")");
+      }
+      int64_t sum = 0;
+      for (int64_t s : m.splits) {
+        if (s < 0) return invalid("splits must not be negative, got " + ShapeString(m.splits));
+        sum += s;
+      }
+      if (sum != m.shape[0]) {
+        return invalid("splits " + ShapeString(m.splits) + " sum to " + std::to_string(sum) +
+                       " but the first dimension is " + std::to_string(m.shape[0]));
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_.count(m.name)) {
+      return invalid("a collective with this name is already in flight on rank " +
+                     std::to_string(options_.rank) +
+                     "; concurrent collectives need distinct names");
+    }
+    pending_.emplace(m.name, request);
+    queue_.push_back(m);
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.requests;
+  }
+  queue_cv_.notify_one();
+  return Status::OK();
+}
+
+void Runtime::BackgroundLoop() {
+  bool stop = false;
+  while (!stop) {
+    if (state_.load() != State::kRunning) return;
+    try {
+      RunCycle(&stop);
+    } catch (const std::exception& e) {
+      Fail(std::string("negotiation failed: ") + e.what());
+      return;
+    }
+  }
+  // Every rank saw the same shutdown flag in the same cycle: drain and stop.
+  StopThreads();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_.load() == State::kRunning) state_ = State::kShutdown;
+  }
+  FailAllPending(Status::Error(StatusCode::kUnavailable,
+                               "Perseus was shut down (" + shutdown_by_ +
+                                   ") before this collective ran on every rank"));
+}
+
+void Runtime::RunCycle(bool* stop) {
+  const auto cycle_time = std::chrono::microseconds(
+      static_cast<int64_t>(options_.cycle_time_ms * 1000));
+  CycleMessage mine;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto max_wait = negotiator_->HasPending() || idle_cycles_ == 0
+                        ? std::chrono::duration_cast<Clock::duration>(cycle_time)
+                        : std::chrono::duration_cast<Clock::duration>(kIdleWait);
+    queue_cv_.wait_until(lock, last_cycle_ + max_wait,
+                         [&] { return !queue_.empty() || shutdown_requested_; });
+    if (!queue_.empty() && Clock::now() < last_cycle_ + cycle_time) {
+      // Let requests that arrive together travel in one cycle.
+      lock.unlock();
+      std::this_thread::sleep_until(last_cycle_ + cycle_time);
+      lock.lock();
+    }
+    mine.requests.assign(queue_.begin(), queue_.end());
+    queue_.clear();
+    mine.shutdown = shutdown_requested_;
+  }
+  last_cycle_ = Clock::now();
+
+  const int size = options_.size;
+  std::vector<CycleMessage> all(size);
+  int64_t sent = 0;
+  if (size == 1) {
+    all[0] = std::move(mine);
+  } else {
+    // Step 1: each rank's message length; 0 = nothing, -1 = only shutdown.
+    std::vector<char> encoded;
+    int64_t len = 0;
+    if (!mine.requests.empty()) {
+      encoded = EncodeCycle(mine);
+      len = static_cast<int64_t>(encoded.size());
+    } else if (mine.shutdown) {
+      len = -1;
+    }
+    std::vector<int64_t> lens(size);
+    backend_->Allgatherv(GlooBackend::kControl, &len, lens.data(),
+                         std::vector<size_t>(size, sizeof(int64_t)));
+    sent += sizeof(int64_t);
+    std::vector<size_t> bytes(size);
+    size_t total = 0;
+    for (int r = 0; r < size; ++r) {
+      bytes[r] = lens[r] > 0 ? static_cast<size_t>(lens[r]) : 0;
+      total += bytes[r];
+    }
+    // Step 2 only when some rank has requests.
+    std::vector<char> gathered(total);
+    if (total > 0) {
+      backend_->Allgatherv(GlooBackend::kControl, encoded.data(), gathered.data(), bytes);
+      sent += static_cast<int64_t>(encoded.size());
+    }
+    size_t offset = 0;
+    for (int r = 0; r < size; ++r) {
+      if (lens[r] > 0) {
+        all[r] = DecodeCycle(gathered.data() + offset, bytes[r]);
+      } else {
+        all[r].shutdown = lens[r] < 0;
+      }
+      offset += bytes[r];
+    }
+  }
+
+  bool any_requests = false;
+  for (int r = 0; r < size; ++r) {
+    for (const TensorMeta& m : all[r].requests) {
+      negotiator_->Add(r, m);
+      any_requests = true;
+    }
+    if (all[r].shutdown && !*stop) {
+      *stop = true;
+      std::lock_guard<std::mutex> lock(mu_);
+      shutdown_by_ = "rank " + std::to_string(r) + " called shutdown";
+    }
+  }
+  std::vector<Response> ready = negotiator_->TakeReady();
+  idle_cycles_ = (any_requests || !ready.empty()) ? 0 : idle_cycles_ + 1;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.cycles;
+    stats_.control_bytes_sent += sent;
+    stats_.responses += static_cast<int64_t>(ready.size());
+    for (const Response& r : ready) {
+      if (r.names.size() > 1) ++stats_.fused_responses;
+    }
+  }
+  for (Response& r : ready) Dispatch(std::move(r));
+}
+
+void Runtime::Dispatch(Response response) {
+  std::vector<std::shared_ptr<Request>> requests;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& name : response.names) {
+      auto it = pending_.find(name);
+      if (it == pending_.end()) continue;  // cannot happen: every name was ours too
+      requests.push_back(it->second);
+      pending_.erase(it);
+    }
+  }
+  if (!response.error.ok() || response.op == OpType::kBarrier) {
+    for (auto& q : requests) q->done(response.error);
+    return;
+  }
+  Stream& s = *streams_[dispatched_++ % streams_.size()];
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.queue.push_back(std::move(response));
+    s.work.push_back(std::move(requests));
+  }
+  s.cv.notify_one();
+}
+
+void Runtime::StreamLoop(int index) {
+  Stream& s = *streams_[index];
+  while (true) {
+    Response response;
+    std::vector<std::shared_ptr<Request>> requests;
+    {
+      std::unique_lock<std::mutex> lock(s.mu);
+      s.cv.wait(lock, [&] { return !s.queue.empty() || s.stop; });
+      if (s.queue.empty()) return;
+      response = std::move(s.queue.front());
+      s.queue.pop_front();
+      requests = std::move(s.work.front());
+      s.work.pop_front();
+    }
+    if (state_.load() == State::kFailed) {
+      Status failure;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        failure = failure_;
+      }
+      for (auto& q : requests) q->done(failure);
+      continue;
+    }
+    auto start = Clock::now();
+    Status status;
+    try {
+      Execute(index, response, requests);
+    } catch (const std::exception& e) {
+      Fail(std::string("stream ") + std::to_string(index) + " " + OpTypeName(response.op) +
+           " of '" + response.names[0] + "' failed: " + e.what());
+      std::lock_guard<std::mutex> lock(mu_);
+      status = failure_;
+    }
+    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      StreamStats& st = stats_.streams[index];
+      ++st.responses;
+      st.tensors += static_cast<int64_t>(response.names.size());
+      for (const TensorMeta& m : response.metas) {
+        st.bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
+      }
+      st.busy_seconds += secs;
+    }
+    for (auto& q : requests) q->done(status);
+  }
+}
+
+void Runtime::Execute(int stream, const Response& r,
+                      std::vector<std::shared_ptr<Request>>& requests) {
+  if (requests.size() != r.names.size()) {
+    throw std::runtime_error("internal error: response and local requests disagree");
+  }
+  switch (r.op) {
+    case OpType::kAllreduce:
+      ExecuteAllreduce(stream, r, requests);
+      break;
+    case OpType::kBroadcast: {
+      Request& q = *requests[0];
+      size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
+      if (options_.rank == q.meta.root && q.output != q.input && bytes) {
+        std::memcpy(q.output, q.input, bytes);
+      }
+      backend_->Broadcast(stream, q.output, bytes, q.meta.root);
+      break;
+    }
+    case OpType::kAllgather:
+      ExecuteAllgather(stream, r, *requests[0]);
+      break;
+    case OpType::kAlltoall:
+      ExecuteAlltoall(stream, r, *requests[0]);
+      break;
+    case OpType::kReducescatter:
+      ExecuteReducescatter(stream, r, *requests[0]);
+      break;
+    case OpType::kBarrier:
+      break;
+  }
+}
+
+void Runtime::ExecuteAllreduce(int stream, const Response& r,
+                               std::vector<std::shared_ptr<Request>>& requests) {
+  const TensorMeta& m0 = r.metas[0];
+  const DataType dtype = m0.dtype;
+  const size_t esize = DataTypeSize(dtype);
+  ReduceFn fn = GetReduceFn(dtype, m0.reduce_op);
+  const double post =
+      m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+  if (requests.size() == 1) {
+    Request& q = *requests[0];
+    size_t n = static_cast<size_t>(NumElements(q.meta.shape));
+    if (q.output != q.input && n) std::memcpy(q.output, q.input, n * esize);
+    ScaleBuffer(q.output, dtype, n, m0.prescale);
+    backend_->Allreduce(stream, q.output, n, dtype, fn);
+    ScaleBuffer(q.output, dtype, n, post);
+    return;
+  }
+  // Fused bucket: pack, reduce once, unpack.
+  size_t total = 0;
+  for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
+  std::vector<char>& buf = streams_[stream]->fusion_buffer;
+  if (buf.size() < total * esize) buf.resize(total * esize);
+  size_t offset = 0;
+  for (auto& q : requests) {
+    size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
+    if (bytes) std::memcpy(buf.data() + offset, q->input, bytes);
+    offset += bytes;
+  }
+  ScaleBuffer(buf.data(), dtype, total, m0.prescale);
+  backend_->Allreduce(stream, buf.data(), total, dtype, fn);
+  ScaleBuffer(buf.data(), dtype, total, post);
+  offset = 0;
+  for (auto& q : requests) {
+    size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
+    if (bytes) std::memcpy(q->output, buf.data() + offset, bytes);
+    offset += bytes;
+  }
+}
+
+void Runtime::ExecuteAllgather(int stream, const Response& r, Request& q) {
+  const std::vector<int64_t>& dims = r.first_dims[0];
+  std::vector<int64_t> trailing = Trailing(q.meta.shape);
+  size_t row = static_cast<size_t>(NumElements(trailing)) * DataTypeSize(q.meta.dtype);
+  int64_t rows = 0;
+  std::vector<size_t> bytes;
+  for (int64_t d : dims) {
+    rows += d;
+    bytes.push_back(static_cast<size_t>(d) * row);
+  }
+  std::vector<int64_t> shape{rows};
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  void* out = q.allocate(shape);
+  if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
+  backend_->Allgatherv(stream, q.input, out, bytes);
+}
+
+void Runtime::ExecuteAlltoall(int stream, const Response& r, Request& q) {
+  const int me = options_.rank;
+  std::vector<int64_t> trailing = Trailing(q.meta.shape);
+  int64_t row = NumElements(trailing) * static_cast<int64_t>(DataTypeSize(q.meta.dtype));
+  std::vector<int64_t> send(options_.size), recv(options_.size);
+  int64_t rows = 0;
+  q.received_splits.assign(options_.size, 0);
+  for (int p = 0; p < options_.size; ++p) {
+    send[p] = r.splits[me][p] * row;
+    recv[p] = r.splits[p][me] * row;
+    q.received_splits[p] = r.splits[p][me];
+    rows += r.splits[p][me];
+  }
+  std::vector<int64_t> shape{rows};
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  void* out = q.allocate(shape);
+  if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
+  backend_->Alltoallv(stream, q.input, send, out, recv);
+}
+
+void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {
+  const TensorMeta& m = r.metas[0];
+  const DataType dtype = m.dtype;
+  const size_t esize = DataTypeSize(dtype);
+  size_t n = static_cast<size_t>(NumElements(q.meta.shape));
+  std::vector<char>& buf = streams_[stream]->fusion_buffer;
+  if (buf.size() < n * esize) buf.resize(n * esize);
+  if (n) std::memcpy(buf.data(), q.input, n * esize);
+  ScaleBuffer(buf.data(), dtype, n, m.prescale);
+  backend_->Allreduce(stream, buf.data(), n, dtype, GetReduceFn(dtype, m.reduce_op));
+  // Rows are dealt out as evenly as possible, lower ranks taking the rest.
+  const int64_t dim0 = q.meta.shape[0];
+  const int64_t base = dim0 / options_.size, extra = dim0 % options_.size;
+  const int64_t me = options_.rank;
+  const int64_t my_rows = base + (me < extra ? 1 : 0);
+  const int64_t first_row = me * base + std::min(me, extra);
+  std::vector<int64_t> trailing = Trailing(q.meta.shape);
+  size_t row = static_cast<size_t>(NumElements(trailing)) * esize;
+  std::vector<int64_t> shape{my_rows};
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  void* out = q.allocate(shape);
+  if (out == nullptr && my_rows * row > 0) throw std::runtime_error("could not allocate the output");
+  if (my_rows) std::memcpy(out, buf.data() + first_row * row, my_rows * row);
+  const double post =
+      m.postscale * (m.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+  ScaleBuffer(out, dtype, static_cast<size_t>(my_rows * NumElements(trailing)), post);
+}
+
+void Runtime::Fail(const std::string& what) {
+  static std::mutex fail_mu;
+  std::lock_guard<std::mutex> fail_lock(fail_mu);
+  if (state_.load() != State::kRunning) return;
+  std::string who = IdentifyFailedRanks();
+  std::ostringstream msg;
+  msg << "Perseus rank " << options_.rank << ": ";
+  if (!who.empty()) msg << who << "; ";
+  msg << what << ". Collectives cannot continue; restart the job.";
+  Status status = Status::Error(StatusCode::kUnavailable, msg.str());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure_ = status;
+    state_ = State::kFailed;
+  }
+  queue_cv_.notify_all();
+  FailAllPending(status);
+}
+
+std::string Runtime::IdentifyFailedRanks() {
+  if (!store_) return "";
+  try {
+    const std::string& job = options_.job_id;
+    const std::string census = job + "/gen" + std::to_string(generation_) + "/census/rank";
+    store_->set(census + std::to_string(options_.rank), {'1'});
+    std::vector<char> ignored;
+    // A rank that died closed its store connection; the store may take a
+    // moment to notice, so look for up to a second.
+    auto deadline = Clock::now() + std::chrono::seconds(1);
+    std::vector<int> dead;
+    while (dead.empty()) {
+      for (int r = 0; r < options_.size; ++r) {
+        if (r != options_.rank &&
+            store_->TryGet(ClosedKey(job, r), std::chrono::milliseconds(0), &ignored)) {
+          dead.push_back(r);
+        }
+      }
+      if (!dead.empty() || Clock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!dead.empty()) return RankList(dead) + " exited or lost its connection";
+    // Nobody died: the ranks that are alive reach this point at about the
+    // same time (they all timed out); the one that never does is stuck.
+    auto census_deadline = Clock::now() + std::chrono::seconds(10);
+    std::vector<int> silent;
+    for (int r = 0; r < options_.size; ++r) {
+      if (r == options_.rank) continue;
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(census_deadline - Clock::now());
+      if (left.count() < 0) left = std::chrono::milliseconds(0);
+      if (!store_->TryGet(census + std::to_string(r), left, &ignored)) silent.push_back(r);
+    }
+    if (!silent.empty()) return RankList(silent) + " stopped responding";
+    return "";
+  } catch (const std::exception&) {
+    return "the rendezvous store is gone (the launcher or rank 0 exited)";
+  }
+}
+
+void Runtime::FailAllPending(const Status& status) {
+  std::unordered_map<std::string, std::shared_ptr<Request>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.swap(pending_);
+    queue_.clear();
+  }
+  for (auto& kv : pending) kv.second->done(status);
+}
+
+Stats Runtime::GetStats() {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  return stats_;
+}
+
+Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype) {
+  if (state_.load() != State::kRunning) {
+    return Status::Error(StatusCode::kFailedPrecondition, "Perseus is not initialized");
+  }
+  std::lock_guard<std::mutex> lock(raw_mu_);
+  try {
+    if (store_) backend_->CreateRawChannel(*store_);
+    backend_->Allreduce(GlooBackend::kRawChannel, data, count, dtype,
+                        GetReduceFn(dtype, ReduceOp::kSum));
+  } catch (const std::exception& e) {
+    return Status::Error(StatusCode::kUnavailable, std::string("raw allreduce failed: ") + e.what());
+  }
+  return Status::OK();
+}
+
+}  // namespace perseus

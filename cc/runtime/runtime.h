@@ -1,0 +1,162 @@
+// The per-process runtime: one instance, shared by the TensorFlow op library
+// and the pybind11 module (both link libperseus_core.so).
+//
+// Callers enqueue named Requests from any thread. A background thread runs
+// negotiation cycles on the control context: every rank contributes the
+// requests it enqueued since the last cycle, all ranks decide identically
+// which are ready (negotiation.h), and the ready work is handed, in that
+// order, to the stream threads, each of which owns one Gloo context.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cc/runtime/common.h"
+#include "cc/runtime/message.h"
+#include "cc/runtime/negotiation.h"
+
+namespace perseus {
+
+class GlooBackend;
+class StoreClient;
+
+// Who this process is and how to reach the others (the launcher's env
+// contract, already parsed and validated in Python: perseus_tf/config.py).
+struct InitOptions {
+  int rank = 0;
+  int size = 1;
+  int local_rank = 0;
+  int local_size = 1;
+  int cross_rank = 0;
+  int cross_size = 1;
+  std::string store_addr;
+  int store_port = 0;
+  std::string secret;
+  std::string job_id = "local";
+  std::string host_addr;
+  std::string gloo_iface;
+  int streams = 4;
+  double timeout_seconds = 60;
+  int64_t fusion_threshold_bytes = 64 << 20;
+  double cycle_time_ms = 1.0;
+};
+
+// One collective a caller asked for. `done` runs exactly once, on a runtime
+// thread, after the output is written (or with an error).
+struct Request {
+  TensorMeta meta;
+  const void* input = nullptr;
+  // Allreduce and broadcast write here (may equal input). Ops whose output
+  // shape depends on other ranks leave it null and provide `allocate`.
+  void* output = nullptr;
+  std::function<void*(const std::vector<int64_t>& shape)> allocate;
+  std::vector<int64_t> received_splits;  // alltoall: rows from each rank
+  std::function<void(const Status&)> done;
+};
+
+struct StreamStats {
+  int64_t responses = 0;
+  int64_t tensors = 0;
+  int64_t bytes = 0;
+  double busy_seconds = 0;
+};
+
+struct Stats {
+  int64_t cycles = 0;
+  int64_t control_bytes_sent = 0;
+  int64_t requests = 0;
+  int64_t responses = 0;
+  int64_t fused_responses = 0;
+  std::vector<StreamStats> streams;
+};
+
+class Runtime {
+ public:
+  static Runtime& Get();
+
+  Status Init(const InitOptions& options);
+  // Collective: asks every rank to stop, drains, closes connections.
+  void Shutdown();
+  bool initialized() const { return state_.load() == State::kRunning; }
+  const InitOptions& options() const { return options_; }
+
+  // Validates locally, then queues. An error is returned without calling
+  // done; otherwise done is always called later.
+  Status Enqueue(std::shared_ptr<Request> request);
+
+  Stats GetStats();
+
+  // Benchmark baseline: a raw contiguous Gloo allreduce on a dedicated
+  // context, bypassing negotiation and fusion. Collective.
+  Status RawAllreduce(void* data, size_t count, DataType dtype);
+
+ private:
+  enum class State { kUninitialized, kRunning, kFailed, kShutdown };
+
+  Runtime() = default;
+  void BackgroundLoop();
+  void RunCycle(bool* stop);
+  void Dispatch(Response response);
+  void StreamLoop(int stream);
+  void Execute(int stream, const Response& response,
+               std::vector<std::shared_ptr<Request>>& requests);
+  void ExecuteAllreduce(int stream, const Response& r,
+                        std::vector<std::shared_ptr<Request>>& requests);
+  void ExecuteAllgather(int stream, const Response& r, Request& req);
+  void ExecuteAlltoall(int stream, const Response& r, Request& req);
+  void ExecuteReducescatter(int stream, const Response& r, Request& req);
+  void Fail(const std::string& what);
+  std::string IdentifyFailedRanks();
+  void FailAllPending(const Status& status);
+  void StopThreads();
+
+  InitOptions options_;
+  std::atomic<State> state_{State::kUninitialized};
+  Status failure_;
+  int generation_ = 0;
+
+  std::unique_ptr<StoreClient> store_;
+  std::unique_ptr<GlooBackend> backend_;
+  std::unique_ptr<Negotiator> negotiator_;
+
+  std::mutex mu_;  // guards queue_, pending_, shutdown_requested_, failure_
+  std::condition_variable queue_cv_;
+  std::deque<TensorMeta> queue_;
+  std::unordered_map<std::string, std::shared_ptr<Request>> pending_;
+  bool shutdown_requested_ = false;
+  std::string shutdown_by_;
+
+  std::thread background_;
+  std::chrono::steady_clock::time_point last_cycle_;
+  int idle_cycles_ = 0;
+  uint64_t dispatched_ = 0;
+
+  struct Stream {
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Response> queue;
+    std::deque<std::vector<std::shared_ptr<Request>>> work;
+    bool stop = false;
+    std::vector<char> fusion_buffer;
+    StreamStats stats;
+  };
+  std::vector<std::unique_ptr<Stream>> streams_;
+
+  std::mutex stats_mu_;
+  Stats stats_;
+  std::mutex raw_mu_;
+};
+
+}  // namespace perseus

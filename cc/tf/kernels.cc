@@ -1,0 +1,317 @@
+// TensorFlow kernels: a thin adapter that turns op inputs into runtime
+// Requests (cc/runtime/runtime.h) and completes the op when the runtime
+// calls back. All kernels are asynchronous, so a waiting collective holds no
+// TF thread.
+#include <atomic>
+#include <memory>
+
+#include "cc/runtime/runtime.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tensorflow {
+namespace {
+
+using perseus::DataType;
+using perseus::OpType;
+using perseus::Request;
+using perseus::Runtime;
+
+Status ToTf(const perseus::Status& s) {
+  switch (s.code) {
+    case perseus::StatusCode::kOk: return OkStatus();
+    case perseus::StatusCode::kInvalidArgument: return errors::InvalidArgument(s.message);
+    case perseus::StatusCode::kFailedPrecondition: return errors::FailedPrecondition(s.message);
+    case perseus::StatusCode::kUnavailable: return errors::Unavailable(s.message);
+    default: return errors::Internal(s.message);
+  }
+}
+
+Status ToPerseus(::tensorflow::DataType dt, DataType* out) {
+  switch (dt) {
+    case DT_HALF: *out = DataType::kFloat16; break;
+    case DT_BFLOAT16: *out = DataType::kBFloat16; break;
+    case DT_FLOAT: *out = DataType::kFloat32; break;
+    case DT_DOUBLE: *out = DataType::kFloat64; break;
+    case DT_INT32: *out = DataType::kInt32; break;
+    case DT_INT64: *out = DataType::kInt64; break;
+    case DT_UINT8: *out = DataType::kUint8; break;
+    case DT_INT8: *out = DataType::kInt8; break;
+    case DT_BOOL: *out = DataType::kBool; break;
+    default:
+      return errors::InvalidArgument("Perseus collectives do not support dtype ",
+                                     DataTypeString(dt));
+  }
+  return OkStatus();
+}
+
+std::vector<int64_t> ShapeOf(const Tensor& t) {
+  std::vector<int64_t> shape;
+  for (int i = 0; i < t.dims(); ++i) shape.push_back(t.dim_size(i));
+  return shape;
+}
+
+void* DataOf(const Tensor& t) { return const_cast<char*>(t.tensor_data().data()); }
+
+// Common attributes and request building for every collective kernel.
+class CollectiveKernel : public AsyncOpKernel {
+ public:
+  explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
+    // Inside a graph the node name is the same on every rank; that is what
+    // pairs up the requests when no explicit name was given.
+    if (tensor_name_.empty()) tensor_name_ = name();
+  }
+
+ protected:
+  // Fills meta from input `index`; returns false (with ctx status set) on error.
+  bool Prepare(OpKernelContext* ctx, int index, OpType op, Request* req) {
+    const Tensor& in = ctx->input(index);
+    Status s = ToPerseus(in.dtype(), &req->meta.dtype);
+    if (!s.ok()) {
+      ctx->SetStatus(s);
+      return false;
+    }
+    req->meta.op = op;
+    req->meta.name = tensor_name_;
+    req->meta.shape = ShapeOf(in);
+    req->input = DataOf(in);
+    return true;
+  }
+
+  // Enqueues; on success the runtime completes the op, else we do here.
+  void Submit(OpKernelContext* ctx, std::shared_ptr<Request> req, DoneCallback done) {
+    perseus::Status s = Runtime::Get().Enqueue(std::move(req));
+    if (!s.ok()) {
+      ctx->SetStatus(ToTf(s));
+      done();
+    }
+  }
+
+  std::string tensor_name_;
+};
+
+// Allreduce, broadcast: the output has the input's shape and may reuse its buffer.
+class SameShapeKernel : public CollectiveKernel {
+ public:
+  SameShapeKernel(OpKernelConstruction* c, OpType op) : CollectiveKernel(c), op_(op) {
+    if (op == OpType::kAllreduce) {
+      int reduce_op;
+      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
+      OP_REQUIRES(c, reduce_op >= 0 && reduce_op <= 4,
+                  errors::InvalidArgument("reduce_op must be 0..4, got ", reduce_op));
+      reduce_op_ = static_cast<perseus::ReduceOp>(reduce_op);
+      OP_REQUIRES_OK(c, c->GetAttr("prescale", &prescale_));
+      OP_REQUIRES_OK(c, c->GetAttr("postscale", &postscale_));
+    } else {
+      OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
+    }
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    auto req = std::make_shared<Request>();
+    if (!Prepare(ctx, 0, op_, req.get())) return done();
+    req->meta.reduce_op = reduce_op_;
+    req->meta.prescale = prescale_;
+    req->meta.postscale = postscale_;
+    req->meta.root = root_;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(
+        ctx, ctx->forward_input_or_allocate_output({0}, 0, ctx->input(0).shape(), &out), done);
+    req->output = DataOf(*out);
+    req->done = [ctx, done](const perseus::Status& s) {
+      ctx->SetStatus(ToTf(s));
+      done();
+    };
+    Submit(ctx, std::move(req), std::move(done));
+  }
+
+ private:
+  OpType op_;
+  perseus::ReduceOp reduce_op_ = perseus::ReduceOp::kSum;
+  float prescale_ = 1.0f, postscale_ = 1.0f;
+  int root_ = 0;
+};
+
+class AllreduceKernel : public SameShapeKernel {
+ public:
+  explicit AllreduceKernel(OpKernelConstruction* c) : SameShapeKernel(c, OpType::kAllreduce) {}
+};
+class BroadcastKernel : public SameShapeKernel {
+ public:
+  explicit BroadcastKernel(OpKernelConstruction* c) : SameShapeKernel(c, OpType::kBroadcast) {}
+};
+
+// N tensors, one request each, all enqueued together so that they are
+// negotiated in one cycle and fused.
+class GroupedAllreduceKernel : public CollectiveKernel {
+ public:
+  explicit GroupedAllreduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
+    int reduce_op;
+    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
+    OP_REQUIRES(c, reduce_op >= 0 && reduce_op <= 4,
+                errors::InvalidArgument("reduce_op must be 0..4, got ", reduce_op));
+    reduce_op_ = static_cast<perseus::ReduceOp>(reduce_op);
+    OP_REQUIRES_OK(c, c->GetAttr("prescale", &prescale_));
+    OP_REQUIRES_OK(c, c->GetAttr("postscale", &postscale_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    const int n = ctx->num_inputs();
+    struct Group {
+      std::atomic<int> left;
+      std::mutex mu;
+      Status status;
+    };
+    auto group = std::make_shared<Group>();
+    group->left = n;
+    auto finish_one = [ctx, done, group](const Status& s) {
+      if (!s.ok()) {
+        std::lock_guard<std::mutex> lock(group->mu);
+        if (group->status.ok()) group->status = s;
+      }
+      if (--group->left == 0) {
+        ctx->SetStatus(group->status);
+        done();
+      }
+    };
+    std::vector<std::shared_ptr<Request>> reqs;
+    for (int i = 0; i < n; ++i) {
+      auto req = std::make_shared<Request>();
+      if (!Prepare(ctx, i, OpType::kAllreduce, req.get())) return done();
+      req->meta.name = tensor_name_ + "." + std::to_string(i);
+      req->meta.reduce_op = reduce_op_;
+      req->meta.prescale = prescale_;
+      req->meta.postscale = postscale_;
+      req->meta.group = 1;
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK_ASYNC(
+          ctx, ctx->forward_input_or_allocate_output({i}, i, ctx->input(i).shape(), &out),
+          done);
+      req->output = DataOf(*out);
+      req->done = [finish_one](const perseus::Status& s) { finish_one(ToTf(s)); };
+      reqs.push_back(std::move(req));
+    }
+    for (auto& req : reqs) {
+      perseus::Status s = Runtime::Get().Enqueue(req);
+      if (!s.ok()) finish_one(ToTf(s));
+    }
+  }
+
+ private:
+  perseus::ReduceOp reduce_op_ = perseus::ReduceOp::kSum;
+  float prescale_ = 1.0f, postscale_ = 1.0f;
+};
+
+// Allgather, alltoall, reducescatter: the output shape is known only after
+// negotiation, so the runtime asks for the buffer through `allocate`.
+class ShapeFromPeersKernel : public CollectiveKernel {
+ public:
+  ShapeFromPeersKernel(OpKernelConstruction* c, OpType op) : CollectiveKernel(c), op_(op) {
+    if (op == OpType::kReducescatter) {
+      int reduce_op;
+      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
+      OP_REQUIRES(c, reduce_op >= 0 && reduce_op <= 4,
+                  errors::InvalidArgument("reduce_op must be 0..4, got ", reduce_op));
+      reduce_op_ = static_cast<perseus::ReduceOp>(reduce_op);
+      OP_REQUIRES_OK(c, c->GetAttr("prescale", &prescale_));
+      OP_REQUIRES_OK(c, c->GetAttr("postscale", &postscale_));
+    }
+    if (op == OpType::kAlltoall) OP_REQUIRES_OK(c, c->GetAttr("has_splits", &has_splits_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    auto req = std::make_shared<Request>();
+    if (!Prepare(ctx, 0, op_, req.get())) return done();
+    req->meta.reduce_op = reduce_op_;
+    req->meta.prescale = prescale_;
+    req->meta.postscale = postscale_;
+    if (op_ == OpType::kAlltoall && has_splits_) {
+      const Tensor& splits = ctx->input(1);
+      OP_REQUIRES_ASYNC(ctx, splits.dims() == 1,
+                        errors::InvalidArgument("alltoall splits must be a vector, got shape ",
+                                                splits.shape().DebugString()),
+                        done);
+      auto flat = splits.flat<int32>();
+      for (int i = 0; i < flat.size(); ++i) req->meta.splits.push_back(flat(i));
+    }
+    req->allocate = [ctx](const std::vector<int64_t>& shape) -> void* {
+      TensorShape ts;
+      for (int64_t d : shape) ts.AddDim(d);
+      Tensor* out = nullptr;
+      Status s = ctx->allocate_output(0, ts, &out);
+      if (!s.ok()) return nullptr;
+      return DataOf(*out);
+    };
+    Request* raw = req.get();
+    OpType op = op_;
+    req->done = [ctx, done, raw, op](const perseus::Status& s) {
+      if (s.ok() && op == OpType::kAlltoall) {
+        Tensor* splits = nullptr;
+        Status as = ctx->allocate_output(
+            1, TensorShape({static_cast<int64_t>(raw->received_splits.size())}), &splits);
+        if (as.ok()) {
+          auto flat = splits->flat<int32>();
+          for (size_t i = 0; i < raw->received_splits.size(); ++i) {
+            flat(i) = static_cast<int32>(raw->received_splits[i]);
+          }
+        }
+        ctx->SetStatus(as);
+      } else {
+        ctx->SetStatus(ToTf(s));
+      }
+      done();
+    };
+    Submit(ctx, std::move(req), std::move(done));
+  }
+
+ private:
+  OpType op_;
+  perseus::ReduceOp reduce_op_ = perseus::ReduceOp::kSum;
+  float prescale_ = 1.0f, postscale_ = 1.0f;
+  bool has_splits_ = false;
+};
+
+class AllgatherKernel : public ShapeFromPeersKernel {
+ public:
+  explicit AllgatherKernel(OpKernelConstruction* c) : ShapeFromPeersKernel(c, OpType::kAllgather) {}
+};
+class AlltoallKernel : public ShapeFromPeersKernel {
+ public:
+  explicit AlltoallKernel(OpKernelConstruction* c) : ShapeFromPeersKernel(c, OpType::kAlltoall) {}
+};
+class ReducescatterKernel : public ShapeFromPeersKernel {
+ public:
+  explicit ReducescatterKernel(OpKernelConstruction* c)
+      : ShapeFromPeersKernel(c, OpType::kReducescatter) {}
+};
+
+class BarrierKernel : public CollectiveKernel {
+ public:
+  explicit BarrierKernel(OpKernelConstruction* c) : CollectiveKernel(c) {}
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, TensorShape({}), &out), done);
+    out->scalar<int32>()() = 0;
+    auto req = std::make_shared<Request>();
+    req->meta.op = OpType::kBarrier;
+    req->meta.name = tensor_name_;
+    req->meta.dtype = DataType::kUint8;
+    req->done = [ctx, done](const perseus::Status& s) {
+      ctx->SetStatus(ToTf(s));
+      done();
+    };
+    Submit(ctx, std::move(req), std::move(done));
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("PerseusAllreduce").Device(DEVICE_CPU), AllreduceKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusGroupedAllreduce").Device(DEVICE_CPU), GroupedAllreduceKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusBroadcast").Device(DEVICE_CPU), BroadcastKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusAllgather").Device(DEVICE_CPU), AllgatherKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusAlltoall").Device(DEVICE_CPU), AlltoallKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusReducescatter").Device(DEVICE_CPU), ReducescatterKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusBarrier").Device(DEVICE_CPU), BarrierKernel);
+
+}  // namespace
+}  // namespace tensorflow

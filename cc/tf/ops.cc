@@ -1,0 +1,117 @@
+// Registration of the Perseus collective ops and their shape functions.
+// The kernels are in kernels.cc; Python wrappers and gradients in
+// perseus_tf/ops.py.
+//
+// Every op is stateful: Grappler must neither fold a collective on constant
+// inputs at optimisation time nor merge two identical ones, since each call
+// is a rendezvous with the other ranks.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tensorflow {
+namespace {
+
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+constexpr char kTypes[] =
+    "T: {half, bfloat16, float, double, int32, int64, uint8, int8, bool}";
+
+// Output: the input's shape with an unknown first dimension.
+Status UnknownFirstDim(InferenceContext* c) {
+  ShapeHandle in = c->input(0);
+  if (!c->RankKnown(in)) {
+    c->set_output(0, c->UnknownShape());
+    return OkStatus();
+  }
+  ShapeHandle out;
+  TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
+  c->set_output(0, out);
+  return OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("PerseusAllreduce")
+    .Attr(kTypes)
+    .Attr("tensor_name: string = ''")
+    .Attr("reduce_op: int = 0")
+    .Attr("prescale: float = 1.0")
+    .Attr("postscale: float = 1.0")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc("Reduces a tensor across all ranks (0 sum, 1 average, 2 min, 3 max, 4 product).");
+
+REGISTER_OP("PerseusGroupedAllreduce")
+    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8, int8, bool})")
+    .Attr("tensor_name: string = ''")
+    .Attr("reduce_op: int = 0")
+    .Attr("prescale: float = 1.0")
+    .Attr("postscale: float = 1.0")
+    .Input("tensors: T")
+    .Output("outputs: T")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return OkStatus();
+    })
+    .Doc("Reduces a list of tensors across ranks as one request, fused into buckets.");
+
+REGISTER_OP("PerseusBroadcast")
+    .Attr(kTypes)
+    .Attr("tensor_name: string = ''")
+    .Attr("root_rank: int = 0")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc("Every rank receives root_rank's tensor.");
+
+REGISTER_OP("PerseusAllgather")
+    .Attr(kTypes)
+    .Attr("tensor_name: string = ''")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetIsStateful()
+    .SetShapeFn(UnknownFirstDim)
+    .Doc("Concatenates every rank's tensor along the first dimension, in rank order.");
+
+REGISTER_OP("PerseusAlltoall")
+    .Attr(kTypes)
+    .Attr("tensor_name: string = ''")
+    .Attr("has_splits: bool = false")
+    .Input("tensor: T")
+    .Input("splits: int32")
+    .Output("output: T")
+    .Output("received_splits: int32")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(UnknownFirstDim(c));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return OkStatus();
+    })
+    .Doc("Sends splits[r] rows to rank r and concatenates what arrives, in rank order.");
+
+REGISTER_OP("PerseusReducescatter")
+    .Attr(kTypes)
+    .Attr("tensor_name: string = ''")
+    .Attr("reduce_op: int = 0")
+    .Attr("prescale: float = 1.0")
+    .Attr("postscale: float = 1.0")
+    .Input("tensor: T")
+    .Output("output: T")
+    .SetIsStateful()
+    .SetShapeFn(UnknownFirstDim)
+    .Doc("Reduces across ranks and keeps this rank's share of the first dimension.");
+
+REGISTER_OP("PerseusBarrier")
+    .Attr("tensor_name: string = ''")
+    .Output("done: int32")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc("Returns once every rank has reached the barrier.");
+
+}  // namespace tensorflow

@@ -1,0 +1,1 @@
+"""Perseus-TF: data-parallel training for TensorFlow."""

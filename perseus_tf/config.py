@@ -1,0 +1,224 @@
+"""Configuration: the launcher's env contract and the PERSEUS_* variables.
+
+Everything a rank needs to start is read here, validated, and handed to the
+native runtime as plain values. A bad value is an error naming the variable,
+the value and what is valid. Constructor arguments (PerseusStrategy, the
+Horovod shim) override the environment through `load_config(overrides)`.
+"""
+
+import dataclasses
+import os
+import socket
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A PERSEUS_* (or launcher) variable has a value outside its valid range."""
+
+
+@dataclasses.dataclass
+class Topology:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    store_addr: str = ""
+    store_port: int = 0
+    secret: bytes = b""
+    job_id: str = "local"
+    host_addr: str = "127.0.0.1"
+    host_store: bool = False  # this rank must start the rendezvous store itself
+    source: str = "none"      # which env contract was found
+
+
+@dataclasses.dataclass
+class Config:
+    allreduce_dtype: int = 0          # 0 fp16, 1 none, 2 mixed
+    gradient_scale: float = 10.0
+    allreduce_mode: Optional[int] = None
+    streams: int = 4
+    fusion: Optional[int] = None
+    offline_neg: Optional[int] = None
+    accumulate_n_steps: int = 1
+    downsample_n_elements: int = 1
+    gradient_momentum: float = 1.0
+    nancheck: int = 0
+    perf_check_n_steps: int = 0
+    gloo_iface: str = ""
+    nccl_iface: str = ""
+    timeout_seconds: float = 60.0
+    fusion_threshold_bytes: int = 64 * 1024 * 1024
+    cycle_time_ms: float = 1.0
+
+
+# field -> (variable, parser, description of the valid range)
+def _int_range(lo, hi):
+    def parse(text):
+        value = int(text)
+        if not lo <= value <= hi:
+            raise ValueError
+        return value
+    return parse, f"an integer from {lo} to {hi}"
+
+
+def _choice(*values):
+    def parse(text):
+        value = int(text)
+        if value not in values:
+            raise ValueError
+        return value
+    return parse, "one of " + ", ".join(str(v) for v in values)
+
+
+def _float_range(lo, hi, lo_open=False):
+    def parse(text):
+        value = float(text)
+        if not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise ValueError
+        return value
+    return parse, f"a number in {'(' if lo_open else '['}{lo}, {hi}]"
+
+
+def _string():
+    return str, "an interface name"
+
+
+VARIABLES = {
+    "allreduce_dtype": ("PERSEUS_ALLREDUCE_DTYPE", *_choice(0, 1, 2)),
+    "gradient_scale": ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", *_float_range(0, 1e6, lo_open=True)),
+    "allreduce_mode": ("PERSEUS_ALLREDUCE_MODE", *_choice(0, 1)),
+    "streams": ("PERSEUS_ALLREDUCE_STREAMS", *_int_range(1, 12)),
+    "fusion": ("PERSEUS_ALLREDUCE_FUSION", *_int_range(0, 128)),
+    "offline_neg": ("PERSEUS_OFFLINE_NEG", *_choice(0, 1)),
+    "accumulate_n_steps": ("PERSEUS_ACCUMULATE_N_STEPS", *_int_range(1, 1024)),
+    "downsample_n_elements": ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", *_int_range(1, 1024)),
+    "gradient_momentum": ("PERSEUS_GRADIENT_MOMENTUM", *_float_range(0, 1, lo_open=True)),
+    "nancheck": ("PERSEUS_ALLREDUCE_NANCHECK", *_choice(0, 1)),
+    "perf_check_n_steps": ("PERSEUS_PERF_CHECK_N_STEPS", *_int_range(0, 10**9)),
+    "gloo_iface": ("PERSEUS_GLOO_NETWORK_INTERFACE", *_string()),
+    "nccl_iface": ("PERSEUS_NCCL_NETWORK_INTERFACE", *_string()),
+    "timeout_seconds": ("GLOO_TIMEOUT_SECONDS", *_float_range(1, 86400)),
+    "fusion_threshold_bytes": ("PERSEUS_FUSION_THRESHOLD", *_int_range(0, 2**40)),
+    "cycle_time_ms": ("PERSEUS_CYCLE_TIME_MS", *_float_range(0.05, 1000)),
+}
+
+
+def _parse(field, text, source):
+    variable, parser, valid = VARIABLES[field]
+    try:
+        return parser(str(text).strip())
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{source}={text!r} is invalid: it must be {valid}") from None
+
+
+def load_config(overrides=None, environ=None) -> Config:
+    """Reads every PERSEUS_* variable; `overrides` (field -> value) win."""
+    environ = os.environ if environ is None else environ
+    config = Config()
+    for field, (variable, _, _) in VARIABLES.items():
+        text = environ.get(variable)
+        if text is not None and text.strip() != "":
+            setattr(config, field, _parse(field, text, variable))
+    for field, value in (overrides or {}).items():
+        if field not in VARIABLES:
+            raise ConfigError(
+                f"unknown option {field!r}; valid options are: {', '.join(sorted(VARIABLES))}")
+        if value is not None:
+            setattr(config, field, _parse(field, value, f"option {field}"))
+    return config
+
+
+def _env_int(environ, name, lo, hi):
+    text = environ.get(name)
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={text!r} is invalid: it must be an integer") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range: it must be from {lo} to {hi}")
+    return value
+
+
+def _is_loopback(addr):
+    try:
+        return socket.gethostbyname(addr).startswith("127.")
+    except OSError:
+        return False
+
+
+def load_topology(environ=None) -> Topology:
+    """Finds rank and size in the env contract of perseusrun, mpirun or Horovod.
+
+    With none of them, this is a single process (world size 1).
+    """
+    environ = os.environ if environ is None else environ
+    t = Topology()
+    if "PERSEUS_RANK" in environ or "PERSEUS_SIZE" in environ:
+        t.source = "perseusrun"
+        t.size = _env_int(environ, "PERSEUS_SIZE", 1, 1 << 20)
+        t.rank = _env_int(environ, "PERSEUS_RANK", 0, t.size - 1)
+        t.local_size = _env_int(environ, "PERSEUS_LOCAL_SIZE", 1, t.size) \
+            if "PERSEUS_LOCAL_SIZE" in environ else t.size
+        t.local_rank = _env_int(environ, "PERSEUS_LOCAL_RANK", 0, t.local_size - 1) \
+            if "PERSEUS_LOCAL_RANK" in environ else t.rank
+        t.cross_size = _env_int(environ, "PERSEUS_CROSS_SIZE", 1, t.size) \
+            if "PERSEUS_CROSS_SIZE" in environ else 1
+        t.cross_rank = _env_int(environ, "PERSEUS_CROSS_RANK", 0, t.cross_size - 1) \
+            if "PERSEUS_CROSS_RANK" in environ else 0
+    elif "OMPI_COMM_WORLD_RANK" in environ:
+        t.source = "mpirun"
+        t.size = _env_int(environ, "OMPI_COMM_WORLD_SIZE", 1, 1 << 20)
+        t.rank = _env_int(environ, "OMPI_COMM_WORLD_RANK", 0, t.size - 1)
+        t.local_size = _env_int(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", 1, t.size)
+        t.local_rank = _env_int(environ, "OMPI_COMM_WORLD_LOCAL_RANK", 0, t.local_size - 1)
+        t.cross_size = max(1, t.size // t.local_size)
+        t.cross_rank = t.rank // t.local_size
+    elif "HOROVOD_RANK" in environ:
+        t.source = "horovod"
+        t.size = _env_int(environ, "HOROVOD_SIZE", 1, 1 << 20)
+        t.rank = _env_int(environ, "HOROVOD_RANK", 0, t.size - 1)
+        t.local_size = _env_int(environ, "HOROVOD_LOCAL_SIZE", 1, t.size)
+        t.local_rank = _env_int(environ, "HOROVOD_LOCAL_RANK", 0, t.local_size - 1)
+        t.cross_size = _env_int(environ, "HOROVOD_CROSS_SIZE", 1, t.size) \
+            if "HOROVOD_CROSS_SIZE" in environ else max(1, t.size // t.local_size)
+        t.cross_rank = _env_int(environ, "HOROVOD_CROSS_RANK", 0, t.cross_size - 1) \
+            if "HOROVOD_CROSS_RANK" in environ else t.rank // t.local_size
+    if t.size == 1:
+        return t
+
+    t.job_id = environ.get("PERSEUS_JOB_ID") or environ.get("OMPI_MCA_ess_base_jobid") \
+        or "perseus-job"
+    if environ.get("PERSEUS_RENDEZVOUS_ADDR"):
+        t.store_addr = environ["PERSEUS_RENDEZVOUS_ADDR"]
+        t.store_port = _env_int(environ, "PERSEUS_RENDEZVOUS_PORT", 1, 65535)
+        try:
+            t.secret = bytes.fromhex(environ.get("PERSEUS_RENDEZVOUS_SECRET", ""))
+        except ValueError:
+            t.secret = b""
+        if not t.secret:
+            raise ConfigError("PERSEUS_RENDEZVOUS_SECRET must be the job's hex secret: start "
+                              "the job with perseusrun, which sets it")
+    else:
+        # Started by another launcher: rank 0 hosts the store at the master address.
+        master = environ.get("PERSEUS_MASTER_ADDR") or environ.get("MASTER_ADDR")
+        if not master:
+            raise ConfigError(
+                f"this process is rank {t.rank} of {t.size} (from {t.source}'s variables) but "
+                "there is no rendezvous address: start it with perseusrun, or set "
+                "PERSEUS_MASTER_ADDR (and PERSEUS_MASTER_PORT, default 6666) to rank 0's address")
+        t.store_addr = master
+        port_var = "PERSEUS_MASTER_PORT" if "PERSEUS_MASTER_PORT" in environ else \
+            ("MASTER_PORT" if "MASTER_PORT" in environ else None)
+        t.store_port = _env_int(environ, port_var, 1, 65535) if port_var else 6666
+        t.secret = (environ.get("PERSEUS_RENDEZVOUS_SECRET") or "perseus:" + t.job_id).encode()
+        t.host_store = t.rank == 0
+    if environ.get("PERSEUS_HOST_ADDR"):
+        t.host_addr = environ["PERSEUS_HOST_ADDR"]
+    elif _is_loopback(t.store_addr):
+        t.host_addr = "127.0.0.1"
+    else:
+        t.host_addr = socket.gethostbyname(socket.gethostname())
+    return t

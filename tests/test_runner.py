@@ -1,0 +1,447 @@
+"""Tests of the perseusrun launcher and the rendezvous store.
+
+The ranks here are small plain-Python programs (no TensorFlow), so that these
+tests check only the launcher's contract: environment, output, failures and
+signals, and the store's wire protocol.
+"""
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from perseus_tf.runner import launcher
+from perseus_tf.runner.store import StoreClient, StoreServer
+
+REPO = Path(__file__).resolve().parents[1]
+# The ranks import perseus_tf.runner.store to talk to the store.
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+SECRET = b"s" * 32
+
+
+def perseusrun_cmd(*args):
+    return [sys.executable, "-m", "perseus_tf.runner", *args]
+
+
+def perseusrun(*args, timeout=60):
+    return subprocess.run(perseusrun_cmd(*args), cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rank_lines(text):
+    """Maps rank -> list of that rank's lines in perseusrun's output."""
+    lines = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"\[(\d+)\] (.*)", line)
+        if match:
+            lines.setdefault(int(match.group(1)), []).append(match.group(2))
+    return lines
+
+
+def pid_is_gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+# A rank that reports its PERSEUS_* environment and proves that the store it
+# was pointed at works: every rank publishes a key and reads all the others'.
+ENV_REPORTER = r"""
+import json, os
+from perseus_tf.runner.store import StoreClient
+env = {k: v for k, v in os.environ.items()
+       if k.startswith("PERSEUS_") or k == "PYTHONUNBUFFERED"}
+rank, size = int(env["PERSEUS_RANK"]), int(env["PERSEUS_SIZE"])
+with StoreClient(env["PERSEUS_RENDEZVOUS_ADDR"], int(env["PERSEUS_RENDEZVOUS_PORT"]),
+                 bytes.fromhex(env["PERSEUS_RENDEZVOUS_SECRET"])) as store:
+    store.set(f"hello/{rank}", str(rank).encode())
+    env["peers"] = [store.get(f"hello/{r}", 30).decode() for r in range(size)]
+    store.add("arrived", 1)
+print(json.dumps(env))
+"""
+
+
+def run_env_reporter(*args):
+    result = perseusrun(*args, "--", sys.executable, "-c", ENV_REPORTER)
+    assert result.returncode == 0, result.stderr
+    envs = {rank: json.loads(lines[0])
+            for rank, lines in rank_lines(result.stdout).items()}
+    return envs
+
+
+# ---------------------------------------------------------------------------
+# Environment contract
+
+
+def test_env_contract_single_host():
+    envs = run_env_reporter("-np", "2")
+    assert sorted(envs) == [0, 1]
+    for rank, env in envs.items():
+        assert env["PERSEUS_RANK"] == str(rank)
+        assert env["PERSEUS_SIZE"] == "2"
+        assert env["PERSEUS_LOCAL_RANK"] == str(rank)
+        assert env["PERSEUS_LOCAL_SIZE"] == "2"
+        assert env["PERSEUS_CROSS_RANK"] == "0"
+        assert env["PERSEUS_CROSS_SIZE"] == "1"
+        assert env["PERSEUS_HOST_ADDR"] == "127.0.0.1"
+        assert env["PERSEUS_RENDEZVOUS_ADDR"] == "127.0.0.1"
+        assert re.fullmatch(r"[0-9a-f]{64}", env["PERSEUS_RENDEZVOUS_SECRET"])
+        assert re.fullmatch(r"[0-9a-f]+", env["PERSEUS_JOB_ID"])
+        assert env["PYTHONUNBUFFERED"] == "1"
+        assert env["peers"] == ["0", "1"]
+    for name in ("PERSEUS_RENDEZVOUS_PORT", "PERSEUS_RENDEZVOUS_SECRET",
+                 "PERSEUS_JOB_ID"):
+        assert envs[0][name] == envs[1][name]
+
+
+def test_env_contract_two_hosts():
+    envs = run_env_reporter("-np", "4", "-H", "localhost:2,127.0.0.2:2")
+    expected = {  # rank: (local_rank, cross_rank, host_addr)
+        0: (0, 0, "127.0.0.1"), 1: (1, 0, "127.0.0.1"),
+        2: (0, 1, "127.0.0.2"), 3: (1, 1, "127.0.0.2")}
+    assert sorted(envs) == [0, 1, 2, 3]
+    for rank, (local_rank, cross_rank, host_addr) in expected.items():
+        env = envs[rank]
+        assert env["PERSEUS_SIZE"] == "4"
+        assert env["PERSEUS_LOCAL_RANK"] == str(local_rank)
+        assert env["PERSEUS_LOCAL_SIZE"] == "2"
+        assert env["PERSEUS_CROSS_RANK"] == str(cross_rank)
+        assert env["PERSEUS_CROSS_SIZE"] == "2"
+        assert env["PERSEUS_HOST_ADDR"] == host_addr
+        assert env["peers"] == ["0", "1", "2", "3"]
+    # A fresh job id for every launch.
+    other = run_env_reporter("-np", "1")
+    assert other[0]["PERSEUS_JOB_ID"] != envs[0]["PERSEUS_JOB_ID"]
+
+
+def _non_loopback_address():
+    """An address of this machine outside 127/8, found without sending anything."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("198.51.100.1", 9))
+            addr = sock.getsockname()[0]
+        except OSError:
+            return None
+    return None if addr.startswith("127.") or addr == "0.0.0.0" else addr
+
+
+def test_env_contract_non_loopback_local_address():
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    envs = run_env_reporter("-np", "2", "-H", f"{addr}:2")
+    for env in envs.values():
+        assert env["PERSEUS_HOST_ADDR"] == addr
+        assert env["PERSEUS_RENDEZVOUS_ADDR"] == addr
+        assert env["peers"] == ["0", "1"]
+
+
+def test_uneven_hosts_placement():
+    hosts = [launcher.Host("localhost", "127.0.0.1", 2),
+             launcher.Host("127.0.0.2", "127.0.0.2", 2),
+             launcher.Host("127.0.0.3", "127.0.0.3", 4)]
+    placements = launcher.place_ranks(3, hosts)
+    assert [(p.local_rank, p.local_size, p.cross_rank, p.cross_size,
+             p.host.addr) for p in placements] == [
+        (0, 2, 0, 2, "127.0.0.1"), (1, 2, 0, 2, "127.0.0.1"),
+        (0, 1, 1, 2, "127.0.0.2")]
+
+
+# ---------------------------------------------------------------------------
+# Output
+
+
+def test_output_is_prefixed_by_rank():
+    child = ("import os, sys\n"
+             "r = os.environ['PERSEUS_RANK']\n"
+             "print(f'out one {r}'); print(f'out two {r}')\n"
+             "print(f'err {r}', file=sys.stderr)\n"
+             "sys.stdout.write(f'no newline {r}')\n")
+    result = perseusrun("-np", "2", sys.executable, "-c", child)
+    assert result.returncode == 0, result.stderr
+    out, err = rank_lines(result.stdout), rank_lines(result.stderr)
+    for r in (0, 1):
+        assert out[r] == [f"out one {r}", f"out two {r}", f"no newline {r}"]
+        assert err[r] == [f"err {r}"]
+    assert all(line.startswith("[") for line in result.stdout.splitlines())
+
+
+# ---------------------------------------------------------------------------
+# Failures
+
+
+def test_failing_rank_is_named_and_others_are_stopped(tmp_path):
+    # Rank 0 would sleep for 5 minutes; rank 1 fails once rank 0 is up.
+    child = (f"import os, sys, time\n"
+             f"pidfile = {str(tmp_path / 'rank0.pid')!r}\n"
+             f"if os.environ['PERSEUS_RANK'] == '0':\n"
+             f"    open(pidfile + '.tmp', 'w').write(str(os.getpid()))\n"
+             f"    os.rename(pidfile + '.tmp', pidfile)\n"
+             f"    time.sleep(300)\n"
+             f"while not os.path.exists(pidfile): time.sleep(0.02)\n"
+             f"sys.exit(3)\n")
+    start = time.monotonic()
+    result = perseusrun("-np", "2", "--grace-seconds", "1",
+                        sys.executable, "-c", child)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 3
+    assert re.search(r"^perseusrun: rank 1 \(pid \d+\) failed with exit status 3$",
+                     result.stderr, re.M), result.stderr
+    assert "rank 0 (pid" not in result.stderr  # only the first failure is named
+    assert elapsed < 15
+    assert pid_is_gone(int((tmp_path / "rank0.pid").read_text()))
+
+
+def test_rank_killed_by_signal_and_sigterm_ignored_escalates_to_sigkill(tmp_path):
+    # Rank 0 ignores SIGTERM, so only the SIGKILL that follows stops it.
+    child = (f"import os, signal, time\n"
+             f"pidfile = {str(tmp_path / 'rank0.pid')!r}\n"
+             f"if os.environ['PERSEUS_RANK'] == '0':\n"
+             f"    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             f"    open(pidfile + '.tmp', 'w').write(str(os.getpid()))\n"
+             f"    os.rename(pidfile + '.tmp', pidfile)\n"
+             f"    time.sleep(300)\n"
+             f"while not os.path.exists(pidfile): time.sleep(0.02)\n"
+             f"os.kill(os.getpid(), signal.SIGKILL)\n")
+    start = time.monotonic()
+    result = perseusrun("-np", "2", "--grace-seconds", "0.2",
+                        sys.executable, "-c", child)
+    elapsed = time.monotonic() - start
+    assert result.returncode == 128 + signal.SIGKILL
+    assert re.search(r"^perseusrun: rank 1 \(pid \d+\) killed by signal SIGKILL$",
+                     result.stderr, re.M), result.stderr
+    assert launcher.KILL_DELAY_S <= elapsed < launcher.KILL_DELAY_S + 10
+    assert pid_is_gone(int((tmp_path / "rank0.pid").read_text()))
+
+
+def test_other_ranks_may_finish_within_grace():
+    child = ("import os, sys, time\n"
+             "if os.environ['PERSEUS_RANK'] == '1': sys.exit(3)\n"
+             "time.sleep(0.5); print('finished')\n")
+    result = perseusrun("-np", "2", "--grace-seconds", "20",
+                        sys.executable, "-c", child)
+    assert result.returncode == 3
+    assert rank_lines(result.stdout)[0] == ["finished"]
+    assert "SIGTERM" not in result.stderr
+
+
+# ---------------------------------------------------------------------------
+# Signals
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signals_are_forwarded_to_every_rank(signum):
+    child = ("import signal, sys, time\n"
+             "def stop(signum, frame):\n"
+             "    print(f'got {signum}'); sys.exit(0)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
+             "signal.signal(signal.SIGINT, stop)\n"
+             "print('ready')\n"
+             "time.sleep(300)\n")
+    proc = subprocess.Popen(perseusrun_cmd("-np", "2", sys.executable, "-c", child),
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout],
+                              daemon=True)
+    reader.start()
+    try:
+        seen = []
+        while seen.count("ready") < 2:
+            seen.append(lines.get(timeout=30).split("] ", 1)[1].strip())
+        proc.send_signal(signum)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    rest = "".join(lines.get() for _ in range(lines.qsize()))
+    assert rank_lines(rest) == {0: [f"got {int(signum)}"], 1: [f"got {int(signum)}"]}
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def test_help_explains_every_flag(capsys):
+    assert launcher.main(["-h"]) == 0
+    text = capsys.readouterr().out
+    for flag in ("-np", "-H", "--gloo", "--mpi", "--grace-seconds", "--verbose"):
+        assert flag in text
+
+
+def test_mpi_is_rejected(capsys):
+    assert launcher.main(["--mpi", "-np", "2", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "mpirun" in err and "not supported yet" in err and "Gloo" in err
+
+
+def test_remote_host_is_rejected(capsys):
+    # Documentation addresses (RFC 5737); use one that is not this machine's.
+    remote = next(a for a in ("203.0.113.9", "198.51.100.9", "192.0.2.99")
+                  if not launcher._can_bind(a))
+    assert launcher.main(["-np", "2", "-H", f"{remote}:2", "true"]) == 2
+    err = capsys.readouterr().err
+    assert remote in err and "ssh" in err and "not supported yet" in err
+
+
+def test_more_ranks_than_slots_is_rejected(capsys):
+    assert launcher.main(["-np", "3", "-H", "localhost:2", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "-np 3" in err and "-H" in err and "2 slots" in err
+
+
+def test_missing_command_is_rejected(capsys):
+    assert launcher.main(["-np", "2", "--"]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_runner_does_not_import_tensorflow():
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, perseus_tf.runner; print('tensorflow' in sys.modules)"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+# ---------------------------------------------------------------------------
+# Store
+
+
+@pytest.fixture
+def store():
+    server = StoreServer("127.0.0.1", 0, SECRET, handshake_timeout_s=0.5)
+    server.start()
+    yield server
+    server.stop()
+
+
+def connect_raw(port, secret=SECRET):
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(struct.pack("<I", len(secret)) + secret)
+    return sock
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+def test_store_rejects_wrong_secret(store):
+    with pytest.raises(PermissionError):
+        StoreClient("127.0.0.1", store.port, b"x" * 32)
+    with connect_raw(store.port, b"wrong") as sock:
+        assert sock.recv(1) == b"\x00"
+        assert sock.recv(1) == b""  # closed after the rejection
+
+
+def test_store_drops_silent_client(store):
+    with socket.create_connection(("127.0.0.1", store.port), timeout=10) as sock:
+        start = time.monotonic()
+        assert sock.recv(1) == b""
+        assert time.monotonic() - start < 5
+
+
+def test_store_wire_format(store):
+    # The exact bytes the C++ client sends and receives.
+    with connect_raw(store.port) as sock:
+        assert sock.recv(1) == b"\x01"
+        sock.sendall(b"\x01" + struct.pack("<I", 1) + b"k"
+                     + struct.pack("<Q", 3) + b"abc")
+        assert recv_exact(sock, 1) == b"\x00"
+        sock.sendall(b"\x02" + struct.pack("<I", 1) + b"k" + struct.pack("<I", 0))
+        assert recv_exact(sock, 1 + 8 + 3) == b"\x00" + struct.pack("<Q", 3) + b"abc"
+        sock.sendall(b"\x02" + struct.pack("<I", 1) + b"m" + struct.pack("<I", 50))
+        assert recv_exact(sock, 1) == b"\x01"
+        sock.sendall(b"\x03" + struct.pack("<I", 1) + b"n" + struct.pack("<q", -5))
+        assert recv_exact(sock, 8) == struct.pack("<q", -5)
+        sock.sendall(b"\x09")  # unknown command: connection closed
+        assert sock.recv(1) == b""
+
+
+def test_store_set_get_overwrite(store):
+    with StoreClient("127.0.0.1", store.port, SECRET) as client:
+        client.set("a", b"1")
+        assert client.get("a", 1) == b"1"
+        client.set("a", b"")
+        assert client.get("a", 1) == b""
+        big = os.urandom(3 << 20)
+        client.set("big", big)
+        assert client.get("big", 1) == big
+
+
+def test_store_get_times_out(store):
+    with StoreClient("127.0.0.1", store.port, SECRET) as client:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            client.get("missing", 0.3)
+        assert 0.25 <= time.monotonic() - start < 3
+
+
+def test_store_get_waits_for_set(store):
+    def set_later():
+        time.sleep(0.3)
+        with StoreClient("127.0.0.1", store.port, SECRET) as other:
+            other.set("late", b"here")
+
+    setter = threading.Thread(target=set_later)
+    setter.start()
+    with StoreClient("127.0.0.1", store.port, SECRET) as client:
+        assert client.get("late", 10) == b"here"
+    setter.join()
+
+
+def test_store_add_is_atomic_across_threads(store):
+    def add_many():
+        with StoreClient("127.0.0.1", store.port, SECRET) as client:
+            for _ in range(50):
+                client.add("counter", 1)
+
+    threads = [threading.Thread(target=add_many) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with StoreClient("127.0.0.1", store.port, SECRET) as client:
+        assert client.add("counter", -400) == 0
+        assert client.add("counter", 400) == 400
+        assert client.get("counter", 1) == struct.pack("<q", 400)
+
+
+def test_store_stop_wakes_waiting_get():
+    server = StoreServer("127.0.0.1", 0, SECRET)
+    server.start()
+    client = StoreClient("127.0.0.1", server.port, SECRET)
+    outcome = []
+
+    def wait_forever():
+        try:
+            client.get("never", 60)
+        except (ConnectionError, TimeoutError) as err:
+            outcome.append(err)
+
+    waiter = threading.Thread(target=wait_forever)
+    waiter.start()
+    time.sleep(0.2)
+    server.stop()
+    waiter.join(5)
+    client.close()
+    assert not waiter.is_alive() and outcome

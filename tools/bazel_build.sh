@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Configure and build the native Perseus-TF libraries with Bazel (offline),
+# then copy them into OUT_DIR:
+#
+#   tools/bazel_build.sh OUT_DIR [extra `bazel build` flags...]
+#
+# Produces OUT_DIR/libperseus_core.so, OUT_DIR/_perseus_ops.so and
+# OUT_DIR/_core.so.
+#
+# Environment:
+#   PYTHON   interpreter whose TensorFlow/pybind11 to build against
+#            (default: <repo>/.venv/bin/python, else python3)
+#   BAZEL    Bazel binary (default: bazel-4.2.3 or Debian's bazel-4 if present,
+#            else bazel).  Debian's /usr/bin/bazel wrapper rejects
+#            .bazelversion 4.2.3 because the binary is installed as bazel-4.
+#   BAZEL_STARTUP_OPTS  startup options, e.g. "--output_user_root=/tmp/bz"
+#   JOBS     parallel actions (default: number of CPUs)
+set -euo pipefail
+
+usage() {
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+
+[[ $# -ge 1 && $1 != -* ]] || usage
+out_dir=$1
+shift
+
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo_root"
+
+if [[ -z ${PYTHON:-} ]]; then
+  if [[ -x $repo_root/.venv/bin/python ]]; then
+    PYTHON=$repo_root/.venv/bin/python
+  else
+    PYTHON=python3
+  fi
+fi
+
+if [[ -z ${BAZEL:-} ]]; then
+  for candidate in bazel-4.2.3 bazel-4 bazel; do
+    if command -v "$candidate" >/dev/null 2>&1; then
+      BAZEL=$(command -v "$candidate")
+      break
+    fi
+  done
+  [[ -n ${BAZEL:-} ]] || { echo "bazel_build.sh: no bazel found" >&2; exit 1; }
+fi
+jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
+# shellcheck disable=SC2206  # word splitting intended
+startup=(${BAZEL_STARTUP_OPTS:-})
+
+echo "==> configure ($PYTHON)"
+"$PYTHON" tools/configure_bazel.py
+
+echo "==> $BAZEL build //:native"
+"$BAZEL" "${startup[@]}" build --jobs="$jobs" "$@" //:native
+
+# bazel-bin for the same flags (-c opt from .bazelrc changes the path).
+bin_dir=$("$BAZEL" "${startup[@]}" info "$@" bazel-bin 2>/dev/null)
+
+mkdir -p "$out_dir"
+for lib in libperseus_core.so _perseus_ops.so _core.so; do
+  # Bazel outputs are read-only; replace rather than overwrite.
+  rm -f "$out_dir/$lib"
+  cp "$bin_dir/$lib" "$out_dir/$lib"
+  chmod u+w "$out_dir/$lib"
+  echo "    $out_dir/$lib"
+done

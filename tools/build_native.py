@@ -1,0 +1,105 @@
+"""Compiles Perseus-TF's native code against the TensorFlow that is installed.
+
+Three shared objects land in one directory (the `perseus_tf` package):
+  libperseus_core.so   runtime + Gloo backend; knows nothing of TensorFlow
+  _perseus_ops.so      TensorFlow ops and kernels, linked to libperseus_core.so
+  _core<EXT_SUFFIX>    pybind11 module, linked to libperseus_core.so
+Both front ends load the same libperseus_core.so (found through
+rpath=$ORIGIN), so a process has exactly one runtime.
+
+Used by setup.py (pip install) and runnable by hand:
+  python tools/build_native.py [OUT_DIR]     (default: perseus_tf/)
+"""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import sysconfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sources(folder):
+    path = os.path.join(ROOT, "cc", folder)
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".cc"))
+
+
+def _tf_flags():
+    import tensorflow as tf  # the build needs the installed TF's headers and ABI
+
+    return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+
+def _abi_flag(compile_flags):
+    for flag in compile_flags:
+        if flag.startswith("-D_GLIBCXX_USE_CXX11_ABI="):
+            return [flag]
+    return []
+
+
+def _run(cmd):
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError("command failed:\n  " + " ".join(cmd) + "\n" + proc.stderr[-6000:])
+    return cmd[-1]
+
+
+def _newer(target, deps):
+    if not os.path.exists(target):
+        return False
+    t = os.path.getmtime(target)
+    return all(os.path.getmtime(d) <= t for d in deps)
+
+
+def build(out_dir=None, jobs=2, verbose=True):
+    out_dir = os.path.abspath(out_dir or os.path.join(ROOT, "perseus_tf"))
+    obj_dir = os.path.join(ROOT, "build", "native-obj")
+    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(obj_dir, exist_ok=True)
+    import pybind11
+
+    tf_cflags, tf_lflags = _tf_flags()
+    cxx = os.environ.get("CXX", "g++")
+    common = ["-std=c++17", "-O3", "-fPIC", "-Wall", "-Wno-sign-compare", "-I" + ROOT]
+    common += _abi_flag(tf_cflags)
+    headers = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "cc"))
+               for f in fs if f.endswith(".h")]
+
+    groups = {
+        "core": (_sources("runtime") + _sources("backends"), []),
+        "tf": (_sources("tf"), [f for f in tf_cflags if not f.startswith("-std=")]),
+        "py": (_sources("python"), ["-I" + pybind11.get_include(),
+                                    "-I" + sysconfig.get_paths()["include"],
+                                    "-fvisibility=hidden"]),
+    }
+    compile_jobs, objects = [], {}
+    for group, (srcs, extra) in groups.items():
+        objects[group] = []
+        for src in srcs:
+            obj = os.path.join(obj_dir, group + "_" + os.path.basename(src)[:-3] + ".o")
+            objects[group].append(obj)
+            if not _newer(obj, [src] + headers):
+                compile_jobs.append([cxx] + common + extra + ["-c", src, "-o", obj])
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        for done in pool.map(_run, compile_jobs):
+            if verbose:
+                print("compiled", os.path.basename(done), flush=True)
+
+    rpath = ["-Wl,-rpath,$ORIGIN"]
+    core = os.path.join(out_dir, "libperseus_core.so")
+    _run([cxx, "-shared", "-o", core] + objects["core"] + ["-lgloo", "-lpthread"] +
+         ["-Wl,-soname,libperseus_core.so"])
+    link_core = ["-L" + out_dir, "-lperseus_core"] + rpath
+    ops = os.path.join(out_dir, "_perseus_ops.so")
+    _run([cxx, "-shared", "-o", ops] + objects["tf"] + link_core + tf_lflags)
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
+    pymod = os.path.join(out_dir, "_core" + ext)
+    _run([cxx, "-shared", "-o", pymod] + objects["py"] + link_core)
+    if verbose:
+        print("built", core, ops, pymod, sep="\n  ", flush=True)
+    return [core, ops, pymod]
+
+
+if __name__ == "__main__":
+    build(sys.argv[1] if len(sys.argv) > 1 else None)
