@@ -1,1 +1,28 @@
-"""Perseus-TF: data-parallel training for TensorFlow."""
+"""Perseus-TF: fast data-parallel TensorFlow training across processes.
+
+Public names (TensorFlow is imported on first use, so that the launcher,
+`perseus_tf.runner`, starts without it):
+
+  init, shutdown, is_initialized, rank, size, local_rank, local_size,
+  cross_rank, cross_size, stats
+  allreduce, grouped_allreduce, broadcast, allgather, alltoall,
+  reducescatter, barrier
+  Average, Sum, Min, Max, Product, Adasum
+"""
+
+import importlib
+
+_FROM_OPS = (
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "stats", "allreduce", "grouped_allreduce", "broadcast",
+    "allgather", "alltoall", "reducescatter", "barrier", "Average", "Sum", "Min", "Max",
+    "Product", "Adasum",
+)
+
+__all__ = list(_FROM_OPS)
+
+
+def __getattr__(name):
+    if name in _FROM_OPS:
+        return getattr(importlib.import_module("perseus_tf.ops"), name)
+    raise AttributeError(f"module 'perseus_tf' has no attribute {name!r}")

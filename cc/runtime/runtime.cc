@@ -202,6 +202,7 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
                      "; concurrent collectives need distinct names");
     }
     pending_.emplace(m.name, request);
+    if (queue_.empty()) first_enqueue_ = Clock::now();
     queue_.push_back(m);
   }
   {
@@ -245,11 +246,16 @@ void Runtime::RunCycle(bool* stop) {
                         : std::chrono::duration_cast<Clock::duration>(kIdleWait);
     queue_cv_.wait_until(lock, last_cycle_ + max_wait,
                          [&] { return !queue_.empty() || shutdown_requested_; });
-    if (!queue_.empty() && Clock::now() < last_cycle_ + cycle_time) {
-      // Let requests that arrive together travel in one cycle.
-      lock.unlock();
-      std::this_thread::sleep_until(last_cycle_ + cycle_time);
-      lock.lock();
+    if (!queue_.empty()) {
+      // Requests that arrive together (a backward pass, a grouped call)
+      // should travel, and fuse, in one cycle: wait one cycle time after
+      // the first of them before sending.
+      auto send_at = std::max(last_cycle_, first_enqueue_) + cycle_time;
+      if (Clock::now() < send_at) {
+        lock.unlock();
+        std::this_thread::sleep_until(send_at);
+        lock.lock();
+      }
     }
     mine.requests.assign(queue_.begin(), queue_.end());
     queue_.clear();

@@ -139,6 +139,7 @@ class Runtime {
 
   std::thread background_;
   std::chrono::steady_clock::time_point last_cycle_;
+  std::chrono::steady_clock::time_point first_enqueue_;
   int idle_cycles_ = 0;
   uint64_t dispatched_ = 0;
 

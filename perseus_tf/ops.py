@@ -1,0 +1,229 @@
+"""TensorFlow collectives across Perseus ranks: wrappers and gradients.
+
+Each function adds (or, eagerly, runs) one op from the native library; the op
+enqueues a named request in the process's runtime, which negotiates it with
+the other ranks. Names pair requests across ranks: inside a graph or a
+`tf.function` the node name serves, so it is enough that every rank builds
+the same graph; pass `name` when ranks build graphs differently.
+
+Example:
+    import perseus_tf as ptf
+    ptf.init()
+    total = ptf.allreduce(tf.constant([1.0, 2.0]), op=ptf.Sum)
+"""
+
+import os
+
+import tensorflow as tf
+
+from perseus_tf import _native
+
+_LIB = tf.load_op_library(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                       "_perseus_ops.so"))
+
+# Reduction ops, numbered as in Horovod so that code passing them through works.
+Average = 0
+Sum = 1
+Adasum = 2
+Min = 3
+Max = 4
+Product = 5
+
+_NATIVE_REDUCE = {Sum: 0, Average: 1, Min: 2, Max: 3, Product: 4}
+_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
+          Product: "Product"}
+
+
+def init(**overrides):
+    """Starts this process's runtime (idempotent). Keyword arguments override
+    PERSEUS_* variables by field name, e.g. ``init(streams=2)``."""
+    _native.init(**overrides)
+
+
+def shutdown():
+    """Stops the runtime; a collective call on every rank."""
+    _native.shutdown()
+
+
+def is_initialized():
+    return _native.is_initialized()
+
+
+def _topo(key):
+    init()
+    return _native.topology()[key]
+
+
+def rank():
+    return _topo("rank")
+
+
+def size():
+    return _topo("size")
+
+
+def local_rank():
+    return _topo("local_rank")
+
+
+def local_size():
+    return _topo("local_size")
+
+
+def cross_rank():
+    return _topo("cross_rank")
+
+
+def cross_size():
+    return _topo("cross_size")
+
+
+def stats():
+    """Runtime counters (see perseus_tf._native.stats)."""
+    return _native.stats()
+
+
+def _native_op(op):
+    if op == Adasum:
+        raise NotImplementedError(
+            "Adasum is not implemented in Perseus-TF; use op=Average (the default for "
+            "gradients) or op=Sum")
+    if op not in _NATIVE_REDUCE:
+        raise ValueError(f"op={op!r} is not a reduction; use one of Average, Sum, Min, "
+                         "Max, Product")
+    return _NATIVE_REDUCE[op]
+
+
+def _name(name):
+    return "" if name is None else str(name)
+
+
+def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """Reduces `tensor` across ranks; every rank gets the result.
+
+    Args:
+      tensor: a dense tensor (float16/bfloat16/float32/float64/int32/int64/
+        uint8/int8; bool with Min or Max).
+      op: Sum (default), Average, Min, Max or Product.
+      prescale_factor / postscale_factor: multiply before / after the reduction.
+      name: pairs this call across ranks (defaults to the op's node name).
+    """
+    init()
+    return _LIB.perseus_allreduce(tensor, tensor_name=_name(name), reduce_op=_native_op(op),
+                                  prescale=float(prescale_factor),
+                                  postscale=float(postscale_factor))
+
+
+def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """Reduces a list of tensors as one request, fused into as few buckets as fit."""
+    init()
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    return _LIB.perseus_grouped_allreduce(tensors, tensor_name=_name(name),
+                                          reduce_op=_native_op(op),
+                                          prescale=float(prescale_factor),
+                                          postscale=float(postscale_factor))
+
+
+def broadcast(tensor, root_rank=0, name=None):
+    """Returns root_rank's `tensor` on every rank."""
+    init()
+    return _LIB.perseus_broadcast(tensor, tensor_name=_name(name), root_rank=int(root_rank))
+
+
+def allgather(tensor, name=None):
+    """Concatenates every rank's tensor along dimension 0 (sizes may differ)."""
+    init()
+    return _LIB.perseus_allgather(tensor, tensor_name=_name(name))
+
+
+def alltoall(tensor, splits=None, name=None):
+    """Sends `splits[r]` rows of `tensor` to rank r; returns (received, received_splits).
+
+    Without splits, dimension 0 is divided evenly among the ranks.
+    """
+    init()
+    has_splits = splits is not None
+    splits = tf.cast(splits, tf.int32) if has_splits else tf.zeros([0], tf.int32)
+    return _LIB.perseus_alltoall(tensor, splits, tensor_name=_name(name), has_splits=has_splits)
+
+
+def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+    """Reduces across ranks and returns this rank's share of dimension 0.
+
+    Rows are dealt out evenly; the first (dim0 % size) ranks get one more.
+    """
+    init()
+    return _LIB.perseus_reducescatter(tensor, tensor_name=_name(name),
+                                      reduce_op=_native_op(op),
+                                      prescale=float(prescale_factor),
+                                      postscale=float(postscale_factor))
+
+
+def barrier(name=None):
+    """Blocks until every rank has called barrier with the same name."""
+    init()
+    return _LIB.perseus_barrier(tensor_name=_name(name) or "perseus.barrier")
+
+
+# ---- gradients -------------------------------------------------------------
+
+@tf.RegisterGradient("PerseusAllreduce")
+def _allreduce_grad(op, grad):
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in (0, 1):  # sum, average
+        raise NotImplementedError("only Sum and Average allreduce have gradients")
+    return _LIB.perseus_allreduce(grad, reduce_op=reduce_op, prescale=op.get_attr("prescale"),
+                                  postscale=op.get_attr("postscale"))
+
+
+@tf.RegisterGradient("PerseusGroupedAllreduce")
+def _grouped_allreduce_grad(op, *grads):
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in (0, 1):
+        raise NotImplementedError("only Sum and Average allreduce have gradients")
+    grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
+    return _LIB.perseus_grouped_allreduce(grads, reduce_op=reduce_op,
+                                          prescale=op.get_attr("prescale"),
+                                          postscale=op.get_attr("postscale"))
+
+
+@tf.RegisterGradient("PerseusBroadcast")
+def _broadcast_grad(op, grad):
+    # Only the root's value reaches any output: it receives the sum of all
+    # ranks' gradients, the others nothing.
+    summed = _LIB.perseus_allreduce(grad, reduce_op=0)
+    if rank() == op.get_attr("root_rank"):
+        return summed
+    return tf.zeros_like(summed)
+
+
+@tf.RegisterGradient("PerseusAllgather")
+def _allgather_grad(op, grad):
+    summed = _LIB.perseus_allreduce(grad, reduce_op=0)
+    dim0 = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
+    dims = _LIB.perseus_allgather(dim0)
+    offset = tf.reduce_sum(dims[:rank()])
+    begin = tf.concat([[offset], tf.zeros_like(tf.shape(summed, out_type=tf.int64)[1:])], 0)
+    size_ = tf.concat([dim0, tf.shape(summed, out_type=tf.int64)[1:]], 0)
+    return tf.slice(summed, begin, size_)
+
+
+@tf.RegisterGradient("PerseusReducescatter")
+def _reducescatter_grad(op, grad):
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in (0, 1):
+        raise NotImplementedError("only Sum and Average reducescatter have gradients")
+    gathered = _LIB.perseus_allgather(grad)
+    scale = op.get_attr("prescale") * op.get_attr("postscale")
+    if reduce_op == 1:
+        scale /= size()
+    return gathered * tf.cast(scale, gathered.dtype) if scale != 1.0 else gathered
+
+
+@tf.RegisterGradient("PerseusAlltoall")
+def _alltoall_grad(op, grad, _splits_grad):
+    received = op.outputs[1]
+    back, _ = _LIB.perseus_alltoall(grad, received, has_splits=True)
+    return back, None

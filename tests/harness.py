@@ -1,0 +1,87 @@
+"""Starts N ranks under perseusrun and collects what each rank reports.
+
+Each process imports TensorFlow (seconds), so checks are batched: a worker
+module defines many `check_*` functions, `workers/run_checks.py` runs all of
+them in one launch on every rank, in the same order, and writes one JSON file
+per rank ({check name: "ok" or the failure text}). Tests then look results up
+by name, so one launch backs many test items.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+
+
+def rank_env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env.setdefault("GLOO_TIMEOUT_SECONDS", "60")
+    for key, value in (extra or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = str(value)
+    return env
+
+
+def launch(np_, argv, env=None, timeout=300, hosts=None):
+    """Runs `perseusrun -np N [-H hosts] -- argv`; returns CompletedProcess."""
+    cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(np_)]
+    if hosts:
+        cmd += ["-H", hosts]
+    cmd += ["--"] + list(argv)
+    return subprocess.run(cmd, env=rank_env(env), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+class CheckResults:
+    """Results of one batched launch: results[rank][check] == "ok" or an error."""
+
+    def __init__(self, np_, results, proc):
+        self.np = np_
+        self.results = results
+        self.proc = proc
+
+    def assert_ok(self, check):
+        problems = []
+        for rank in range(self.np):
+            outcome = self.results.get(rank, {}).get(check)
+            if outcome is None:
+                problems.append(f"rank {rank}: did not report {check}")
+            elif outcome != "ok":
+                problems.append(f"rank {rank}: {outcome}")
+        if problems:
+            raise AssertionError(
+                f"{check} at {self.np} ranks failed:\n" + "\n".join(problems) +
+                ("\n--- output tail ---\n" + self.proc.stdout[-3000:] + self.proc.stderr[-3000:]
+                 if any("did not report" in p for p in problems) else ""))
+
+
+def run_checks(module, np_, env=None, timeout=600, hosts=None):
+    """Runs every check_* of tests/workers/<module>.py on np_ ranks."""
+    with tempfile.TemporaryDirectory() as out:
+        proc = launch(np_, [sys.executable, os.path.join(WORKERS, "run_checks.py"), module, out],
+                      env=env, timeout=timeout, hosts=hosts)
+        results = {}
+        for rank in range(np_):
+            path = os.path.join(out, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[rank] = json.load(f)
+    return CheckResults(np_, results, proc)
+
+
+def check_names(module):
+    """The check_* names a worker module defines, without importing it."""
+    names = []
+    with open(os.path.join(WORKERS, module + ".py")) as f:
+        for line in f:
+            if line.startswith("def check_"):
+                names.append(line[4:line.index("(")])
+    return names

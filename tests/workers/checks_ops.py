@@ -1,0 +1,251 @@
+"""TensorFlow collective ops on every rank, against numpy references.
+
+Run by tests/test_ops.py through harness.run_checks at 2 and 4 ranks. Every
+rank can compute what every other rank contributed (data depends only on
+rank and a seed), so each check builds the numpy answer locally.
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import perseus_tf as ptf
+
+R = N = None
+NUMERIC = [np.float16, tf.bfloat16.as_numpy_dtype, np.float32, np.float64, np.int32, np.int64,
+           np.uint8, np.int8]
+
+
+def setup():
+    global R, N
+    ptf.init()
+    R, N = ptf.rank(), ptf.size()
+    return R
+
+
+def data(rank, shape, dtype, seed=0, low=1, high=4):
+    """Small integers: exact in every dtype, so sums and products compare exactly."""
+    rng = np.random.default_rng(1000 * rank + seed)
+    return rng.integers(low, high, size=shape).astype(dtype)
+
+
+def all_data(shape, dtype, seed=0, **kw):
+    return [data(r, shape, dtype, seed, **kw) for r in range(N)]
+
+
+def as_f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def check_allreduce_every_dtype_and_op():
+    for i, dt in enumerate(NUMERIC):
+        xs = all_data((3, 5), dt, seed=i)
+        stacked = np.stack([as_f64(x) for x in xs])
+        refs = {ptf.Sum: stacked.sum(0), ptf.Min: stacked.min(0), ptf.Max: stacked.max(0),
+                ptf.Product: stacked.prod(0)}
+        if np.issubdtype(np.dtype(dt), np.integer):
+            refs[ptf.Average] = np.trunc(stacked.sum(0) / N)
+        else:
+            refs[ptf.Average] = stacked.sum(0) / N
+        for op, ref in refs.items():
+            got = ptf.allreduce(tf.constant(xs[R]), op=op)
+            assert got.dtype == tf.as_dtype(dt), (dt, got.dtype)
+            np.testing.assert_allclose(as_f64(got.numpy()), ref, rtol=1e-2 if dt in (
+                np.float16, tf.bfloat16.as_numpy_dtype) else 1e-6, err_msg=f"{dt} op {op}")
+
+
+def check_allreduce_bool_min_max():
+    xs = [np.array([True, r % 2 == 0, False, r == 0]) for r in range(N)]
+    got_max = ptf.allreduce(tf.constant(xs[R]), op=ptf.Max).numpy()
+    got_min = ptf.allreduce(tf.constant(xs[R]), op=ptf.Min).numpy()
+    np.testing.assert_array_equal(got_max, np.logical_or.reduce(xs))
+    np.testing.assert_array_equal(got_min, np.logical_and.reduce(xs))
+
+
+def check_allreduce_random_float_and_scales():
+    xs = [np.random.default_rng(r).normal(size=(257, 3)).astype(np.float32) for r in range(N)]
+    got = ptf.allreduce(tf.constant(xs[R]), op=ptf.Sum, prescale_factor=0.5,
+                        postscale_factor=3.0).numpy()
+    np.testing.assert_allclose(got, sum(0.5 * x for x in xs) * 3.0, rtol=1e-5, atol=1e-5)
+    got = ptf.allreduce(tf.constant(xs[R].astype(np.float64)), op=ptf.Average).numpy()
+    np.testing.assert_allclose(got, np.mean(np.stack(xs).astype(np.float64), 0), rtol=1e-12)
+    scalar = ptf.allreduce(tf.constant(float(R)), op=ptf.Sum).numpy()
+    assert scalar == sum(range(N)), scalar
+
+
+def check_grouped_allreduce_fused_or_not():
+    before = ptf.stats()["fused_responses"]
+    shapes = [(i + 1, 3) for i in range(30)]
+    xs = [[data(r, s, np.float32, seed=i) for i, s in enumerate(shapes)] for r in range(N)]
+    got = ptf.grouped_allreduce([tf.constant(x) for x in xs[R]], op=ptf.Average)
+    for i, g in enumerate(got):
+        np.testing.assert_allclose(g.numpy(), sum(x[i] for x in xs) / N, rtol=1e-6)
+    fused = ptf.stats()["fused_responses"] - before
+    if os.environ.get("PERSEUS_FUSION_THRESHOLD") == "0":
+        assert fused == 0, f"fusion is off but {fused} responses were fused"
+    else:
+        assert fused >= 1, "30 small tensors in one group were not fused"
+
+
+def check_many_independent_ops_in_tf_function():
+    shapes = [(i % 7 + 1,) for i in range(60)]
+
+    @tf.function
+    def step(xs):
+        return [ptf.allreduce(x, op=ptf.Sum) for x in xs]
+
+    xs = [[data(r, s, np.float32, seed=i) for i, s in enumerate(shapes)] for r in range(N)]
+    for _ in range(2):
+        got = step([tf.constant(x) for x in xs[R]])
+        for i, g in enumerate(got):
+            np.testing.assert_array_equal(g.numpy(), sum(x[i] for x in xs))
+
+
+def check_broadcast_from_every_root():
+    for root in range(N):
+        for i, dt in enumerate(NUMERIC + [np.bool_]):
+            xs = [data(r, (4, 2), dt, seed=i, low=0, high=2 if dt == np.bool_ else 9)
+                  for r in range(N)]
+            got = ptf.broadcast(tf.constant(xs[R]), root_rank=root).numpy()
+            np.testing.assert_array_equal(got, xs[root], err_msg=f"root {root} {dt}")
+
+
+def check_allgather_different_first_dims():
+    for i, dt in enumerate(NUMERIC + [np.bool_]):
+        # rank 0 contributes no rows at all: allowed, as in Horovod.
+        xs = [data(r, (r, 3), dt, seed=i, low=0, high=2 if dt == np.bool_ else 9)
+              for r in range(N)]
+        got = ptf.allgather(tf.constant(xs[R])).numpy()
+        np.testing.assert_array_equal(got, np.concatenate(xs), err_msg=str(dt))
+    got = ptf.allgather(tf.constant([R, R * 10], tf.int64)).numpy()
+    np.testing.assert_array_equal(got, np.array([[r, 10 * r] for r in range(N)]).ravel())
+
+
+def check_alltoall_with_and_without_splits():
+    splits = [[(r + d) % 3 for d in range(N)] for r in range(N)]
+    xs = [np.arange(sum(splits[r]) * 2, dtype=np.float32).reshape(-1, 2) + 100 * r
+          for r in range(N)]
+    out, recv = ptf.alltoall(tf.constant(xs[R]), splits=splits[R])
+    pieces = []
+    for s in range(N):
+        start = sum(splits[s][:R])
+        pieces.append(xs[s][start:start + splits[s][R]])
+    np.testing.assert_array_equal(out.numpy(), np.concatenate(pieces))
+    np.testing.assert_array_equal(recv.numpy(), [splits[s][R] for s in range(N)])
+    even = np.arange(2 * N, dtype=np.int64) + 10 * R
+    out, recv = ptf.alltoall(tf.constant(even))
+    np.testing.assert_array_equal(out.numpy(), [10 * s + 2 * R + k for s in range(N)
+                                                for k in range(2)])
+
+
+def check_reducescatter_uneven_rows():
+    rows = 2 * N + 1
+    xs = all_data((rows, 2), np.float32, seed=5)
+    total = sum(xs)
+    base, extra = divmod(rows, N)
+    start = R * base + min(R, extra)
+    mine = base + (1 if R < extra else 0)
+    got = ptf.reducescatter(tf.constant(xs[R]), op=ptf.Sum).numpy()
+    np.testing.assert_array_equal(got, total[start:start + mine])
+    got = ptf.reducescatter(tf.constant(xs[R]), op=ptf.Average).numpy()
+    np.testing.assert_allclose(got, total[start:start + mine] / N, rtol=1e-6)
+
+
+def check_barrier():
+    for _ in range(3):
+        ptf.barrier()
+
+
+def check_gradients():
+    w = [float(r + 1) for r in range(N)]
+    # allreduce(sum): d/dx_r of sum_s w_s * sum(allreduce(x)) = sum_s w_s
+    x = tf.Variable(np.ones(3, np.float32) * (R + 1))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(ptf.allreduce(x, op=ptf.Sum)) * w[R]
+    np.testing.assert_allclose(tape.gradient(loss, x).numpy(), [sum(w)] * 3)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(ptf.allreduce(x, op=ptf.Average)) * w[R]
+    np.testing.assert_allclose(tape.gradient(loss, x).numpy(), [sum(w) / N] * 3, rtol=1e-6)
+    # allgather: loss_r = w_r * sum(gathered**2) -> d/dx_r = 2 x_r sum_s w_s
+    xg = tf.Variable(np.arange(R + 1, dtype=np.float32) + 1)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(ptf.allgather(xg) ** 2) * w[R]
+    np.testing.assert_allclose(tape.gradient(loss, xg).numpy(), 2 * xg.numpy() * sum(w))
+    # broadcast: only the root's input matters
+    root = N - 1
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(ptf.broadcast(x, root_rank=root)) * w[R]
+    expected = sum(w) if R == root else 0.0
+    np.testing.assert_allclose(tape.gradient(loss, x).numpy(), [expected] * 3)
+    # reducescatter(sum) of an (N, 2) tensor: each rank keeps row R
+    xr = tf.Variable(np.ones((N, 2), np.float32))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(ptf.reducescatter(xr, op=ptf.Sum)) * w[R]
+    np.testing.assert_allclose(tape.gradient(loss, xr).numpy(),
+                               np.repeat(np.array(w, np.float32)[:, None], 2, 1))
+    # alltoall: the gradient goes back to where each row came from
+    xa = tf.Variable(np.ones((N,), np.float32))
+    with tf.GradientTape() as tape:
+        out, _ = ptf.alltoall(xa)
+        loss = tf.reduce_sum(out) * w[R]
+    np.testing.assert_allclose(tape.gradient(loss, xa).numpy(), w)
+
+
+def check_graph_mode_session():
+    with tf.Graph().as_default():
+        a = ptf.allreduce(tf.constant([1.0, 2.0]) * (R + 1), op=ptf.Sum)
+        g = ptf.allgather(tf.fill([R + 1], R))
+        b = ptf.broadcast(tf.constant([R]), root_rank=0)
+        with tf.compat.v1.Session() as sess:
+            av, gv, bv = sess.run([a, g, b])
+    tri = N * (N + 1) / 2
+    np.testing.assert_allclose(av, [tri, 2 * tri])
+    np.testing.assert_array_equal(gv, np.concatenate([[r] * (r + 1) for r in range(N)]))
+    np.testing.assert_array_equal(bv, [0])
+
+
+def _expect(error, fn, *needles):
+    try:
+        fn()
+    except error as e:
+        text = str(e)
+        for needle in needles:
+            assert needle in text, f"{needle!r} not in error: {text}"
+        return
+    raise AssertionError(f"expected {error.__name__}")
+
+
+def check_mismatched_shape_dtype_root_op_raise():
+    _expect(tf.errors.FailedPreconditionError,
+            lambda: ptf.allreduce(tf.ones([2 + R]), name="mm.shape"),
+            "mm.shape", "shape", "rank 0 has [2]", "rank 1 has [3]")
+    dt = tf.float32 if R == 0 else tf.float64
+    _expect(tf.errors.FailedPreconditionError,
+            lambda: ptf.allreduce(tf.ones([2], dt), name="mm.dtype"),
+            "mm.dtype", "dtype", "rank 0 has float32", "float64")
+    _expect(tf.errors.FailedPreconditionError,
+            lambda: ptf.broadcast(tf.ones([2]), root_rank=min(R, 1), name="mm.root"),
+            "mm.root", "root rank", "rank 0 has root 0")
+    op = ptf.allgather if R == 0 else ptf.allreduce
+    _expect(tf.errors.FailedPreconditionError, lambda: op(tf.ones([2]), name="mm.op"),
+            "mm.op", "operation", "rank 0 has allgather")
+    # After mismatches the runtime still works.
+    np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
+
+
+def check_invalid_arguments_raise_locally():
+    _expect(tf.errors.InvalidArgumentError,
+            lambda: ptf.allreduce(tf.constant([True]), op=ptf.Sum), "bool")
+    _expect(tf.errors.InvalidArgumentError,
+            lambda: ptf.broadcast(tf.ones([1]), root_rank=N), "root_rank", f"0 to {N - 1}")
+    _expect(tf.errors.InvalidArgumentError,
+            lambda: ptf.alltoall(tf.ones([N + 1])), "divisible")
+    _expect(tf.errors.InvalidArgumentError,
+            lambda: ptf.alltoall(tf.ones([3]), splits=[1] * N + [1]), "one per rank")
+    _expect(tf.errors.InvalidArgumentError, lambda: ptf.allgather(tf.constant(1.0)), "scalar")
+    try:
+        ptf.allreduce(tf.ones([1]), op=ptf.Adasum)
+        raise AssertionError("Adasum should raise")
+    except NotImplementedError as e:
+        assert "Average" in str(e)

@@ -1,0 +1,37 @@
+"""Runs every check_* function of a worker module on this rank.
+
+Usage: run_checks.py MODULE OUT_DIR. Writes OUT_DIR/rank<R>.json mapping each
+check to "ok" or its failure. Checks run in name order on every rank; each
+check must issue the same collectives on every rank whatever its outcome.
+"""
+
+import importlib
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+    module = importlib.import_module(sys.argv[1])
+    out_dir = sys.argv[2]
+    rank = module.setup()
+    results = {}
+    path = os.path.join(out_dir, f"rank{rank}.json")
+    for name in sorted(n for n in dir(module) if n.startswith("check_")):
+        try:
+            getattr(module, name)()
+            results[name] = "ok"
+        except Exception:  # a failed check is reported, the others still run
+            results[name] = traceback.format_exc(limit=6)
+        with open(path, "w") as f:  # rewritten as we go: a hang still leaves evidence
+            json.dump(results, f)
+    teardown = getattr(module, "teardown", None)
+    if teardown:
+        teardown()
+
+
+if __name__ == "__main__":
+    main()
