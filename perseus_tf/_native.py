@@ -53,6 +53,13 @@ def init(**overrides):
         _config_in_use, _topology = cfg, topo
 
 
+def ensure_initialized():
+    """Starts the runtime on first use only: after a failure or an explicit
+    shutdown, collectives must report that, not silently reconnect."""
+    if _core.state() == "uninitialized":
+        init()
+
+
 def shutdown():
     """Stops the runtime on every rank (collective); later collectives fail."""
     with _lock:
@@ -69,7 +76,7 @@ def config():
 
 
 def topology():
-    if not _core.is_initialized():
+    if _core.state() == "uninitialized":
         raise ValueError("Perseus is not initialized: call perseus_tf.init() first")
     return _core.topology()
 

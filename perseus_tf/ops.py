@@ -50,7 +50,7 @@ def is_initialized():
 
 
 def _topo(key):
-    init()
+    _native.ensure_initialized()
     return _native.topology()[key]
 
 
@@ -108,7 +108,7 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
       prescale_factor / postscale_factor: multiply before / after the reduction.
       name: pairs this call across ranks (defaults to the op's node name).
     """
-    init()
+    _native.ensure_initialized()
     return _LIB.perseus_allreduce(tensor, tensor_name=_name(name), reduce_op=_native_op(op),
                                   prescale=float(prescale_factor),
                                   postscale=float(postscale_factor))
@@ -116,7 +116,7 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
 
 def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
     """Reduces a list of tensors as one request, fused into as few buckets as fit."""
-    init()
+    _native.ensure_initialized()
     tensors = list(tensors)
     if not tensors:
         return []
@@ -128,13 +128,13 @@ def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0
 
 def broadcast(tensor, root_rank=0, name=None):
     """Returns root_rank's `tensor` on every rank."""
-    init()
+    _native.ensure_initialized()
     return _LIB.perseus_broadcast(tensor, tensor_name=_name(name), root_rank=int(root_rank))
 
 
 def allgather(tensor, name=None):
     """Concatenates every rank's tensor along dimension 0 (sizes may differ)."""
-    init()
+    _native.ensure_initialized()
     return _LIB.perseus_allgather(tensor, tensor_name=_name(name))
 
 
@@ -143,7 +143,7 @@ def alltoall(tensor, splits=None, name=None):
 
     Without splits, dimension 0 is divided evenly among the ranks.
     """
-    init()
+    _native.ensure_initialized()
     has_splits = splits is not None
     splits = tf.cast(splits, tf.int32) if has_splits else tf.zeros([0], tf.int32)
     return _LIB.perseus_alltoall(tensor, splits, tensor_name=_name(name), has_splits=has_splits)
@@ -154,7 +154,7 @@ def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, nam
 
     Rows are dealt out evenly; the first (dim0 % size) ranks get one more.
     """
-    init()
+    _native.ensure_initialized()
     return _LIB.perseus_reducescatter(tensor, tensor_name=_name(name),
                                       reduce_op=_native_op(op),
                                       prescale=float(prescale_factor),
@@ -163,7 +163,7 @@ def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, nam
 
 def barrier(name=None):
     """Blocks until every rank has called barrier with the same name."""
-    init()
+    _native.ensure_initialized()
     return _LIB.perseus_barrier(tensor_name=_name(name) or "perseus.barrier")
 
 

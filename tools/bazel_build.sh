@@ -25,6 +25,8 @@ usage() {
 [[ $# -ge 1 && $1 != -* ]] || usage
 out_dir=$1
 shift
+mkdir -p "$out_dir"
+out_dir=$(cd "$out_dir" && pwd)
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo_root"
@@ -46,6 +48,7 @@ if [[ -z ${BAZEL:-} ]]; then
   done
   [[ -n ${BAZEL:-} ]] || { echo "bazel_build.sh: no bazel found" >&2; exit 1; }
 fi
+
 jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 # shellcheck disable=SC2206  # word splitting intended
 startup=(${BAZEL_STARTUP_OPTS:-})
@@ -59,7 +62,6 @@ echo "==> $BAZEL build //:native"
 # bazel-bin for the same flags (-c opt from .bazelrc changes the path).
 bin_dir=$("$BAZEL" "${startup[@]}" info "$@" bazel-bin 2>/dev/null)
 
-mkdir -p "$out_dir"
 for lib in libperseus_core.so _perseus_ops.so _core.so; do
   # Bazel outputs are read-only; replace rather than overwrite.
   rm -f "$out_dir/$lib"

@@ -204,6 +204,7 @@ PYBIND11_MODULE(_core, m) {
     Runtime::Get().Shutdown();
   });
   m.def("is_initialized", [] { return Runtime::Get().initialized(); });
+  m.def("state", [] { return std::string(Runtime::Get().state_name()); });
   m.def("topology", [] {
     const InitOptions& o = Runtime::Get().options();
     py::dict d;

@@ -41,6 +41,16 @@ Runtime& Runtime::Get() {
   return *runtime;
 }
 
+const char* Runtime::state_name() const {
+  switch (state_.load()) {
+    case State::kUninitialized: return "uninitialized";
+    case State::kRunning: return "running";
+    case State::kFailed: return "failed";
+    case State::kShutdown: return "shutdown";
+  }
+  return "unknown";
+}
+
 Status Runtime::Init(const InitOptions& options) {
   if (state_.load() == State::kRunning) return Status::OK();
   if (background_.joinable()) Shutdown();
@@ -571,15 +581,19 @@ std::string Runtime::IdentifyFailedRanks() {
     std::vector<int> dead;
     while (dead.empty()) {
       for (int r = 0; r < options_.size; ++r) {
+        // A rank that noticed the failure itself (census key written) and
+        // then exited is a survivor, not the cause.
         if (r != options_.rank &&
-            store_->TryGet(ClosedKey(job, r), std::chrono::milliseconds(0), &ignored)) {
+            store_->TryGet(ClosedKey(job, r), std::chrono::milliseconds(0), &ignored) &&
+            !store_->TryGet(census + std::to_string(r), std::chrono::milliseconds(0), &ignored)) {
           dead.push_back(r);
         }
       }
       if (!dead.empty() || Clock::now() > deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    if (!dead.empty()) return RankList(dead) + " exited or lost its connection";
+    if (!dead.empty()) return RankList(dead) + (dead.size() == 1 ? " exited or lost its connection"
+                                                                : " exited or lost their connection");
     // Nobody died: the ranks that are alive reach this point at about the
     // same time (they all timed out); the one that never does is stuck.
     auto census_deadline = Clock::now() + std::chrono::seconds(10);

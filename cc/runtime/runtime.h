@@ -89,6 +89,8 @@ class Runtime {
   // Collective: asks every rank to stop, drains, closes connections.
   void Shutdown();
   bool initialized() const { return state_.load() == State::kRunning; }
+  // "uninitialized", "running", "failed" or "shutdown".
+  const char* state_name() const;
   const InitOptions& options() const { return options_; }
 
   // Validates locally, then queues. An error is returned without calling

@@ -1,0 +1,155 @@
+"""Dead and stuck ranks, bad configuration, world size 1, clean shutdown."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import ROOT, WORKERS, launch, rank_env
+
+
+def _survivor_reports(proc, np_):
+    reports = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"\[(\d+)\] REPORTED ([\d.]+) (.*)", line)
+        if m:
+            reports[int(m.group(1))] = (float(m.group(2)), m.group(3))
+    return reports
+
+
+@pytest.mark.parametrize("np_,api", [(4, "core"), (2, "tf")])
+def test_killed_rank_is_named_by_every_survivor(np_, api):
+    start = time.time()
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "failure_worker.py"), "kill", api],
+                  env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=180)
+    victim = np_ - 1
+    assert proc.returncode != 0
+    assert f"rank {victim}" in proc.stderr and "signal SIGKILL" in proc.stderr, proc.stderr[-2000:]
+    reports = _survivor_reports(proc, np_)
+    assert sorted(reports) == list(range(np_ - 1)), proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank, (seconds, message) in reports.items():
+        assert f"rank {victim} exited or lost its connection" in message, message
+        assert seconds < 20, f"rank {rank} took {seconds}s to notice"
+    assert time.time() - start < 120
+
+
+def test_stuck_rank_is_named_after_the_timeout():
+    np_ = 2
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "failure_worker.py"), "stop", "core"],
+                  env={"GLOO_TIMEOUT_SECONDS": "4"}, timeout=180)
+    assert proc.returncode != 0
+    reports = _survivor_reports(proc, np_)
+    assert sorted(reports) == [0], proc.stdout[-3000:] + proc.stderr[-3000:]
+    seconds, message = reports[0]
+    assert "rank 1 stopped responding" in message, message
+    assert 3 <= seconds < 4 + 15, seconds
+
+
+def _python(code, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-c", code], env=rank_env(env), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("variable,value,needle", [
+    ("PERSEUS_ALLREDUCE_STREAMS", "0", "an integer from 1 to 12"),
+    ("PERSEUS_ALLREDUCE_DTYPE", "7", "one of 0, 1, 2"),
+    ("GLOO_TIMEOUT_SECONDS", "soon", "a number in [1, 86400]"),
+    ("PERSEUS_RANK", "5", "PERSEUS_RANK=5 is out of range"),
+])
+def test_bad_variable_fails_at_start_naming_it(variable, value, needle):
+    env = {variable: value}
+    if variable == "PERSEUS_RANK":
+        env["PERSEUS_SIZE"] = "2"
+    proc = _python("import perseus_tf._native as n; n.init()", env=env)
+    assert proc.returncode != 0
+    assert variable in proc.stderr and needle in proc.stderr, proc.stderr[-2000:]
+
+
+def test_bad_variable_under_perseusrun_fails_the_job():
+    proc = launch(2, [sys.executable, "-c", "import perseus_tf._native as n; n.init()"],
+                  env={"PERSEUS_ALLREDUCE_STREAMS": "13"}, timeout=60)
+    assert proc.returncode != 0
+    assert "PERSEUS_ALLREDUCE_STREAMS='13'" in proc.stderr
+
+
+SINGLE = r"""
+import numpy as np, tensorflow as tf, perseus_tf as ptf
+assert (ptf.rank(), ptf.size(), ptf.local_size()) == (0, 1, 1)
+x = tf.constant([[1.0, 2.0], [3.0, 4.0]])
+np.testing.assert_array_equal(ptf.allreduce(x, op=ptf.Average), x)
+np.testing.assert_array_equal(ptf.allreduce(x, op=ptf.Sum, postscale_factor=2.0), 2 * x)
+np.testing.assert_array_equal(ptf.allgather(x), x)
+np.testing.assert_array_equal(ptf.broadcast(x, 0), x)
+out, splits = ptf.alltoall(x)
+np.testing.assert_array_equal(out, x); np.testing.assert_array_equal(splits, [2])
+np.testing.assert_array_equal(ptf.reducescatter(x), x)
+ptf.barrier()
+print("SINGLE OK")
+"""
+
+
+def test_world_size_one_without_launcher():
+    env = {k: None for k in os.environ if k.startswith(("PERSEUS_", "OMPI_", "HOROVOD_"))}
+    proc = _python(SINGLE, env=env)
+    assert proc.returncode == 0 and "SINGLE OK" in proc.stdout, proc.stderr[-3000:]
+
+
+SHUTDOWN = r"""
+import sys, time, numpy as np
+from perseus_tf import _native
+from perseus_tf._native import _core
+_native.init()
+rank = _native.topology()["rank"]
+x = np.ones(4, np.float32)
+_core.submit(0, x, "before", 2, output=np.empty_like(x)).wait()
+if rank == 1:
+    time.sleep(2)  # ranks reach the end at different times
+if sys.argv[1] == "explicit":
+    _native.shutdown()
+    try:
+        _core.submit(0, x, "after", 2, output=np.empty_like(x)).wait()
+        print("NO ERROR")
+    except _core.CommunicationError as e:
+        print("AFTER SHUTDOWN:", e)
+print("END", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["atexit", "explicit"])
+def test_clean_shutdown(mode, tmp_path):
+    script = tmp_path / "shutdown.py"
+    script.write_text(SHUTDOWN)
+    start = time.time()
+    proc = launch(2, [sys.executable, str(script), mode], timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("END") == 2
+    assert time.time() - start < 20
+    if mode == "explicit":
+        assert proc.stdout.count("AFTER SHUTDOWN:") == 2 and "shut down" in proc.stdout
+
+
+def test_mpirun_style_environment_without_perseusrun(tmp_path):
+    # What mpirun sets, plus the master address: rank 0 hosts the store itself.
+    code = ("import numpy as np; from perseus_tf import _native; from perseus_tf._native import _core;"
+            "_native.init(); x=np.ones(3,np.float32)*(_native.topology()['rank']+1);"
+            "print('SUM', _core.submit(0,x,'m',2,output=np.empty_like(x)).wait()[0][0])")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = rank_env({"OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_SIZE": 2,
+                        "OMPI_COMM_WORLD_LOCAL_RANK": rank, "OMPI_COMM_WORLD_LOCAL_SIZE": 2,
+                        "PERSEUS_MASTER_ADDR": "127.0.0.1", "PERSEUS_MASTER_PORT": port})
+        for k in list(env):
+            if k.startswith("PERSEUS_") and k not in ("PERSEUS_MASTER_ADDR", "PERSEUS_MASTER_PORT"):
+                del env[k]
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=60) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "SUM 3.0" in out, err[-2000:]

@@ -1,0 +1,92 @@
+"""The runtime through the pybind11 module (no TensorFlow), at 2 and 4 ranks.
+
+This is the path the GPU machines use too. It lets a test choose the exact
+order in which each rank enqueues its requests.
+"""
+
+import os
+
+import numpy as np
+
+from perseus_tf import _native
+from perseus_tf._native import DTYPE_CODES, OP_ALLGATHER, OP_ALLREDUCE, OP_BROADCAST, _core
+
+R = N = None
+
+
+def setup():
+    global R, N
+    _native.init()
+    t = _native.topology()
+    R, N = t["rank"], t["size"]
+    return R
+
+
+def allreduce_async(x, name, reduce_op=0):
+    return _core.submit(OP_ALLREDUCE, x, name, DTYPE_CODES[x.dtype.name], reduce_op=reduce_op,
+                        output=np.empty_like(x))
+
+
+def check_many_tensors_enqueued_in_different_orders():
+    names = [f"order.{i}" for i in range(200)]
+    order = list(range(200))
+    np.random.default_rng(R).shuffle(order)  # a different order on every rank
+    handles = {}
+    for i in order:
+        handles[i] = allreduce_async(np.full(i % 13 + 1, R + i, np.float32), names[i])
+    for i in range(200):
+        got = handles[i].wait()[0]
+        np.testing.assert_array_equal(got, np.full(i % 13 + 1, sum(r + i for r in range(N))))
+
+
+def check_fusion_counters():
+    before = _native.stats()
+    handles = [allreduce_async(np.ones(100, np.float32), f"fuse.{i}") for i in range(40)]
+    for h in handles:
+        np.testing.assert_array_equal(h.wait()[0], np.full(100, N))
+    after = _native.stats()
+    fused = after["fused_responses"] - before["fused_responses"]
+    responses = after["responses"] - before["responses"]
+    if os.environ.get("PERSEUS_FUSION_THRESHOLD") == "0":
+        assert fused == 0 and responses == 40, (fused, responses)
+    else:
+        assert fused >= 1 and responses < 40, (fused, responses)
+    assert after["control_bytes_sent"] > before["control_bytes_sent"]
+    assert sum(s["bytes"] for s in after["streams"]) > sum(s["bytes"] for s in before["streams"])
+
+
+def check_large_tensor_and_fp16_reduce():
+    x = np.random.default_rng(R).normal(size=3_000_001).astype(np.float32)
+    ref = sum(np.random.default_rng(r).normal(size=3_000_001).astype(np.float32)
+              for r in range(N))
+    np.testing.assert_allclose(allreduce_async(x, "big").wait()[0], ref, rtol=1e-5, atol=1e-5)
+    h = np.random.default_rng(R + 7).normal(size=1001).astype(np.float16)
+    ref16 = sum(np.random.default_rng(r + 7).normal(size=1001).astype(np.float16).astype(
+        np.float32) for r in range(N))
+    np.testing.assert_allclose(allreduce_async(h, "half").wait()[0].astype(np.float32), ref16,
+                               rtol=2e-2, atol=2e-2)
+
+
+def check_raw_gloo_allreduce():
+    x = np.full(1000, R + 1, np.float32)
+    _core.raw_allreduce(x, DTYPE_CODES["float32"])
+    np.testing.assert_array_equal(x, np.full(1000, N * (N + 1) / 2))
+
+
+def check_duplicate_name_in_flight_is_rejected():
+    h = allreduce_async(np.ones(4, np.float32), "dup")
+    if R == 0:
+        try:
+            allreduce_async(np.ones(4, np.float32), "dup")
+            raise AssertionError("a second 'dup' in flight should be rejected")
+        except _core.InvalidArgumentError as e:
+            assert "already in flight" in str(e)
+    h.wait()
+
+
+def check_allgather_and_broadcast_numpy():
+    got = _core.submit(OP_ALLGATHER, np.full((R + 1, 2), R, np.int32), "ag", 4).wait()[0]
+    np.testing.assert_array_equal(got, np.concatenate([np.full((r + 1, 2), r) for r in range(N)]))
+    x = np.full(3, R, np.float64)
+    got = _core.submit(OP_BROADCAST, x, "bc", 3, root=N - 1, output=np.empty_like(x)).wait()[0]
+    np.testing.assert_array_equal(got, [N - 1] * 3)

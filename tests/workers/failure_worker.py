@@ -1,0 +1,54 @@
+"""One rank dies (SIGKILL) or hangs (SIGSTOP); the others must raise, naming it.
+
+Usage: failure_worker.py {kill|stop} {core|tf}. Survivors print
+`REPORTED <seconds> <message>` once their collective fails.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+mode, api = sys.argv[1], sys.argv[2]
+
+if api == "tf":
+    import tensorflow as tf
+
+    import perseus_tf as ptf
+
+    ptf.init()
+    rank, size = ptf.rank(), ptf.size()
+
+    def collective(i):
+        ptf.allreduce(tf.ones([16]), name=f"step{i}")
+
+    expected_error = tf.errors.UnavailableError
+else:
+    from perseus_tf import _native
+    from perseus_tf._native import _core
+
+    _native.init()
+    rank, size = _native.topology()["rank"], _native.topology()["size"]
+
+    def collective(i):
+        x = np.ones(16, np.float32)
+        _core.submit(0, x, f"step{i}", 2, output=np.empty_like(x)).wait()
+
+    expected_error = _core.CommunicationError
+
+victim = size - 1
+collective(0)  # everyone is connected and working
+if rank == victim:
+    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+    time.sleep(600)
+time.sleep(0.5)
+start = time.time()
+try:
+    for i in range(1, 10**6):
+        collective(i)
+except expected_error as e:
+    print(f"REPORTED {time.time() - start:.1f} {e}", flush=True)
+    sys.exit(1)
+print("NOT REPORTED", flush=True)
