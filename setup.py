@@ -1,0 +1,39 @@
+"""Builds Perseus-TF: the Python package plus its native code, compiled
+against the TensorFlow installed in the target environment.
+
+Install with `pip install --no-build-isolation .` (or `-e .`): the build
+imports that TensorFlow for its headers and flags, which an isolated build
+environment would not have.
+"""
+
+import os
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class BuildNative(build_ext):
+    """Compiles libperseus_core.so, _perseus_ops.so and _core with tools/build_native.py."""
+
+    def build_extensions(self):
+        sys.path.insert(0, os.path.join(HERE, "tools"))
+        import build_native
+
+        out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath("perseus_tf._core")))
+        build_native.build(out_dir)
+
+
+setup(
+    name="perseus-tf",
+    version="0.1.0",
+    description="Fast data-parallel TensorFlow training across processes (AIACC/Perseus ideas)",
+    packages=find_packages(include=["perseus_tf", "perseus_tf.*"]),
+    ext_modules=[Extension("perseus_tf._core", sources=[])],
+    cmdclass={"build_ext": BuildNative},
+    entry_points={"console_scripts": ["perseusrun=perseus_tf.runner:main"]},
+    python_requires=">=3.11",
+    install_requires=["numpy", "pybind11"],
+)

@@ -1,0 +1,62 @@
+"""The README's example, the pip build's artifacts, and the Bazel build."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, launch, rank_env
+
+
+def test_example_trains_on_two_ranks():
+    proc = launch(2, [sys.executable, os.path.join(ROOT, "examples", "keras_digits.py"),
+                      "--epochs", "4"], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if "test accuracy" in l]
+    assert len(lines) == 4 and all(l.startswith("[0] ") for l in lines), proc.stdout
+    accuracy = float(re.search(r"test accuracy ([\d.]+)", lines[-1]).group(1))
+    assert accuracy > 0.85, lines
+
+
+def test_one_runtime_shared_by_op_library_and_pybind_module():
+    code = ("import tensorflow as tf, perseus_tf as ptf\n"
+            "from perseus_tf import _native\n"
+            "_native.init(streams=3)\n"  # started through pybind11...
+            "ptf.allreduce(tf.ones([2]))\n"  # ...used by the TF op library
+            "maps = open('/proc/self/maps').read()\n"
+            "assert maps.count('libperseus_core.so') > 0\n"
+            "assert len({l.split()[-1] for l in maps.splitlines() if 'libperseus_core' in l}) == 1\n"
+            "assert _native.stats()['requests'] == 1 and len(_native.stats()['streams']) == 3\n"
+            "print('SHARED OK')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=rank_env(), capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert "SHARED OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("bazel-4") is None and shutil.which("bazel") is None,
+                    reason="Bazel is not installed (make system installs bazel-bootstrap)")
+def test_bazel_build_produces_working_libraries(tmp_path):
+    out = tmp_path / "bazel-out"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "tools", "bazel_build.sh"), str(out)],
+                          env=rank_env({"PYTHON": sys.executable, "JOBS": "2"}),
+                          capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # A package made of the Python sources and the Bazel-built libraries.
+    pkg = tmp_path / "pkg" / "perseus_tf"
+    shutil.copytree(os.path.join(ROOT, "perseus_tf"), pkg,
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for name in ("libperseus_core.so", "_perseus_ops.so", "_core.so"):
+        shutil.copy(out / name, pkg / name)
+    code = ("import tensorflow as tf, perseus_tf as ptf, os\n"
+            f"assert ptf.__file__.startswith({str(tmp_path)!r}), ptf.__file__\n"
+            "v = ptf.allreduce(tf.ones([3]) * (ptf.rank() + 1), op=ptf.Sum).numpy()\n"
+            "assert list(v) == [3.0, 3.0, 3.0], v\n"
+            "print('BAZEL OK')\n")
+    proc = subprocess.run([sys.executable, "-m", "perseus_tf.runner", "-np", "2", "--",
+                           sys.executable, "-c", code],
+                          env=rank_env({"PYTHONPATH": str(tmp_path / "pkg")}),
+                          capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
+    assert proc.stdout.count("BAZEL OK") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
