@@ -1,0 +1,61 @@
+"""Parsing and validation of the env contract and PERSEUS_* variables (no launch)."""
+
+import pytest
+
+from perseus_tf.config import ConfigError, load_config, load_topology
+
+
+def test_defaults_match_the_documented_ones():
+    c = load_config(environ={})
+    assert (c.allreduce_dtype, c.gradient_scale, c.streams, c.accumulate_n_steps,
+            c.timeout_seconds, c.nancheck, c.perf_check_n_steps) == (0, 10.0, 4, 1, 60.0, 0, 0)
+    assert c.allreduce_mode is None and c.fusion is None and c.offline_neg is None
+
+
+@pytest.mark.parametrize("variable,value,needle", [
+    ("PERSEUS_ALLREDUCE_STREAMS", "13", "an integer from 1 to 12"),
+    ("PERSEUS_ALLREDUCE_FUSION", "129", "an integer from 0 to 128"),
+    ("PERSEUS_ALLREDUCE_MODE", "2", "one of 0, 1"),
+    ("PERSEUS_OFFLINE_NEG", "yes", "one of 0, 1"),
+    ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", "0", "(0, 1000000.0]"),
+    ("PERSEUS_GRADIENT_MOMENTUM", "1.5", "(0, 1]"),
+    ("PERSEUS_ACCUMULATE_N_STEPS", "0", "from 1 to 1024"),
+])
+def test_bad_values_name_variable_and_range(variable, value, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={variable: value})
+    assert variable in str(e.value) and needle in str(e.value) and repr(value) in str(e.value)
+
+
+def test_overrides_win_and_unknown_options_are_rejected():
+    c = load_config({"streams": 2}, environ={"PERSEUS_ALLREDUCE_STREAMS": "8"})
+    assert c.streams == 2
+    with pytest.raises(ConfigError, match="unknown option 'stream'"):
+        load_config({"stream": 2}, environ={})
+    with pytest.raises(ConfigError, match="option streams"):
+        load_config({"streams": 99}, environ={})
+
+
+def test_topology_from_each_launcher():
+    assert load_topology({}).size == 1
+    t = load_topology({"PERSEUS_RANK": "1", "PERSEUS_SIZE": "4", "PERSEUS_LOCAL_RANK": "1",
+                       "PERSEUS_LOCAL_SIZE": "2", "PERSEUS_CROSS_RANK": "0",
+                       "PERSEUS_CROSS_SIZE": "2", "PERSEUS_RENDEZVOUS_ADDR": "127.0.0.1",
+                       "PERSEUS_RENDEZVOUS_PORT": "5000", "PERSEUS_RENDEZVOUS_SECRET": "abcd",
+                       "PERSEUS_HOST_ADDR": "127.0.0.2"})
+    assert (t.rank, t.size, t.local_size, t.cross_size, t.secret, t.host_addr) == \
+        (1, 4, 2, 2, b"\xab\xcd", "127.0.0.2")
+    t = load_topology({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                       "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1"})
+    assert (t.rank, t.cross_rank, t.cross_size, t.store_port, t.host_store) == (3, 1, 2, 6666, False)
+    t = load_topology({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
+                       "HOROVOD_LOCAL_SIZE": "2", "PERSEUS_MASTER_ADDR": "127.0.0.1",
+                       "PERSEUS_MASTER_PORT": "7000"})
+    assert (t.rank, t.size, t.store_port, t.host_store) == (0, 2, 7000, True)
+
+
+def test_multi_rank_without_rendezvous_names_the_variables():
+    with pytest.raises(ConfigError, match="PERSEUS_MASTER_ADDR"):
+        load_topology({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+                       "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
