@@ -8,6 +8,7 @@ Public names (TensorFlow is imported on first use, so that the launcher,
   allreduce, grouped_allreduce, broadcast, allgather, alltoall,
   reducescatter, barrier
   Average, Sum, Min, Max, Product, Adasum
+  PerseusStrategy, PerseusCrossDeviceOps
 """
 
 import importlib
@@ -19,10 +20,15 @@ _FROM_OPS = (
     "Product", "Adasum",
 )
 
-__all__ = list(_FROM_OPS)
+_ELSEWHERE = {"PerseusStrategy": "perseus_tf.strategy",
+              "PerseusCrossDeviceOps": "perseus_tf.cross_device_ops"}
+
+__all__ = list(_FROM_OPS) + list(_ELSEWHERE)
 
 
 def __getattr__(name):
     if name in _FROM_OPS:
         return getattr(importlib.import_module("perseus_tf.ops"), name)
+    if name in _ELSEWHERE:
+        return getattr(importlib.import_module(_ELSEWHERE[name]), name)
     raise AttributeError(f"module 'perseus_tf' has no attribute {name!r}")

@@ -37,7 +37,7 @@ TARGET_RATIO = 0.90
 # together), never fewer than MIN_ITERS iterations nor more than --iters.
 DEFAULT_ITERS = 50
 MIN_ITERS = 5
-SIZE_BUDGET_S = 4.0
+SIZE_BUDGET_S = 8.0
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,121 @@
+"""PerseusCrossDeviceOps: tf.distribute reductions through the Perseus runtime.
+
+A value with one component per local device is first summed on this process
+(when it drives several devices), then reduced across processes with one
+fused request for a whole batch (Keras hands all gradients at once), and the
+result is placed on every destination device.
+
+Works inside PerseusStrategy (one process per replica) and with stock
+`tf.distribute.MirroredStrategy(devices, cross_device_ops=PerseusCrossDeviceOps())`
+in one process (then the cross-process step is a no-op of world size 1).
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import reduce_util
+from tensorflow.python.distribute import values as values_lib
+
+from perseus_tf import _native
+from perseus_tf import ops as perseus_ops
+
+
+def _components(value):
+    if isinstance(value, values_lib.DistributedValues):
+        return list(value.values)
+    return [value]
+
+
+def _dense(t):
+    if isinstance(t, tf.IndexedSlices):
+        return tf.convert_to_tensor(t)
+    return t
+
+
+class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
+    """Cross-device and cross-process reductions over the native fused allreduce.
+
+    Example:
+        strategy = tf.distribute.MirroredStrategy(
+            ["/cpu:0", "/cpu:1"], cross_device_ops=perseus_tf.PerseusCrossDeviceOps())
+    """
+
+    def __init__(self):
+        super().__init__()
+        _native.ensure_initialized()
+
+    @property
+    def _num_between_graph_workers(self):
+        # The base class skips reductions of a single local value unless it
+        # knows other processes take part.
+        return perseus_ops.size()
+
+    # -- helpers ----------------------------------------------------------------
+
+    @staticmethod
+    def _local_sum(value):
+        parts = [_dense(p) for p in _components(value)]
+        if len(parts) == 1:
+            return parts[0], 1
+        with tf.device(parts[0].device):
+            return tf.add_n(parts), len(parts)
+
+    def _reduce_many(self, reduce_op, values):
+        """Reduces each value across local devices and processes; returns tensors."""
+        locals_, counts = zip(*[self._local_sum(v) for v in values])
+        size = perseus_ops.size()
+        if size > 1:
+            # Tensors of one dtype travel as one grouped (fused) request.
+            by_dtype = {}
+            for i, t in enumerate(locals_):
+                by_dtype.setdefault(t.dtype, []).append(i)
+            reduced = list(locals_)
+            for dtype, idx in by_dtype.items():
+                with tf.device("/cpu:0"):
+                    outs = perseus_ops.grouped_allreduce([locals_[i] for i in idx],
+                                                         op=perseus_ops.Sum)
+                for i, o in zip(idx, outs):
+                    reduced[i] = o
+        else:
+            reduced = list(locals_)
+        if reduce_op == reduce_util.ReduceOp.MEAN:
+            out = []
+            for t, n in zip(reduced, counts):
+                replicas = n * size
+                if t.dtype.is_floating or t.dtype.is_complex:
+                    out.append(t / tf.cast(replicas, t.dtype))
+                else:
+                    out.append(t // tf.cast(replicas, t.dtype))
+            reduced = out
+        return reduced
+
+    # -- CrossDeviceOps interface ---------------------------------------------------
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        return self.batch_reduce_implementation(
+            reduce_op, [(per_replica_value, destinations)], options)[0]
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        if not value_destination_pairs:
+            return []
+        values = [v for v, _ in value_destination_pairs]
+        reduced = self._reduce_many(reduce_op, values)
+        return [cross_device_ops_lib.simple_broadcast(r, d, always_mirrored=True)
+                for r, (_, d) in zip(reduced, value_destination_pairs)]
+
+    def broadcast_implementation(self, tensor, destinations):
+        return cross_device_ops_lib.simple_broadcast(tensor, destinations, always_mirrored=True)
+
+    def _gather_implementation(self, per_replica_value, destinations, axis, options):
+        parts = [_dense(p) for p in _components(per_replica_value)]
+        local = parts[0] if len(parts) == 1 else tf.concat(parts, axis=axis)
+        if perseus_ops.size() > 1:
+            rank = local.shape.rank
+            if axis != 0:
+                perm = [axis] + [i for i in range(rank) if i != axis]
+                inverse = [perm.index(i) for i in range(rank)]
+                local = tf.transpose(local, perm)
+            with tf.device("/cpu:0"):
+                local = perseus_ops.allgather(local)
+            if axis != 0:
+                local = tf.transpose(local, inverse)
+        return cross_device_ops_lib.simple_broadcast(local, destinations, always_mirrored=True)

@@ -1,0 +1,184 @@
+"""PerseusStrategy: a tf.distribute strategy whose replicas are processes.
+
+It is a MirroredStrategy (Keras 2 and 3 accept it where they accept
+MirroredStrategy) made global: the replica count is the world size, datasets
+are sharded per rank, variables start from rank 0's values, and every
+reduction goes through PerseusCrossDeviceOps across processes.
+
+Example (started with `perseusrun -np 4 -- python train.py`):
+    strategy = perseus_tf.PerseusStrategy()
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(dataset, epochs=3)
+"""
+
+import itertools
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import input_util
+from tensorflow.python.distribute import mirrored_strategy
+from tensorflow.python.distribute import reduce_util
+from tensorflow.python.distribute import values as values_lib
+from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.util import nest
+
+from perseus_tf import _native
+from perseus_tf import ops as perseus_ops
+from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
+
+_BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
+                  tf.uint8, tf.int8, tf.bool}
+
+
+class PerseusExtended(mirrored_strategy.MirroredExtended):
+    """MirroredExtended whose sync group spans every rank's local devices."""
+
+    def __init__(self, container_strategy, devices=None, cross_device_ops=None):
+        super().__init__(container_strategy, devices=devices or ["/cpu:0"],
+                         cross_device_ops=cross_device_ops or PerseusCrossDeviceOps())
+        self._rank = perseus_ops.rank()
+        self._size = perseus_ops.size()
+        self._var_counter = itertools.count()
+        # What Keras' file-writing callbacks ask of a multi-worker strategy.
+        self._task_type = "worker"
+        self._task_id = self._rank
+
+    # -- global replica numbering ------------------------------------------------
+
+    @property
+    def _num_replicas_in_sync(self):
+        return len(self._devices) * self._size
+
+    def _get_local_replica_id(self, replica_id_in_sync_group):
+        return replica_id_in_sync_group - self._rank * len(self._devices)
+
+    def _get_replica_id_in_sync_group(self, replica_id):
+        return self._rank * len(self._devices) + replica_id
+
+    def _in_multi_worker_mode(self):
+        return self._size > 1
+
+    @property
+    def should_checkpoint(self):
+        return self._rank == 0
+
+    @property
+    def should_save_summary(self):
+        return self._rank == 0
+
+    # -- input ---------------------------------------------------------------------
+
+    def _make_input_context(self):
+        return distribute_lib.InputContext(num_input_pipelines=self._size,
+                                           input_pipeline_id=self._rank,
+                                           num_replicas_in_sync=self._num_replicas_in_sync)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        if (options and options.experimental_replication_mode ==
+                distribute_lib.InputReplicationMode.PER_REPLICA):
+            raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported in "
+                                      "distribute_datasets_from_function")
+        return input_util.get_distributed_dataset(
+            dataset, self._input_workers_with_options(options), self._container_strategy(),
+            num_replicas_in_sync=self._num_replicas_in_sync,
+            input_context=self._make_input_context(), options=options)
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        return input_util.get_distributed_datasets_from_function(
+            dataset_fn, self._input_workers_with_options(options),
+            [self._make_input_context()], self._container_strategy(), options)
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        values = []
+        for local_id in range(len(self._devices)):
+            replica_id = self._get_replica_id_in_sync_group(local_id)
+            values.append(value_fn(distribute_lib.ValueContext(replica_id,
+                                                               self._num_replicas_in_sync)))
+        return distribute_utils.regroup(values, always_wrap=True)
+
+    # -- variables -----------------------------------------------------------------
+
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
+        if replica_id != 0:
+            return super()._get_variable_creator_initial_value(replica_id, device, primary_var,
+                                                               **kwargs)
+        # Every rank creates its variables in the same order: the counter
+        # pairs each variable's broadcast across ranks.
+        name = "perseus.var_init.%d" % next(self._var_counter)
+        size = self._size
+
+        def initial_value_fn():
+            with tf.device(device):
+                value = kwargs["initial_value"]
+                if callable(value):
+                    value = value()
+                if isinstance(value, trackable_base.CheckpointInitialValue):
+                    value = value.wrapped_value
+                value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype", None))
+                if size > 1 and value.dtype in _BROADCASTABLE:
+                    value = perseus_ops.broadcast(value, root_rank=0, name=name)
+                return value
+
+        return initial_value_fn
+
+    # -- reductions ----------------------------------------------------------------
+
+    def _get_cross_device_ops(self, value):
+        # MirroredExtended sends int32 to a local-only reduction; every dtype
+        # must cross processes here.
+        return self._cross_device_ops
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if distribute_utils.is_mirrored(value) and reduce_op == reduce_util.ReduceOp.MEAN:
+            return value
+
+        def reduce_one(v):
+            if not isinstance(v, values_lib.DistributedValues) and self._size == 1:
+                # The same value on every replica (or 0).
+                return cross_device_ops_lib.reduce_non_distributed_value(
+                    reduce_op, v, destinations, self._num_replicas_in_sync)
+            # With several ranks a plain tensor is this rank's contribution
+            # (e.g. tf.data's int64 "has data" flag for uneven last batches).
+            # No local shortcut for CPU destinations: the value lives on
+            # every rank and must be reduced across them.
+            return self._cross_device_ops.reduce(reduce_op, v, destinations=destinations,
+                                                 options=options)
+
+        return nest.map_structure(reduce_one, value)
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        return self._cross_device_ops.batch_reduce(reduce_op, value_destination_pairs,
+                                                   options=options)
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        if not isinstance(value, values_lib.DistributedValues):
+            value = values_lib.PerReplica([value])
+        return self._cross_device_ops._gather(value, destinations=destinations, axis=axis,
+                                              options=options)
+
+
+class PerseusStrategy(tf.distribute.MirroredStrategy):
+    """Data parallelism across perseusrun's processes, one replica per process.
+
+    Args:
+      devices: local devices this process drives (default: its CPU).
+      cross_device_ops: defaults to PerseusCrossDeviceOps().
+      **options: runtime options by field name (see perseus_tf.config.Config,
+        e.g. streams=2, timeout_seconds=30); they override PERSEUS_* variables
+        and take effect when this is the first thing to start the runtime.
+        Unknown names raise perseus_tf.config.ConfigError.
+    """
+
+    _collective_key_base = 0
+
+    def __init__(self, devices=None, cross_device_ops=None, **options):
+        if options and _native.is_initialized():
+            from perseus_tf import config
+            config.load_config(options)  # still reject unknown or invalid options
+        _native.init(**options)
+        extended = PerseusExtended(self, devices=devices, cross_device_ops=cross_device_ops)
+        tf.distribute.Strategy.__init__(self, extended)
