@@ -49,7 +49,8 @@ def init(**overrides):
             host_addr=topo.host_addr, gloo_iface=cfg.gloo_iface, streams=cfg.streams,
             timeout_seconds=cfg.timeout_seconds,
             fusion_threshold_bytes=cfg.fusion_threshold_bytes,
-            cycle_time_ms=cfg.cycle_time_ms))
+            cycle_time_ms=cfg.cycle_time_ms,
+            stall_timeout_seconds=cfg.stall_timeout_seconds))
         _config_in_use, _topology = cfg, topo
 
 

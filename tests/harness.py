@@ -22,6 +22,8 @@ def rank_env(extra=None):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.setdefault("GLOO_TIMEOUT_SECONDS", "60")
+    # A failed check can leave ranks making different calls: error, not hang.
+    env.setdefault("PERSEUS_STALL_TIMEOUT_SECONDS", "60")
     for key, value in (extra or {}).items():
         if value is None:
             env.pop(key, None)

@@ -192,6 +192,7 @@ PYBIND11_MODULE(_core, m) {
     opts.timeout_seconds = o["timeout_seconds"].cast<double>();
     opts.fusion_threshold_bytes = o["fusion_threshold_bytes"].cast<int64_t>();
     opts.cycle_time_ms = o["cycle_time_ms"].cast<double>();
+    opts.stall_timeout_seconds = o["stall_timeout_seconds"].cast<double>();
     Status s;
     {
       py::gil_scoped_release release;

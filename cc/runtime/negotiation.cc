@@ -63,6 +63,7 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
   if (it == table_.end()) {
     Entry e;
     e.seq = next_seq_++;
+    e.first_cycle = cycle_;
     e.have.assign(size_, false);
     e.metas.resize(size_);
     it = table_.emplace(meta.name, std::move(e)).first;
@@ -170,7 +171,38 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
   return resp;
 }
 
+std::vector<Response> Negotiator::TakeStalled(uint64_t cycles) {
+  std::vector<Response> out;
+  if (cycles == 0) return out;
+  std::map<uint64_t, std::string> stalled;
+  for (const auto& kv : table_) {
+    if (cycle_ - kv.second.first_cycle > cycles) stalled.emplace(kv.second.seq, kv.first);
+  }
+  for (const auto& kv : stalled) {
+    const Entry& e = table_[kv.second];
+    std::ostringstream msg;
+    std::vector<int> missing, present;
+    for (int r = 0; r < size_; ++r) (e.have[r] ? present : missing).push_back(r);
+    msg << "Perseus " << OpTypeName(e.metas[present[0]].op) << " of tensor '" << kv.second
+        << "' stalled: rank(s)";
+    for (int r : present) msg << " " << r;
+    msg << " requested it but rank(s)";
+    for (int r : missing) msg << " " << r;
+    msg << " did not within PERSEUS_STALL_TIMEOUT_SECONDS; the ranks are running different "
+           "collectives (check that every rank makes the same calls)";
+    Response resp;
+    resp.op = e.metas[present[0]].op;
+    resp.names.push_back(kv.second);
+    resp.metas.push_back(e.metas[present[0]]);
+    resp.error = Status::Error(StatusCode::kFailedPrecondition, msg.str());
+    out.push_back(std::move(resp));
+    table_.erase(kv.second);
+  }
+  return out;
+}
+
 std::vector<Response> Negotiator::TakeReady() {
+  ++cycle_;
   std::vector<Response> ready;
   for (auto& kv : complete_) {
     auto it = table_.find(kv.second);

@@ -47,10 +47,15 @@ class Negotiator {
   bool HasPending() const { return !table_.empty(); }
   // Describes stalled requests: which ranks have not asked yet.
   std::string DescribePending() const;
+  // Names requested by some ranks for more than `cycles` negotiation cycles
+  // become error responses (every rank computes the same list, since cycles
+  // are counted identically everywhere). Ranks that never asked ignore them.
+  std::vector<Response> TakeStalled(uint64_t cycles);
 
  private:
   struct Entry {
     uint64_t seq = 0;
+    uint64_t first_cycle = 0;
     int count = 0;
     std::vector<bool> have;
     std::vector<TensorMeta> metas;  // indexed by rank
@@ -63,6 +68,7 @@ class Negotiator {
   int size_;
   int64_t fusion_threshold_;
   uint64_t next_seq_ = 0;
+  uint64_t cycle_ = 0;
   std::unordered_map<std::string, Entry> table_;
   std::map<uint64_t, std::string> complete_;  // seq -> name, this cycle
 };

@@ -212,7 +212,6 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
                      "; concurrent collectives need distinct names");
     }
     pending_.emplace(m.name, request);
-    if (queue_.empty()) first_enqueue_ = Clock::now();
     queue_.push_back(m);
   }
   {
@@ -257,10 +256,10 @@ void Runtime::RunCycle(bool* stop) {
     queue_cv_.wait_until(lock, last_cycle_ + max_wait,
                          [&] { return !queue_.empty() || shutdown_requested_; });
     if (!queue_.empty()) {
-      // Requests that arrive together (a backward pass, a grouped call)
-      // should travel, and fuse, in one cycle: wait one cycle time after
-      // the first of them before sending.
-      auto send_at = std::max(last_cycle_, first_enqueue_) + cycle_time;
+      // Cycles are at least one cycle time apart, so requests that arrive
+      // together (a backward pass) travel, and fuse, in few cycles; a
+      // request after a quiet spell goes at once.
+      auto send_at = last_cycle_ + cycle_time;
       if (Clock::now() < send_at) {
         lock.unlock();
         std::this_thread::sleep_until(send_at);
@@ -328,6 +327,13 @@ void Runtime::RunCycle(bool* stop) {
     }
   }
   std::vector<Response> ready = negotiator_->TakeReady();
+  if (options_.stall_timeout_seconds > 0) {
+    // Idle cycles are at most kIdleWait apart, busy ones about a cycle time:
+    // counting cycles at the idle pace keeps every rank's verdict the same.
+    uint64_t budget = static_cast<uint64_t>(options_.stall_timeout_seconds * 1000 /
+                                            std::chrono::duration<double, std::milli>(kIdleWait).count());
+    for (Response& r : negotiator_->TakeStalled(budget)) ready.push_back(std::move(r));
+  }
   idle_cycles_ = (any_requests || !ready.empty()) ? 0 : idle_cycles_ + 1;
   {
     std::lock_guard<std::mutex> lock(stats_mu_);

@@ -50,6 +50,7 @@ struct InitOptions {
   double timeout_seconds = 60;
   int64_t fusion_threshold_bytes = 64 << 20;
   double cycle_time_ms = 1.0;
+  double stall_timeout_seconds = 0;  // 0: wait forever for the other ranks
 };
 
 // One collective a caller asked for. `done` runs exactly once, on a runtime
@@ -141,7 +142,6 @@ class Runtime {
 
   std::thread background_;
   std::chrono::steady_clock::time_point last_cycle_;
-  std::chrono::steady_clock::time_point first_enqueue_;
   int idle_cycles_ = 0;
   uint64_t dispatched_ = 0;
 

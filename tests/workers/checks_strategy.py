@@ -1,0 +1,223 @@
+"""PerseusStrategy with Keras and custom loops, at 2 and 4 ranks.
+
+Rank 0 also trains the same model without any strategy on the same global
+data: the distributed weights must equal that single-process result.
+"""
+
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+import perseus_tf as ptf
+from perseus_tf import _native
+
+try:
+    import keras
+except ImportError:  # pragma: no cover
+    keras = tf.keras
+
+R = N = STRATEGY = None
+GLOBAL_BATCH = 16
+rng = np.random.default_rng(0)
+X = rng.normal(size=(96, 6)).astype(np.float32)
+Y = (X @ rng.normal(size=(6, 1)) + 0.1).astype(np.float32)
+LABELS = (X[:, 0] > 0).astype(np.int64)
+
+
+def setup():
+    global R, N, STRATEGY
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+    STRATEGY = ptf.PerseusStrategy()
+    R, N = ptf.rank(), ptf.size()
+    return R
+
+
+def make_model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def dataset(n=96):
+    return tf.data.Dataset.from_tensor_slices((X[:n], Y[:n])).batch(GLOBAL_BATCH)
+
+
+def same_on_all_ranks(arrays, tol=0.0):
+    """Checks that every rank holds the same arrays (gathered through the runtime)."""
+    for a in arrays:
+        a = np.asarray(a, np.float64).reshape(1, -1)
+        everyone = ptf.allgather(tf.constant(a)).numpy()
+        np.testing.assert_allclose(everyone, np.repeat(everyone[:1], N, 0), atol=tol)
+
+
+def check_replicas_and_variables_start_equal():
+    assert STRATEGY.num_replicas_in_sync == N
+    with STRATEGY.scope():
+        model = make_model(seed=R)  # each rank draws different initial values
+    same_on_all_ranks([w.numpy() for w in model.weights])
+
+
+def _fit_and_compare(n_examples, epochs):
+    with STRATEGY.scope():
+        model = make_model(seed=R)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    start = [w.numpy() for w in model.weights]
+    history = model.fit(dataset(n_examples), epochs=epochs, verbose=0)
+    result = model.evaluate(dataset(n_examples), verbose=0)
+    same_on_all_ranks([w.numpy() for w in model.weights])
+    same_on_all_ranks([history.history["loss"], result])
+    ref = make_model(seed=0)
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    for v, s in zip(ref.weights, start):
+        v.assign(s)
+    ref_history = ref.fit(dataset(n_examples), epochs=epochs, verbose=0, shuffle=False)
+    ref_result = ref.evaluate(dataset(n_examples), verbose=0)
+    for a, b in zip(model.weights, ref.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+    np.testing.assert_allclose(result, ref_result, rtol=1e-5)
+    np.testing.assert_allclose(history.history["loss"], ref_history.history["loss"], rtol=1e-5)
+    return model
+
+
+def check_fit_equals_single_process_sgd():
+    _fit_and_compare(96, epochs=3)
+
+
+def check_fit_with_last_partial_batch():
+    # 88 examples, global batch 16: the last batch has 8 (2 or 4 ranks share it).
+    _fit_and_compare(88, epochs=2)
+
+
+def check_custom_training_loop_equals_single_process():
+    with STRATEGY.scope():
+        model = make_model(seed=R)
+        opt = keras.optimizers.SGD(0.05)
+    start = [w.numpy() for w in model.weights]
+    dist = STRATEGY.experimental_distribute_dataset(dataset())
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_sum((model(x) - y) ** 2, axis=1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def train_step(x, y):
+        return STRATEGY.reduce("SUM", STRATEGY.run(step, args=(x, y)), axis=None)
+
+    losses = [float(train_step(x, y)) for x, y in dist]
+    same_on_all_ranks([w.numpy() for w in model.weights] + [losses])
+    ref = make_model(seed=0)
+    for v, s in zip(ref.weights, start):
+        v.assign(s)
+    ref_opt = keras.optimizers.SGD(0.05)
+    for x, y in dataset():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.reduce_sum((ref(x) - y) ** 2, axis=1))
+        ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_variables),
+                                    ref.trainable_variables))
+    for a, b in zip(model.weights, ref.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+def check_strategy_reduce_gather_and_int_values():
+    def replica_value():
+        rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+        return tf.cast(tf.fill([2, 3], rid + 1), tf.float32), tf.cast(rid + 1, tf.int32), \
+            tf.cast(rid + 1, tf.int64)
+
+    f, i32, i64 = STRATEGY.run(tf.function(replica_value))
+    total = N * (N + 1) / 2
+    np.testing.assert_allclose(STRATEGY.reduce("SUM", f, axis=None).numpy(), np.full((2, 3), total))
+    np.testing.assert_allclose(STRATEGY.reduce("MEAN", f, axis=None).numpy(),
+                               np.full((2, 3), total / N))
+    np.testing.assert_allclose(STRATEGY.reduce("SUM", f, axis=0).numpy(), np.full(3, 2 * total))
+    np.testing.assert_allclose(STRATEGY.reduce("MEAN", f, axis=0).numpy(), np.full(3, total / N))
+    assert int(STRATEGY.reduce("SUM", i32, axis=None)) == total
+    assert int(STRATEGY.reduce("SUM", i64, axis=None)) == total
+    gathered = STRATEGY.gather(f, axis=0).numpy()
+    np.testing.assert_allclose(gathered[:, 0], np.repeat(np.arange(1, N + 1), 2))
+    gathered = STRATEGY.gather(f, axis=1).numpy()
+    assert gathered.shape == (2, 3 * N)
+
+
+def check_replica_context_all_reduce_dense_and_indexed_slices():
+    @tf.function
+    def fn():
+        ctx = tf.distribute.get_replica_context()
+        rid = tf.cast(ctx.replica_id_in_sync_group, tf.float32)
+        dense = ctx.all_reduce("SUM", tf.ones([3]) * (rid + 1))
+        sparse = tf.IndexedSlices(values=tf.ones([1, 2]) * (rid + 1),
+                                  indices=tf.constant([0]), dense_shape=tf.constant([3, 2]))
+        reduced = ctx.all_reduce("SUM", sparse)
+        return dense, tf.convert_to_tensor(reduced)
+
+    dense, sparse = STRATEGY.run(fn)
+    total = N * (N + 1) / 2
+    np.testing.assert_allclose(dense.numpy(), np.full(3, total))
+    np.testing.assert_allclose(sparse.numpy(), [[total, total], [0, 0], [0, 0]])
+
+
+def check_checkpoint_written_by_rank0_and_restored_everywhere():
+    shared = tf.constant(tempfile.mkdtemp(prefix="perseus-ckpt-") if R == 0 else "")
+    # Every rank needs rank 0's directory name: broadcast its bytes.
+    name = ptf.broadcast(tf.constant(list(shared.numpy()) + [0] * (200 - len(shared.numpy())),
+                                     tf.uint8), root_rank=0).numpy()
+    directory = bytes(name).rstrip(b"\0").decode()
+    path = os.path.join(directory, "model.weights.h5")
+    with STRATEGY.scope():
+        model = make_model(seed=R)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    callback = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+    model.fit(dataset(), epochs=1, verbose=0, callbacks=[callback])
+    ptf.barrier()
+    files = sorted(os.listdir(directory))
+    assert files == ["model.weights.h5"], files
+    trained = [w.numpy() for w in model.weights]
+    with STRATEGY.scope():
+        restored = make_model(seed=100 + R)
+        restored.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    restored.load_weights(path)
+    for a, b in zip(restored.weights, trained):
+        np.testing.assert_allclose(a.numpy(), b, atol=0)
+    restored.fit(dataset(), epochs=1, verbose=0)  # and training continues in step
+    same_on_all_ranks([w.numpy() for w in restored.weights])
+
+
+def _local_replica_sum(strategy):
+    @tf.function
+    def fn():
+        ctx = tf.distribute.get_replica_context()
+        local = tf.cast(ctx.replica_id_in_sync_group % 2 + 1, tf.float32)  # 1, 2 per process
+        return ctx.all_reduce("SUM", tf.fill([2], local))
+
+    return [v.numpy() for v in strategy.experimental_local_results(strategy.run(fn))]
+
+
+def check_cross_device_ops_in_stock_mirrored_strategy():
+    # Stock MirroredStrategy over two logical CPUs of this process: the
+    # replica all-reduce (the gradient path) runs through our ops, local
+    # devices first, then across the N processes.
+    cpus = tf.config.list_logical_devices("CPU")
+    assert len(cpus) >= 2, cpus
+    mirrored = tf.distribute.MirroredStrategy(
+        [cpus[0].name, cpus[1].name], cross_device_ops=ptf.PerseusCrossDeviceOps())
+    for got in _local_replica_sum(mirrored):
+        np.testing.assert_allclose(got, [3.0 * N] * 2)
+
+
+def check_strategy_with_two_local_devices_per_process():
+    cpus = tf.config.list_logical_devices("CPU")
+    strategy = ptf.PerseusStrategy(devices=[cpus[0].name, cpus[1].name])
+    assert strategy.num_replicas_in_sync == 2 * N
+    for got in _local_replica_sum(strategy):
+        np.testing.assert_allclose(got, [3.0 * N] * 2)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(float(ctx.replica_id_in_sync_group)))
+    assert float(strategy.reduce("SUM", values, axis=None)) == sum(range(2 * N))
