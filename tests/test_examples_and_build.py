@@ -11,13 +11,15 @@ import pytest
 from harness import ROOT, launch, rank_env
 
 
-def test_example_trains_on_two_ranks():
-    proc = launch(2, [sys.executable, os.path.join(ROOT, "examples", "keras_digits.py"),
-                      "--epochs", "4"], timeout=300)
+@pytest.mark.parametrize("script,metric", [("keras_digits.py", "val_accuracy"),
+                                           ("digits_collectives.py", "test accuracy")])
+def test_examples_train_on_two_ranks(script, metric):
+    proc = launch(2, [sys.executable, os.path.join(ROOT, "examples", script), "--epochs", "4"],
+                  timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [l for l in proc.stdout.splitlines() if "test accuracy" in l]
+    lines = [l for l in proc.stdout.splitlines() if metric in l]
     assert len(lines) == 4 and all(l.startswith("[0] ") for l in lines), proc.stdout
-    accuracy = float(re.search(r"test accuracy ([\d.]+)", lines[-1]).group(1))
+    accuracy = float(re.search(metric + r" ([\d.]+)", lines[-1]).group(1))
     assert accuracy > 0.85, lines
 
 
