@@ -22,7 +22,13 @@ class BuildNative(build_ext):
         sys.path.insert(0, os.path.join(HERE, "tools"))
         import build_native
 
-        out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath("perseus_tf._core")))
+        if getattr(self, "editable_mode", False) or self.inplace:
+            # `pip install -e .`: the package is imported from the source tree,
+            # so all three libraries belong there (setuptools would only
+            # carry over the one extension it knows about).
+            out_dir = os.path.join(HERE, "perseus_tf")
+        else:
+            out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath("perseus_tf._core")))
         build_native.build(out_dir)
 
 
