@@ -7,6 +7,7 @@ environment would not have.
 """
 
 import os
+import shutil
 import sys
 
 from setuptools import Extension, find_packages, setup
@@ -22,14 +23,16 @@ class BuildNative(build_ext):
         sys.path.insert(0, os.path.join(HERE, "tools"))
         import build_native
 
+        expected = os.path.dirname(os.path.abspath(self.get_ext_fullpath("perseus_tf._core")))
+        built = build_native.build(expected)
         if getattr(self, "editable_mode", False) or self.inplace:
             # `pip install -e .`: the package is imported from the source tree,
-            # so all three libraries belong there (setuptools would only
+            # so all three libraries belong there too (setuptools would only
             # carry over the one extension it knows about).
-            out_dir = os.path.join(HERE, "perseus_tf")
-        else:
-            out_dir = os.path.dirname(os.path.abspath(self.get_ext_fullpath("perseus_tf._core")))
-        build_native.build(out_dir)
+            source = os.path.join(HERE, "perseus_tf")
+            if os.path.abspath(source) != expected:
+                for path in built:
+                    shutil.copy2(path, os.path.join(source, os.path.basename(path)))
 
 
 setup(
