@@ -53,6 +53,28 @@ std::vector<int64_t> ShapeOf(const Tensor& t) {
 
 void* DataOf(const Tensor& t) { return const_cast<char*>(t.tensor_data().data()); }
 
+// Reads the attributes every reducing op has (reduce_op, prescale, postscale).
+struct ReduceAttrs {
+  perseus::ReduceOp op = perseus::ReduceOp::kSum;
+  float prescale = 1.0f, postscale = 1.0f;
+
+  Status Read(OpKernelConstruction* c) {
+    int reduce_op;
+    TF_RETURN_IF_ERROR(c->GetAttr("reduce_op", &reduce_op));
+    if (reduce_op < 0 || reduce_op > 4) {
+      return errors::InvalidArgument("reduce_op must be 0..4, got ", reduce_op);
+    }
+    op = static_cast<perseus::ReduceOp>(reduce_op);
+    TF_RETURN_IF_ERROR(c->GetAttr("prescale", &prescale));
+    return c->GetAttr("postscale", &postscale);
+  }
+  void Apply(Request* req) const {
+    req->meta.reduce_op = op;
+    req->meta.prescale = prescale;
+    req->meta.postscale = postscale;
+  }
+};
+
 // Common attributes and request building for every collective kernel.
 class CollectiveKernel : public AsyncOpKernel {
  public:
@@ -96,13 +118,7 @@ class SameShapeKernel : public CollectiveKernel {
  public:
   SameShapeKernel(OpKernelConstruction* c, OpType op) : CollectiveKernel(c), op_(op) {
     if (op == OpType::kAllreduce) {
-      int reduce_op;
-      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
-      OP_REQUIRES(c, reduce_op >= 0 && reduce_op <= 4,
-                  errors::InvalidArgument("reduce_op must be 0..4, got ", reduce_op));
-      reduce_op_ = static_cast<perseus::ReduceOp>(reduce_op);
-      OP_REQUIRES_OK(c, c->GetAttr("prescale", &prescale_));
-      OP_REQUIRES_OK(c, c->GetAttr("postscale", &postscale_));
+      OP_REQUIRES_OK(c, reduce_.Read(c));
     } else {
       OP_REQUIRES_OK(c, c->GetAttr("root_rank", &root_));
     }
@@ -111,9 +127,7 @@ class SameShapeKernel : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     auto req = std::make_shared<Request>();
     if (!Prepare(ctx, 0, op_, req.get())) return done();
-    req->meta.reduce_op = reduce_op_;
-    req->meta.prescale = prescale_;
-    req->meta.postscale = postscale_;
+    reduce_.Apply(req.get());
     req->meta.root = root_;
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(
@@ -128,8 +142,7 @@ class SameShapeKernel : public CollectiveKernel {
 
  private:
   OpType op_;
-  perseus::ReduceOp reduce_op_ = perseus::ReduceOp::kSum;
-  float prescale_ = 1.0f, postscale_ = 1.0f;
+  ReduceAttrs reduce_;
   int root_ = 0;
 };
 
@@ -147,13 +160,7 @@ class BroadcastKernel : public SameShapeKernel {
 class GroupedAllreduceKernel : public CollectiveKernel {
  public:
   explicit GroupedAllreduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
-    int reduce_op;
-    OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
-    OP_REQUIRES(c, reduce_op >= 0 && reduce_op <= 4,
-                errors::InvalidArgument("reduce_op must be 0..4, got ", reduce_op));
-    reduce_op_ = static_cast<perseus::ReduceOp>(reduce_op);
-    OP_REQUIRES_OK(c, c->GetAttr("prescale", &prescale_));
-    OP_REQUIRES_OK(c, c->GetAttr("postscale", &postscale_));
+    OP_REQUIRES_OK(c, reduce_.Read(c));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -180,9 +187,7 @@ class GroupedAllreduceKernel : public CollectiveKernel {
       auto req = std::make_shared<Request>();
       if (!Prepare(ctx, i, OpType::kAllreduce, req.get())) return done();
       req->meta.name = tensor_name_ + "." + std::to_string(i);
-      req->meta.reduce_op = reduce_op_;
-      req->meta.prescale = prescale_;
-      req->meta.postscale = postscale_;
+      reduce_.Apply(req.get());
       req->meta.group = 1;
       Tensor* out = nullptr;
       OP_REQUIRES_OK_ASYNC(
@@ -199,8 +204,7 @@ class GroupedAllreduceKernel : public CollectiveKernel {
   }
 
  private:
-  perseus::ReduceOp reduce_op_ = perseus::ReduceOp::kSum;
-  float prescale_ = 1.0f, postscale_ = 1.0f;
+  ReduceAttrs reduce_;
 };
 
 // Allgather, alltoall, reducescatter: the output shape is known only after
@@ -209,13 +213,7 @@ class ShapeFromPeersKernel : public CollectiveKernel {
  public:
   ShapeFromPeersKernel(OpKernelConstruction* c, OpType op) : CollectiveKernel(c), op_(op) {
     if (op == OpType::kReducescatter) {
-      int reduce_op;
-      OP_REQUIRES_OK(c, c->GetAttr("reduce_op", &reduce_op));
-      OP_REQUIRES(c, reduce_op >= 0 && reduce_op <= 4,
-                  errors::InvalidArgument("reduce_op must be 0..4, got ", reduce_op));
-      reduce_op_ = static_cast<perseus::ReduceOp>(reduce_op);
-      OP_REQUIRES_OK(c, c->GetAttr("prescale", &prescale_));
-      OP_REQUIRES_OK(c, c->GetAttr("postscale", &postscale_));
+      OP_REQUIRES_OK(c, reduce_.Read(c));
     }
     if (op == OpType::kAlltoall) OP_REQUIRES_OK(c, c->GetAttr("has_splits", &has_splits_));
   }
@@ -223,9 +221,7 @@ class ShapeFromPeersKernel : public CollectiveKernel {
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     auto req = std::make_shared<Request>();
     if (!Prepare(ctx, 0, op_, req.get())) return done();
-    req->meta.reduce_op = reduce_op_;
-    req->meta.prescale = prescale_;
-    req->meta.postscale = postscale_;
+    reduce_.Apply(req.get());
     if (op_ == OpType::kAlltoall && has_splits_) {
       const Tensor& splits = ctx->input(1);
       OP_REQUIRES_ASYNC(ctx, splits.dims() == 1,
@@ -267,8 +263,7 @@ class ShapeFromPeersKernel : public CollectiveKernel {
 
  private:
   OpType op_;
-  perseus::ReduceOp reduce_op_ = perseus::ReduceOp::kSum;
-  float prescale_ = 1.0f, postscale_ = 1.0f;
+  ReduceAttrs reduce_;
   bool has_splits_ = false;
 };
 
