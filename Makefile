@@ -1,20 +1,29 @@
 # Everything a fresh Debian/Ubuntu machine needs, then the job or the tests.
 #   make demo   set up, then train the example on 2 local ranks
-#   make test   set up, then run the test suite
+#   make test   set up, then run the test suite with TF 2.21 (Keras 3), then
+#               again with TF 2.15 (Keras 2, tf.estimator) in a second venv
 PYTHON ?= python3
 VENV ?= .venv
 TF_VERSION ?= 2.21.*
+VENV_OLD ?= .venv-tf215
+TF_VERSION_OLD ?= 2.15.*
 PY := $(VENV)/bin/python
+PY_OLD := $(VENV_OLD)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 SYSTEM_PACKAGES := libgloo-dev bazel-bootstrap g++ python3-venv iproute2
 
-.PHONY: demo test system native bazel clean
+.PHONY: demo test test-new test-old system native native-old bazel clean
 
 demo: native
 	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
 
-test: native
+test: test-new test-old
+
+test-new: native
 	$(PY) -m pytest tests -q
+
+test-old: native-old
+	PERSEUS_SKIP_BAZEL_TEST=1 $(PY_OLD) -m pytest tests -q
 
 system:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -31,6 +40,15 @@ $(VENV)/.deps: | system
 
 native: $(VENV)/.deps
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+
+$(VENV_OLD)/.deps: | system
+	$(PYTHON) -m venv $(VENV_OLD)
+	$(PY_OLD) -m pip install -q --upgrade pip
+	$(PY_OLD) -m pip install -q "tensorflow==$(TF_VERSION_OLD)" "numpy<2" pybind11 pytest scikit-learn setuptools wheel
+	touch $@
+
+native-old: $(VENV_OLD)/.deps
+	$(PY_OLD) -m pip install -q --no-build-isolation --no-deps -e .
 
 bazel: $(VENV)/.deps
 	JOBS=2 PYTHON=$(PY) tools/bazel_build.sh build/bazel-out

@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class BuildNative(build_ext):
-    """Compiles libperseus_core.so, _perseus_ops.so and _core with tools/build_native.py."""
+    """Compiles libperseus_core.so, _perseus_ops_tfX_Y.so and _core with tools/build_native.py."""
 
     def build_extensions(self):
         sys.path.insert(0, os.path.join(HERE, "tools"))

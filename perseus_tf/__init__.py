@@ -6,7 +6,8 @@ Public names (TensorFlow is imported on first use, so that the launcher,
   init, shutdown, is_initialized, rank, size, local_rank, local_size,
   cross_rank, cross_size, stats
   allreduce, grouped_allreduce, broadcast, allgather, alltoall,
-  reducescatter, barrier
+  reducescatter, barrier, join, add_process_set, remove_process_set,
+  process_set_ranks
   Average, Sum, Min, Max, Product, Adasum
   PerseusStrategy, PerseusCrossDeviceOps
 """
@@ -16,8 +17,9 @@ import importlib
 _FROM_OPS = (
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "stats", "allreduce", "grouped_allreduce", "broadcast",
-    "allgather", "alltoall", "reducescatter", "barrier", "Average", "Sum", "Min", "Max",
-    "Product", "Adasum",
+    "allgather", "alltoall", "reducescatter", "barrier", "join", "add_process_set",
+    "remove_process_set", "process_set_ranks", "Average", "Sum", "Min", "Max", "Product",
+    "Adasum",
 )
 
 _ELSEWHERE = {"PerseusStrategy": "perseus_tf.strategy",

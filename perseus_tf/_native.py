@@ -24,7 +24,8 @@ except ImportError as e:  # pragma: no cover - only without a build
         f"(or `make native`) in the source tree ({e})") from e
 
 # Numeric codes shared with cc/runtime/common.h.
-OP_ALLREDUCE, OP_ALLGATHER, OP_BROADCAST, OP_ALLTOALL, OP_REDUCESCATTER, OP_BARRIER = range(6)
+(OP_ALLREDUCE, OP_ALLGATHER, OP_BROADCAST, OP_ALLTOALL, OP_REDUCESCATTER, OP_BARRIER,
+ OP_JOIN) = range(7)
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4,
                "int64": 5, "uint8": 6, "int8": 7, "bool": 8}
 
@@ -64,7 +65,91 @@ def ensure_initialized():
 def shutdown():
     """Stops the runtime on every rank (collective); later collectives fail."""
     with _lock:
-        _core.shutdown()
+        _shutdown_all()
+
+
+def _shutdown_all():
+    # Process sets first: each is a collective among its members, who are
+    # all on their way out too.
+    for set_id in _core.process_set_ids():
+        _core.remove_process_set(set_id)
+    _process_sets.clear()
+    _core.shutdown()
+
+
+# ---- process sets (sub-groups with their own negotiation and contexts) ------
+
+_process_sets = {}  # id -> tuple of world ranks, on every rank
+_next_set_id = [1]
+
+
+def add_process_set(ranks):
+    """Registers a process set made of world `ranks`; returns its id.
+
+    Collective: every rank of the world calls it, in the same order, with the
+    same ranks (checked: a disagreement raises ValueError on every rank).
+    Members connect the set's own Gloo contexts; collectives then take the
+    id (`process_set_id=`), and ranks in them are positions in the set.
+    """
+    import numpy as np
+
+    ensure_initialized()
+    try:
+        members = sorted({int(r) for r in ranks})
+    except (TypeError, ValueError):
+        raise ValueError(f"a process set needs a list of integer ranks, got {ranks!r}") from None
+    world = _core.topology()
+    me, size = world["rank"], world["size"]
+    bad = [r for r in members if not 0 <= r < size]
+    if not members or bad:
+        raise ValueError(f"process set ranks must be a non-empty list of ranks from 0 to "
+                         f"{size - 1}; got {list(ranks)!r}")
+    set_id = _next_set_id[0]
+    _next_set_id[0] += 1
+    # Every rank must describe the same set: gather all descriptions.
+    mine = np.array([len(members)] + members, dtype=np.int64)
+    lens, _ = _core.submit(OP_ALLGATHER, np.array([mine.size], np.int64),
+                           f"perseus.process_set.{set_id}.len", DTYPE_CODES["int64"]).wait()
+    everyone, _ = _core.submit(OP_ALLGATHER, mine, f"perseus.process_set.{set_id}.ranks",
+                               DTYPE_CODES["int64"]).wait()
+    seen, offset = [], 0
+    for n in lens:
+        seen.append(everyone[offset + 1:offset + int(n)].tolist())
+        offset += int(n)
+    if any(s != members for s in seen):
+        described = "; ".join(f"rank {r} gave {s}" for r, s in enumerate(seen))
+        raise ValueError(f"add_process_set: ranks disagree on the members of process set "
+                         f"{set_id}: {described}; every rank must pass the same ranks")
+    if me in members:
+        _core.add_process_set(set_id, members)
+    _process_sets[set_id] = tuple(members)
+    return set_id
+
+
+def remove_process_set(set_id):
+    """Removes a process set (collective over the world, like add)."""
+    set_id = int(set_id)
+    if set_id not in _process_sets:
+        raise ValueError(f"process set {set_id} does not exist (known: "
+                         f"{sorted(_process_sets) or 'none'})")
+    members = _process_sets.pop(set_id)
+    if _core.topology()["rank"] in members:
+        _core.remove_process_set(set_id)
+
+
+def process_set_ranks(set_id):
+    """World ranks of a process set (0: the whole world)."""
+    set_id = int(set_id)
+    if set_id == 0:
+        return tuple(range(_core.topology()["size"]))
+    if set_id not in _process_sets:
+        raise ValueError(f"process set {set_id} does not exist")
+    return _process_sets[set_id]
+
+
+def process_set_topology(set_id):
+    """{rank, size, ranks} of this process in a set, or None if not a member."""
+    return _core.process_set_topology(int(set_id))
 
 
 def is_initialized():
@@ -82,9 +167,9 @@ def topology():
     return _core.topology()
 
 
-def stats():
+def stats(process_set_id=0):
     """Runtime counters: negotiation cycles, control bytes, responses, per-stream bytes."""
-    return _core.stats()
+    return _core.stats(int(process_set_id))
 
 
-atexit.register(_core.shutdown)
+atexit.register(_shutdown_all)

@@ -18,8 +18,26 @@ import tensorflow as tf
 
 from perseus_tf import _native
 
-_LIB = tf.load_op_library(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                       "_perseus_ops.so"))
+
+
+def _load_library():
+    """Loads the op library built for this TensorFlow (`make native` or
+    `pip install` builds `_perseus_ops_tf<major>_<minor>.so`; a Bazel build
+    gives `_perseus_ops.so`)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    major, minor = tf.__version__.split(".")[:2]
+    candidates = [f"_perseus_ops_tf{major}_{minor}.so", "_perseus_ops.so"]
+    for name in candidates:
+        path = os.path.join(here, name)
+        if os.path.exists(path):
+            return tf.load_op_library(path)
+    raise ImportError(
+        f"perseus_tf has no op library for TensorFlow {tf.__version__} in {here} "
+        f"(looked for {', '.join(candidates)}): rebuild with "
+        "`pip install --no-build-isolation -e .` in this environment")
+
+
+_LIB = _load_library()
 
 # Reduction ops, numbered as in Horovod so that code passing them through works.
 Average = 0
@@ -98,7 +116,8 @@ def _name(name):
     return "" if name is None else str(name)
 
 
-def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
+              process_set_id=0):
     """Reduces `tensor` across ranks; every rank gets the result.
 
     Args:
@@ -107,14 +126,18 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
       op: Sum (default), Average, Min, Max or Product.
       prescale_factor / postscale_factor: multiply before / after the reduction.
       name: pairs this call across ranks (defaults to the op's node name).
+      process_set_id: reduce among a process set's members only (see
+        add_process_set); 0, the default, is every rank.
     """
     _native.ensure_initialized()
     return _LIB.perseus_allreduce(tensor, tensor_name=_name(name), reduce_op=_native_op(op),
                                   prescale=float(prescale_factor),
-                                  postscale=float(postscale_factor))
+                                  postscale=float(postscale_factor),
+                                  process_set_id=int(process_set_id))
 
 
-def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                      process_set_id=0):
     """Reduces a list of tensors as one request, fused into as few buckets as fit."""
     _native.ensure_initialized()
     tensors = list(tensors)
@@ -123,22 +146,26 @@ def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0
     return _LIB.perseus_grouped_allreduce(tensors, tensor_name=_name(name),
                                           reduce_op=_native_op(op),
                                           prescale=float(prescale_factor),
-                                          postscale=float(postscale_factor))
+                                          postscale=float(postscale_factor),
+                                          process_set_id=int(process_set_id))
 
 
-def broadcast(tensor, root_rank=0, name=None):
-    """Returns root_rank's `tensor` on every rank."""
+def broadcast(tensor, root_rank=0, name=None, process_set_id=0):
+    """Returns root_rank's `tensor` on every rank (in a process set, root_rank
+    is a position in the set, not a world rank)."""
     _native.ensure_initialized()
-    return _LIB.perseus_broadcast(tensor, tensor_name=_name(name), root_rank=int(root_rank))
+    return _LIB.perseus_broadcast(tensor, tensor_name=_name(name), root_rank=int(root_rank),
+                                  process_set_id=int(process_set_id))
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, process_set_id=0):
     """Concatenates every rank's tensor along dimension 0 (sizes may differ)."""
     _native.ensure_initialized()
-    return _LIB.perseus_allgather(tensor, tensor_name=_name(name))
+    return _LIB.perseus_allgather(tensor, tensor_name=_name(name),
+                                  process_set_id=int(process_set_id))
 
 
-def alltoall(tensor, splits=None, name=None):
+def alltoall(tensor, splits=None, name=None, process_set_id=0):
     """Sends `splits[r]` rows of `tensor` to rank r; returns (received, received_splits).
 
     Without splits, dimension 0 is divided evenly among the ranks.
@@ -146,10 +173,12 @@ def alltoall(tensor, splits=None, name=None):
     _native.ensure_initialized()
     has_splits = splits is not None
     splits = tf.cast(splits, tf.int32) if has_splits else tf.zeros([0], tf.int32)
-    return _LIB.perseus_alltoall(tensor, splits, tensor_name=_name(name), has_splits=has_splits)
+    return _LIB.perseus_alltoall(tensor, splits, tensor_name=_name(name), has_splits=has_splits,
+                                 process_set_id=int(process_set_id))
 
 
-def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None):
+def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                  process_set_id=0):
     """Reduces across ranks and returns this rank's share of dimension 0.
 
     Rows are dealt out evenly; the first (dim0 % size) ranks get one more.
@@ -158,13 +187,54 @@ def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, nam
     return _LIB.perseus_reducescatter(tensor, tensor_name=_name(name),
                                       reduce_op=_native_op(op),
                                       prescale=float(prescale_factor),
-                                      postscale=float(postscale_factor))
+                                      postscale=float(postscale_factor),
+                                      process_set_id=int(process_set_id))
 
 
-def barrier(name=None):
+def barrier(name=None, process_set_id=0):
     """Blocks until every rank has called barrier with the same name."""
     _native.ensure_initialized()
-    return _LIB.perseus_barrier(tensor_name=_name(name) or "perseus.barrier")
+    return _LIB.perseus_barrier(tensor_name=_name(name) or "perseus.barrier",
+                                process_set_id=int(process_set_id))
+
+
+def join(process_set_id=0):
+    """Declares that this rank has no more data (Horovod's join).
+
+    Until every rank has joined, this rank takes part in the collectives the
+    others still run, contributing zeros to allreduces (so a Sum or Average
+    counts it as zero) and no rows to allgathers; alltoall, and broadcast
+    from a joined root, fail. Returns the rank that joined last, as an int32
+    scalar tensor. Usable again once it returns (e.g. once per epoch).
+    """
+    _native.ensure_initialized()
+    return _LIB.perseus_join(process_set_id=int(process_set_id))
+
+
+def add_process_set(ranks):
+    """Creates a process set of these world ranks; returns its id (collective)."""
+    return _native.add_process_set(ranks)
+
+
+def remove_process_set(process_set_id):
+    """Removes a process set (collective over every rank)."""
+    _native.remove_process_set(process_set_id)
+
+
+def process_set_ranks(process_set_id):
+    """World ranks of a process set, in order (0: every rank)."""
+    return _native.process_set_ranks(process_set_id)
+
+
+def _set_rank(op):
+    """This process's position in the process set of `op`."""
+    set_id = op.get_attr("process_set_id")
+    return rank() if set_id == 0 else _native.process_set_topology(set_id)["rank"]
+
+
+def _set_size(op):
+    set_id = op.get_attr("process_set_id")
+    return size() if set_id == 0 else _native.process_set_topology(set_id)["size"]
 
 
 # ---- gradients -------------------------------------------------------------
@@ -175,7 +245,8 @@ def _allreduce_grad(op, grad):
     if reduce_op not in (0, 1):  # sum, average
         raise NotImplementedError("only Sum and Average allreduce have gradients")
     return _LIB.perseus_allreduce(grad, reduce_op=reduce_op, prescale=op.get_attr("prescale"),
-                                  postscale=op.get_attr("postscale"))
+                                  postscale=op.get_attr("postscale"),
+                                  process_set_id=op.get_attr("process_set_id"))
 
 
 @tf.RegisterGradient("PerseusGroupedAllreduce")
@@ -186,25 +257,28 @@ def _grouped_allreduce_grad(op, *grads):
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
     return _LIB.perseus_grouped_allreduce(grads, reduce_op=reduce_op,
                                           prescale=op.get_attr("prescale"),
-                                          postscale=op.get_attr("postscale"))
+                                          postscale=op.get_attr("postscale"),
+                                          process_set_id=op.get_attr("process_set_id"))
 
 
 @tf.RegisterGradient("PerseusBroadcast")
 def _broadcast_grad(op, grad):
     # Only the root's value reaches any output: it receives the sum of all
     # ranks' gradients, the others nothing.
-    summed = _LIB.perseus_allreduce(grad, reduce_op=0)
-    if rank() == op.get_attr("root_rank"):
+    summed = _LIB.perseus_allreduce(grad, reduce_op=0,
+                                    process_set_id=op.get_attr("process_set_id"))
+    if _set_rank(op) == op.get_attr("root_rank"):
         return summed
     return tf.zeros_like(summed)
 
 
 @tf.RegisterGradient("PerseusAllgather")
 def _allgather_grad(op, grad):
-    summed = _LIB.perseus_allreduce(grad, reduce_op=0)
+    set_id = op.get_attr("process_set_id")
+    summed = _LIB.perseus_allreduce(grad, reduce_op=0, process_set_id=set_id)
     dim0 = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-    dims = _LIB.perseus_allgather(dim0)
-    offset = tf.reduce_sum(dims[:rank()])
+    dims = _LIB.perseus_allgather(dim0, process_set_id=set_id)
+    offset = tf.reduce_sum(dims[:_set_rank(op)])
     begin = tf.concat([[offset], tf.zeros_like(tf.shape(summed, out_type=tf.int64)[1:])], 0)
     size_ = tf.concat([dim0, tf.shape(summed, out_type=tf.int64)[1:]], 0)
     return tf.slice(summed, begin, size_)
@@ -215,15 +289,16 @@ def _reducescatter_grad(op, grad):
     reduce_op = op.get_attr("reduce_op")
     if reduce_op not in (0, 1):
         raise NotImplementedError("only Sum and Average reducescatter have gradients")
-    gathered = _LIB.perseus_allgather(grad)
+    gathered = _LIB.perseus_allgather(grad, process_set_id=op.get_attr("process_set_id"))
     scale = op.get_attr("prescale") * op.get_attr("postscale")
     if reduce_op == 1:
-        scale /= size()
+        scale /= _set_size(op)
     return gathered * tf.cast(scale, gathered.dtype) if scale != 1.0 else gathered
 
 
 @tf.RegisterGradient("PerseusAlltoall")
 def _alltoall_grad(op, grad, _splits_grad):
     received = op.outputs[1]
-    back, _ = _LIB.perseus_alltoall(grad, received, has_splits=True)
+    back, _ = _LIB.perseus_alltoall(grad, received, has_splits=True,
+                                    process_set_id=op.get_attr("process_set_id"))
     return back, None

@@ -2,7 +2,7 @@
 
 Three shared objects land in one directory (the `perseus_tf` package):
   libperseus_core.so   runtime + Gloo backend; knows nothing of TensorFlow
-  _perseus_ops.so      TensorFlow ops and kernels, linked to libperseus_core.so
+  _perseus_ops_tfX_Y.so  TensorFlow ops and kernels for TF X.Y, linked to libperseus_core.so
   _core<EXT_SUFFIX>    pybind11 module, linked to libperseus_core.so
 Both front ends load the same libperseus_core.so (found through
 rpath=$ORIGIN), so a process has exactly one runtime.
@@ -23,6 +23,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _sources(folder):
     path = os.path.join(ROOT, "cc", folder)
     return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".cc"))
+
+
+def tf_tag():
+    """`tf2_15` for TensorFlow 2.15.x: the op library is built per TF minor
+    version, so environments with different TensorFlows can share one tree."""
+    import tensorflow as tf
+    major, minor = tf.__version__.split(".")[:2]
+    return f"tf{major}_{minor}"
 
 
 def _tf_flags():
@@ -77,7 +85,9 @@ def build(out_dir=None, jobs=2, verbose=True):
     for group, (srcs, extra) in groups.items():
         objects[group] = []
         for src in srcs:
-            obj = os.path.join(obj_dir, group + "_" + os.path.basename(src)[:-3] + ".o")
+            sub = os.path.join(obj_dir, tf_tag()) if group == "tf" else obj_dir
+            os.makedirs(sub, exist_ok=True)
+            obj = os.path.join(sub, group + "_" + os.path.basename(src)[:-3] + ".o")
             objects[group].append(obj)
             if not _newer(obj, [src] + headers):
                 compile_jobs.append([cxx] + common + extra + ["-c", src, "-o", obj])
@@ -91,7 +101,7 @@ def build(out_dir=None, jobs=2, verbose=True):
     _run([cxx, "-shared", "-o", core] + objects["core"] + ["-lgloo", "-lpthread"] +
          ["-Wl,-soname,libperseus_core.so"])
     link_core = ["-L" + out_dir, "-lperseus_core"] + rpath
-    ops = os.path.join(out_dir, "_perseus_ops.so")
+    ops = os.path.join(out_dir, f"_perseus_ops_{tf_tag()}.so")
     _run([cxx, "-shared", "-o", ops] + objects["tf"] + link_core + tf_lflags)
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     pymod = os.path.join(out_dir, "_core" + ext)

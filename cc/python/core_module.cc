@@ -87,6 +87,7 @@ class Handle {
     }
     py::object splits = py::none();
     if (request_->meta.op == OpType::kAlltoall) splits = py::cast(request_->received_splits);
+    if (request_->meta.op == OpType::kJoin) splits = py::cast(request_->result);
     return py::make_tuple(result, splits);
   }
 
@@ -105,7 +106,12 @@ class Handle {
 
 Handle Submit(int op, py::array input, const std::string& name, int dtype, int reduce_op,
               int root, double prescale, double postscale, std::vector<int64_t> splits,
-              py::object output) {
+              py::object output, int process_set) {
+  Runtime* rt = Runtime::Find(process_set);
+  if (rt == nullptr) {
+    throw InvalidError("this rank is not a member of process set " + std::to_string(process_set) +
+                       " (or the set was removed)");
+  }
   if (!(input.flags() & py::array::c_style)) {
     throw InvalidError("input array must be C-contiguous");
   }
@@ -138,13 +144,15 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
     state->finished = true;
     state->cv.notify_all();
   };
-  Status s = Runtime::Get().Enqueue(req);
+  Status s = rt->Enqueue(req);
   if (!s.ok()) Raise(s);
   return Handle(state, req, input, output, input.attr("dtype"));
 }
 
-py::dict StatsDict() {
-  Stats st = Runtime::Get().GetStats();
+py::dict StatsDict(int process_set) {
+  Runtime* rt = Runtime::Find(process_set);
+  if (rt == nullptr) throw InvalidError("no process set " + std::to_string(process_set) + " here");
+  Stats st = rt->GetStats();
   py::dict d;
   d["cycles"] = st.cycles;
   d["control_bytes_sent"] = st.control_bytes_sent;
@@ -217,7 +225,36 @@ PYBIND11_MODULE(_core, m) {
     d["cross_size"] = o.cross_size;
     return d;
   });
-  m.def("stats", &StatsDict);
+  m.def("stats", &StatsDict, py::arg("process_set") = 0);
+  m.def("add_process_set", [](int id, std::vector<int> ranks) {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Runtime::AddProcessSet(id, ranks);
+    }
+    if (!s.ok()) Raise(s);
+  });
+  m.def("remove_process_set", [](int id) {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Runtime::RemoveProcessSet(id);
+    }
+    if (!s.ok()) Raise(s);
+  });
+  m.def("process_set_ids", &Runtime::ProcessSetIds);
+  m.def("process_set_topology", [](int id) -> py::object {
+    Runtime* rt = Runtime::Find(id);
+    if (rt == nullptr || !rt->initialized()) return py::none();
+    const InitOptions& o = rt->options();
+    py::dict d;
+    d["rank"] = o.rank;
+    d["size"] = o.size;
+    std::vector<int> ranks = o.global_ranks;
+    if (ranks.empty()) for (int r = 0; r < o.size; ++r) ranks.push_back(r);
+    d["ranks"] = ranks;
+    return d;
+  });
   m.def("f16c_available", &CpuHasF16C);
 
   py::class_<Handle>(m, "Handle")
@@ -226,7 +263,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("submit", &Submit, py::arg("op"), py::arg("input"), py::arg("name"), py::arg("dtype"),
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("prescale") = 1.0,
         py::arg("postscale") = 1.0, py::arg("splits") = std::vector<int64_t>(),
-        py::arg("output") = py::none());
+        py::arg("output") = py::none(), py::arg("process_set") = 0);
   m.def("raw_allreduce", [](py::array data, int dtype) {
     Status s;
     void* p = data.mutable_data();

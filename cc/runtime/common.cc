@@ -57,6 +57,7 @@ const char* OpTypeName(OpType op) {
     case OpType::kAlltoall: return "alltoall";
     case OpType::kReducescatter: return "reducescatter";
     case OpType::kBarrier: return "barrier";
+    case OpType::kJoin: return "join";
   }
   return "unknown";
 }

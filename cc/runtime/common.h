@@ -36,6 +36,9 @@ enum class OpType : int32_t {
   kAlltoall = 3,
   kReducescatter = 4,
   kBarrier = 5,
+  // Horovod's join: this rank has no more data; until every rank has
+  // joined it takes part in the others' collectives with empty input.
+  kJoin = 6,
 };
 
 // Error categories. The TF adapter maps them onto tf.errors classes.

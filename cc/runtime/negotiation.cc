@@ -8,7 +8,8 @@ namespace perseus {
 namespace {
 
 // "rank 0 has X; ranks 1, 2 have Y" from one printable value per rank.
-std::string DescribeByRank(const std::vector<std::string>& values) {
+std::string DescribeByRank(const std::vector<std::string>& values,
+                           const std::vector<int>& rank_ids) {
   std::vector<std::string> distinct;
   std::vector<std::vector<int>> ranks;
   for (size_t r = 0; r < values.size(); ++r) {
@@ -18,7 +19,7 @@ std::string DescribeByRank(const std::vector<std::string>& values) {
       distinct.push_back(values[r]);
       ranks.emplace_back();
     }
-    ranks[i].push_back(static_cast<int>(r));
+    ranks[i].push_back(rank_ids[r]);
   }
   std::ostringstream out;
   for (size_t i = 0; i < distinct.size(); ++i) {
@@ -55,8 +56,24 @@ std::vector<int64_t> TrailingDims(const TensorMeta& m) {
 
 }  // namespace
 
-Negotiator::Negotiator(int size, int64_t fusion_threshold_bytes)
-    : size_(size), fusion_threshold_(fusion_threshold_bytes) {}
+Negotiator::Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int> world_ranks)
+    : size_(size),
+      world_(std::move(world_ranks)),
+      fusion_threshold_(fusion_threshold_bytes),
+      joined_(size, false),
+      join_cycle_(size, 0) {
+  if (world_.empty()) {
+    for (int r = 0; r < size; ++r) world_.push_back(r);
+  }
+}
+
+bool Negotiator::Complete(const Entry& e) const {
+  if (e.count == 0) return false;
+  for (int r = 0; r < size_; ++r) {
+    if (!e.have[r] && !joined_[r]) return false;
+  }
+  return true;
+}
 
 void Negotiator::Add(int rank, const TensorMeta& meta) {
   auto it = table_.find(meta.name);
@@ -72,17 +89,56 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
   if (e.have[rank]) return;  // the runtime rejects local duplicates first
   e.have[rank] = true;
   e.metas[rank] = meta;
-  if (++e.count == size_) complete_.emplace(e.seq, meta.name);
+  ++e.count;
+  if (meta.op == OpType::kJoin && !joined_[rank]) {
+    joined_[rank] = true;
+    join_cycle_[rank] = cycle_;
+    // Whatever only this rank was missing can run now, with its input empty.
+    for (const auto& kv : table_) {
+      if (Complete(kv.second)) complete_.emplace(kv.second.seq, kv.first);
+    }
+    return;
+  }
+  if (Complete(e)) complete_.emplace(e.seq, meta.name);
 }
 
 Status Negotiator::Validate(const std::string& name, const Entry& e) const {
-  const std::vector<TensorMeta>& m = e.metas;
+  // Only the ranks that asked; joined ranks follow whatever they agreed.
+  std::vector<TensorMeta> m;
+  std::vector<int> ids;
+  std::vector<int> joined_ids;
+  for (int r = 0; r < size_; ++r) {
+    if (e.have[r]) {
+      m.push_back(e.metas[r]);
+      ids.push_back(world_[r]);
+    } else {
+      joined_ids.push_back(world_[r]);
+    }
+  }
   auto fail = [&](const std::string& what, const std::vector<std::string>& by_rank) {
     std::ostringstream out;
     out << "Perseus " << OpTypeName(m[0].op) << " of tensor '" << name
-        << "': ranks disagree on " << what << ": " << DescribeByRank(by_rank);
+        << "': ranks disagree on " << what << ": " << DescribeByRank(by_rank, ids);
     return Status::Error(StatusCode::kFailedPrecondition, out.str());
   };
+  if (!joined_ids.empty()) {
+    const OpType op = m[0].op;
+    std::ostringstream who;
+    for (size_t i = 0; i < joined_ids.size(); ++i) who << (i ? ", " : "") << joined_ids[i];
+    if (op == OpType::kAlltoall) {
+      return Status::Error(StatusCode::kFailedPrecondition,
+                           "Perseus alltoall of tensor '" + name + "': rank(s) " + who.str() +
+                               " have joined; alltoall cannot run while ranks are joined "
+                               "(call it before join())");
+    }
+    if (op == OpType::kBroadcast && !e.have[m[0].root]) {
+      return Status::Error(StatusCode::kFailedPrecondition,
+                           "Perseus broadcast of tensor '" + name + "': the root rank " +
+                               std::to_string(m[0].root) +
+                               " has joined, so it has nothing to send; broadcast from a rank "
+                               "that has not called join()");
+    }
+  }
   if (!AllSame(m, [](const TensorMeta& t) { return t.op; })) {
     return fail("the operation", Column(m, [](const TensorMeta& t) {
                   return std::string(OpTypeName(t.op));
@@ -132,7 +188,7 @@ Status Negotiator::Validate(const std::string& name, const Entry& e) const {
                 }));
   }
   if (op == OpType::kAlltoall) {
-    for (int r = 0; r < size_; ++r) {
+    for (size_t r = 0; r < m.size(); ++r) {
       if (!m[r].splits.empty() &&
           static_cast<int>(m[r].splits.size()) != size_) {
         return fail("splits (one entry per rank is needed)",
@@ -146,14 +202,16 @@ Status Negotiator::Validate(const std::string& name, const Entry& e) const {
 }
 
 Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
+  int first = 0;
+  while (!e.have[first]) ++first;
   Response resp;
-  resp.op = e.metas[0].op;
+  resp.op = e.metas[first].op;
   resp.names.push_back(name);
   resp.error = Validate(name, e);
   if (resp.error.ok()) {
     if (resp.op == OpType::kAllgather) {
       std::vector<int64_t> dims;
-      for (const TensorMeta& m : e.metas) dims.push_back(m.shape[0]);
+      for (int r = 0; r < size_; ++r) dims.push_back(e.have[r] ? e.metas[r].shape[0] : 0);
       resp.first_dims.push_back(std::move(dims));
     } else if (resp.op == OpType::kAlltoall) {
       for (const TensorMeta& m : e.metas) {
@@ -167,7 +225,7 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
       }
     }
   }
-  resp.metas.push_back(std::move(e.metas[0]));
+  resp.metas.push_back(std::move(e.metas[first]));
   return resp;
 }
 
@@ -176,7 +234,10 @@ std::vector<Response> Negotiator::TakeStalled(uint64_t cycles) {
   if (cycles == 0) return out;
   std::map<uint64_t, std::string> stalled;
   for (const auto& kv : table_) {
-    if (cycle_ - kv.second.first_cycle > cycles) stalled.emplace(kv.second.seq, kv.first);
+    // Waiting in join() for ranks with more data is not a stall.
+    bool join = false;
+    for (int r = 0; r < size_; ++r) join |= kv.second.have[r] && kv.second.metas[r].op == OpType::kJoin;
+    if (!join && cycle_ - kv.second.first_cycle > cycles) stalled.emplace(kv.second.seq, kv.first);
   }
   for (const auto& kv : stalled) {
     const Entry& e = table_[kv.second];
@@ -206,8 +267,19 @@ std::vector<Response> Negotiator::TakeReady() {
   std::vector<Response> ready;
   for (auto& kv : complete_) {
     auto it = table_.find(kv.second);
-    ready.push_back(MakeResponse(kv.second, std::move(it->second)));
+    Response r = MakeResponse(kv.second, std::move(it->second));
     table_.erase(it);
+    if (r.op == OpType::kJoin) {
+      // Every rank has joined: report the last one (latest cycle, then the
+      // highest rank) and start over, so join() can be used once per epoch.
+      int last = 0;
+      for (int q = 1; q < size_; ++q) {
+        if (join_cycle_[q] >= join_cycle_[last]) last = q;
+      }
+      r.metas[0].root = last;
+      joined_.assign(size_, false);
+    }
+    ready.push_back(std::move(r));
   }
   complete_.clear();
   return Fuse(std::move(ready));

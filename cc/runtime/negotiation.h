@@ -26,7 +26,8 @@ struct Response {
   // Tensor names; more than one for a fused allreduce bucket.
   std::vector<std::string> names;
   // Meta of each tensor as rank 0 sent it (identical on all ranks once
-  // validated, except first dimensions and splits, kept below).
+  // validated, except first dimensions and splits, kept below). For a join,
+  // metas[0].root is the rank that joined last.
   std::vector<TensorMeta> metas;
   // allgather: first dimension of each rank's tensor, per name.
   std::vector<std::vector<int64_t>> first_dims;
@@ -38,13 +39,16 @@ struct Response {
 
 class Negotiator {
  public:
-  Negotiator(int size, int64_t fusion_threshold_bytes);
+  // world_ranks: how error messages name each member (default 0..size-1).
+  Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int> world_ranks = {});
 
   void Add(int rank, const TensorMeta& meta);
   // Ready work, fused and ordered. Identical on every rank.
   std::vector<Response> TakeReady();
   // Names some but not all ranks have requested.
   bool HasPending() const { return !table_.empty(); }
+  // Ranks that have joined (kJoin) and not yet seen the join complete.
+  bool joined(int rank) const { return joined_[rank]; }
   // Describes stalled requests: which ranks have not asked yet.
   std::string DescribePending() const;
   // Names requested by some ranks for more than `cycles` negotiation cycles
@@ -61,14 +65,19 @@ class Negotiator {
     std::vector<TensorMeta> metas;  // indexed by rank
   };
 
+  // Every rank either asked for it or has joined (and at least one asked).
+  bool Complete(const Entry& e) const;
   Status Validate(const std::string& name, const Entry& e) const;
   Response MakeResponse(const std::string& name, Entry&& e) const;
   std::vector<Response> Fuse(std::vector<Response> ready) const;
 
   int size_;
+  std::vector<int> world_;
   int64_t fusion_threshold_;
   uint64_t next_seq_ = 0;
   uint64_t cycle_ = 0;
+  std::vector<bool> joined_;
+  std::vector<uint64_t> join_cycle_;
   std::unordered_map<std::string, Entry> table_;
   std::map<uint64_t, std::string> complete_;  // seq -> name, this cycle
 };

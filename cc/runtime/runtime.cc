@@ -35,10 +35,84 @@ std::vector<int64_t> Trailing(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
+// Process-set runtimes by id. Like the world's, they are never destroyed:
+// their threads may still run while the process exits.
+std::mutex registry_mu;
+std::map<int, Runtime*>& Registry() {
+  static auto* registry = new std::map<int, Runtime*>();
+  return *registry;
+}
+
 Runtime& Runtime::Get() {
-  // Never destroyed: its threads may still run while the process exits.
   static Runtime* runtime = new Runtime();
   return *runtime;
+}
+
+Runtime* Runtime::Find(int process_set_id) {
+  if (process_set_id == 0) return &Get();
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Registry().find(process_set_id);
+  return it == Registry().end() ? nullptr : it->second;
+}
+
+std::vector<int> Runtime::ProcessSetIds() {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  std::vector<int> ids;
+  for (const auto& kv : Registry()) {
+    if (kv.second->initialized()) ids.push_back(kv.first);
+  }
+  return ids;
+}
+
+Status Runtime::AddProcessSet(int id, const std::vector<int>& world_ranks) {
+  Runtime& world = Get();
+  if (!world.initialized()) {
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         "Perseus is not initialized: call init() before adding a process set");
+  }
+  if (id <= 0) {
+    return Status::Error(StatusCode::kInvalidArgument, "process set ids start at 1");
+  }
+  InitOptions o = world.options();
+  auto me = std::find(world_ranks.begin(), world_ranks.end(), o.rank);
+  if (me == world_ranks.end()) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "rank " + std::to_string(o.rank) + " is not a member of process set " +
+                             std::to_string(id));
+  }
+  o.rank = static_cast<int>(me - world_ranks.begin());
+  o.size = static_cast<int>(world_ranks.size());
+  o.process_set_id = id;
+  o.global_ranks = world_ranks;
+  Runtime* rt;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    if (Registry().count(id)) {
+      return Status::Error(StatusCode::kInvalidArgument,
+                           "process set " + std::to_string(id) + " already exists");
+    }
+    rt = new Runtime();
+    Registry().emplace(id, rt);
+  }
+  return rt->Init(o);
+}
+
+Status Runtime::RemoveProcessSet(int id) {
+  Runtime* rt = id == 0 ? nullptr : Find(id);
+  if (rt == nullptr) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "process set " + std::to_string(id) + " does not exist on this rank");
+  }
+  rt->Shutdown();
+  // Its threads are joined; the object itself is left allocated (a caller
+  // might still hold the pointer), but the id no longer resolves.
+  std::lock_guard<std::mutex> lock(registry_mu);
+  Registry().erase(id);
+  return Status::OK();
+}
+
+int Runtime::WorldRank(int r) const {
+  return options_.global_ranks.empty() ? r : options_.global_ranks[r];
 }
 
 const char* Runtime::state_name() const {
@@ -71,12 +145,19 @@ Status Runtime::Init(const InitOptions& options) {
   bo.host_addr = options.host_addr;
   bo.iface = options.gloo_iface;
   bo.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000));
-  bo.key_prefix = options.job_id + "/gen" + std::to_string(generation_);
+  // A process set connects its own contexts under its own keys.
+  const std::string group =
+      options.process_set_id ? "/ps" + std::to_string(options.process_set_id) : "";
+  bo.key_prefix = options.job_id + group + "/gen" + std::to_string(generation_);
   try {
     if (options.size > 1) {
       auto wait = std::max(bo.timeout, std::chrono::milliseconds(300000));
       store_.reset(new StoreClient(options.store_addr, options.store_port, options.secret, wait));
-      store_->Own(options.job_id + "/rank" + std::to_string(options.rank));
+      // The world's connection stands for this process: when it closes,
+      // the store marks the rank gone (see IdentifyFailedRanks).
+      if (options.process_set_id == 0) {
+        store_->Own(options.job_id + "/rank" + std::to_string(options.rank));
+      }
     }
     backend_.reset(new GlooBackend(bo, store_.get()));
   } catch (const std::exception& e) {
@@ -86,7 +167,9 @@ Status Runtime::Init(const InitOptions& options) {
                          "Perseus could not connect rank " + std::to_string(options.rank) +
                              " of " + std::to_string(options.size) + ": " + e.what());
   }
-  negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes));
+  std::vector<int> world_ranks = options.global_ranks;
+  negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes, world_ranks));
+  joined_ = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.clear();
@@ -211,6 +294,10 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
                      std::to_string(options_.rank) +
                      "; concurrent collectives need distinct names");
     }
+    if (m.op == OpType::kJoin) {
+      if (joined_) return invalid("join() is already in progress on this rank");
+      joined_ = true;
+    }
     pending_.emplace(m.name, request);
     queue_.push_back(m);
   }
@@ -326,6 +413,11 @@ void Runtime::RunCycle(bool* stop) {
       shutdown_by_ = "rank " + std::to_string(r) + " called shutdown";
     }
   }
+  // The next cycle's clock starts when this one ends, which is the same
+  // moment on every rank: idle ranks then tick together instead of one rank
+  // always waiting inside the control allgather for a later-phased peer (and
+  // holding back the requests that arrive meanwhile).
+  last_cycle_ = Clock::now();
   std::vector<Response> ready = negotiator_->TakeReady();
   if (options_.stall_timeout_seconds > 0) {
     // Idle cycles are at most kIdleWait apart, busy ones about a cycle time:
@@ -351,14 +443,22 @@ void Runtime::Dispatch(Response response) {
   std::vector<std::shared_ptr<Request>> requests;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (const std::string& name : response.names) {
-      auto it = pending_.find(name);
-      if (it == pending_.end()) continue;  // cannot happen: every name was ours too
+    for (size_t i = 0; i < response.names.size(); ++i) {
+      auto it = pending_.find(response.names[i]);
+      if (it == pending_.end()) {
+        // Only a joined rank is missing names: it takes part with no data.
+        if (response.error.ok()) requests.push_back(StandIn(response, i));
+        continue;
+      }
       requests.push_back(it->second);
       pending_.erase(it);
     }
+    if (response.op == OpType::kJoin) joined_ = false;
   }
-  if (!response.error.ok() || response.op == OpType::kBarrier) {
+  if (response.op == OpType::kJoin) {
+    for (auto& q : requests) q->result = response.metas[0].root;
+  }
+  if (!response.error.ok() || response.op == OpType::kBarrier || response.op == OpType::kJoin) {
     for (auto& q : requests) q->done(response.error);
     return;
   }
@@ -369,6 +469,35 @@ void Runtime::Dispatch(Response response) {
     s.work.push_back(std::move(requests));
   }
   s.cv.notify_one();
+}
+
+std::shared_ptr<Request> Runtime::StandIn(const Response& response, size_t index) {
+  auto q = std::make_shared<Request>();
+  q->meta = response.metas[index];
+  q->done = [](const Status&) {};
+  const size_t esize = DataTypeSize(q->meta.dtype);
+  switch (response.op) {
+    case OpType::kAllgather:
+      // No rows from this rank; the gathered result is discarded.
+      if (!q->meta.shape.empty()) q->meta.shape[0] = 0;
+      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
+        q->scratch.resize(std::max<size_t>(1, NumElements(shape) * DataTypeSize(q->meta.dtype)));
+        return q->scratch.data();
+      };
+      break;
+    default: {
+      // Zeros in (neutral for a sum, the only reduction a joined rank
+      // should meet), result discarded.
+      q->scratch.assign(std::max<size_t>(1, NumElements(q->meta.shape) * esize), 0);
+      q->input = q->output = q->scratch.data();
+      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
+        size_t need = NumElements(shape) * DataTypeSize(q->meta.dtype);
+        if (need > q->scratch.size()) q->scratch.resize(need);
+        return q->scratch.data();
+      };
+    }
+  }
+  return q;
 }
 
 void Runtime::StreamLoop(int index) {
@@ -447,6 +576,7 @@ void Runtime::Execute(int stream, const Response& r,
       ExecuteReducescatter(stream, r, *requests[0]);
       break;
     case OpType::kBarrier:
+    case OpType::kJoin:
       break;
   }
 }
@@ -578,7 +708,10 @@ std::string Runtime::IdentifyFailedRanks() {
   if (!store_) return "";
   try {
     const std::string& job = options_.job_id;
-    const std::string census = job + "/gen" + std::to_string(generation_) + "/census/rank";
+    const std::string group =
+        options_.process_set_id ? "/ps" + std::to_string(options_.process_set_id) : "";
+    const std::string census =
+        job + group + "/gen" + std::to_string(generation_) + "/census/rank";
     store_->set(census + std::to_string(options_.rank), {'1'});
     std::vector<char> ignored;
     // A rank that died closed its store connection; the store may take a
@@ -590,9 +723,9 @@ std::string Runtime::IdentifyFailedRanks() {
         // A rank that noticed the failure itself (census key written) and
         // then exited is a survivor, not the cause.
         if (r != options_.rank &&
-            store_->TryGet(ClosedKey(job, r), std::chrono::milliseconds(0), &ignored) &&
+            store_->TryGet(ClosedKey(job, WorldRank(r)), std::chrono::milliseconds(0), &ignored) &&
             !store_->TryGet(census + std::to_string(r), std::chrono::milliseconds(0), &ignored)) {
-          dead.push_back(r);
+          dead.push_back(WorldRank(r));
         }
       }
       if (!dead.empty() || Clock::now() > deadline) break;
@@ -608,7 +741,9 @@ std::string Runtime::IdentifyFailedRanks() {
       if (r == options_.rank) continue;
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(census_deadline - Clock::now());
       if (left.count() < 0) left = std::chrono::milliseconds(0);
-      if (!store_->TryGet(census + std::to_string(r), left, &ignored)) silent.push_back(r);
+      if (!store_->TryGet(census + std::to_string(r), left, &ignored)) {
+        silent.push_back(WorldRank(r));
+      }
     }
     if (!silent.empty()) return RankList(silent) + " stopped responding";
     return "";

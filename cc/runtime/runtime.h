@@ -51,6 +51,10 @@ struct InitOptions {
   int64_t fusion_threshold_bytes = 64 << 20;
   double cycle_time_ms = 1.0;
   double stall_timeout_seconds = 0;  // 0: wait forever for the other ranks
+  // A process set (sub-group) runtime: its id and the world ranks of its
+  // members, in order (this process is member `rank`). Empty: the world.
+  int process_set_id = 0;
+  std::vector<int> global_ranks;
 };
 
 // One collective a caller asked for. `done` runs exactly once, on a runtime
@@ -63,7 +67,10 @@ struct Request {
   void* output = nullptr;
   std::function<void*(const std::vector<int64_t>& shape)> allocate;
   std::vector<int64_t> received_splits;  // alltoall: rows from each rank
+  int64_t result = 0;                     // join: the rank that joined last
   std::function<void(const Status&)> done;
+  // Buffers of a stand-in request (a joined rank taking part with no data).
+  std::vector<char> scratch;
 };
 
 struct StreamStats {
@@ -84,7 +91,17 @@ struct Stats {
 
 class Runtime {
  public:
+  // The world's runtime (process set 0).
   static Runtime& Get();
+  // The runtime of a process set this process belongs to, or null.
+  static Runtime* Find(int process_set_id);
+  // Collective over the members only (the caller checks membership and that
+  // every rank registers the same ranks): connects the set's own contexts.
+  static Status AddProcessSet(int id, const std::vector<int>& world_ranks);
+  // Collective over the members: shuts the set's runtime down.
+  static Status RemoveProcessSet(int id);
+  // Ids of the process sets this process belongs to, besides the world.
+  static std::vector<int> ProcessSetIds();
 
   Status Init(const InitOptions& options);
   // Collective: asks every rank to stop, drains, closes connections.
@@ -108,6 +125,9 @@ class Runtime {
   enum class State { kUninitialized, kRunning, kFailed, kShutdown };
 
   Runtime() = default;
+  // World rank of member `r` (names in error messages are world ranks).
+  int WorldRank(int r) const;
+  std::shared_ptr<Request> StandIn(const Response& response, size_t index);
   void BackgroundLoop();
   void RunCycle(bool* stop);
   void Dispatch(Response response);
@@ -144,6 +164,7 @@ class Runtime {
   std::chrono::steady_clock::time_point last_cycle_;
   int idle_cycles_ = 0;
   uint64_t dispatched_ = 0;
+  bool joined_ = false;  // this rank called join() and it has not completed
 
   struct Stream {
     std::thread thread;

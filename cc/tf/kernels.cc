@@ -80,6 +80,7 @@ class CollectiveKernel : public AsyncOpKernel {
  public:
   explicit CollectiveKernel(OpKernelConstruction* c) : AsyncOpKernel(c) {
     OP_REQUIRES_OK(c, c->GetAttr("tensor_name", &tensor_name_));
+    OP_REQUIRES_OK(c, c->GetAttr("process_set_id", &process_set_id_));
     // Inside a graph the node name is the same on every rank; that is what
     // pairs up the requests when no explicit name was given.
     if (tensor_name_.empty()) tensor_name_ = name();
@@ -101,9 +102,22 @@ class CollectiveKernel : public AsyncOpKernel {
     return true;
   }
 
+  // The runtime of this op's process set (the world for id 0).
+  perseus::Status Enqueue(std::shared_ptr<Request> req) {
+    Runtime* rt = Runtime::Find(static_cast<int>(process_set_id_));
+    if (rt == nullptr) {
+      return perseus::Status::Error(
+          perseus::StatusCode::kInvalidArgument,
+          "Perseus " + std::string(perseus::OpTypeName(req->meta.op)) + " of tensor '" +
+              req->meta.name + "': this rank is not a member of process set " +
+              std::to_string(process_set_id_) + " (or the set was removed)");
+    }
+    return rt->Enqueue(std::move(req));
+  }
+
   // Enqueues; on success the runtime completes the op, else we do here.
   void Submit(OpKernelContext* ctx, std::shared_ptr<Request> req, DoneCallback done) {
-    perseus::Status s = Runtime::Get().Enqueue(std::move(req));
+    perseus::Status s = Enqueue(std::move(req));
     if (!s.ok()) {
       ctx->SetStatus(ToTf(s));
       done();
@@ -111,6 +125,7 @@ class CollectiveKernel : public AsyncOpKernel {
   }
 
   std::string tensor_name_;
+  int64 process_set_id_ = 0;
 };
 
 // Allreduce, broadcast: the output has the input's shape and may reuse its buffer.
@@ -198,7 +213,7 @@ class GroupedAllreduceKernel : public CollectiveKernel {
       reqs.push_back(std::move(req));
     }
     for (auto& req : reqs) {
-      perseus::Status s = Runtime::Get().Enqueue(req);
+      perseus::Status s = Enqueue(req);
       if (!s.ok()) finish_one(ToTf(s));
     }
   }
@@ -300,6 +315,26 @@ class BarrierKernel : public CollectiveKernel {
   }
 };
 
+class JoinKernel : public CollectiveKernel {
+ public:
+  explicit JoinKernel(OpKernelConstruction* c) : CollectiveKernel(c) {}
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, TensorShape({}), &out), done);
+    auto req = std::make_shared<Request>();
+    req->meta.op = OpType::kJoin;
+    req->meta.name = tensor_name_;
+    req->meta.dtype = DataType::kInt32;
+    Request* raw = req.get();
+    req->done = [ctx, done, out, raw](const perseus::Status& s) {
+      if (s.ok()) out->scalar<int32>()() = static_cast<int32>(raw->result);
+      ctx->SetStatus(ToTf(s));
+      done();
+    };
+    Submit(ctx, std::move(req), std::move(done));
+  }
+};
+
 REGISTER_KERNEL_BUILDER(Name("PerseusAllreduce").Device(DEVICE_CPU), AllreduceKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusGroupedAllreduce").Device(DEVICE_CPU), GroupedAllreduceKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusBroadcast").Device(DEVICE_CPU), BroadcastKernel);
@@ -307,6 +342,7 @@ REGISTER_KERNEL_BUILDER(Name("PerseusAllgather").Device(DEVICE_CPU), AllgatherKe
 REGISTER_KERNEL_BUILDER(Name("PerseusAlltoall").Device(DEVICE_CPU), AlltoallKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusReducescatter").Device(DEVICE_CPU), ReducescatterKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusBarrier").Device(DEVICE_CPU), BarrierKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusJoin").Device(DEVICE_CPU), JoinKernel);
 
 }  // namespace
 }  // namespace tensorflow

@@ -249,3 +249,88 @@ def check_invalid_arguments_raise_locally():
         raise AssertionError("Adasum should raise")
     except NotImplementedError as e:
         assert "Average" in str(e)
+
+
+def check_process_sets():
+    """Collectives inside sub-groups: evens, and {0, 1}; non-members refused."""
+    evens = list(range(0, N, 2))
+    pair = [0, 1]
+    even_id = ptf.add_process_set(evens)
+    pair_id = ptf.add_process_set([1, 0])  # order does not matter
+    assert ptf.process_set_ranks(even_id) == tuple(evens)
+    assert ptf.process_set_ranks(pair_id) == (0, 1)
+    for set_id, members in ((even_id, evens), (pair_id, pair)):
+        xs = {r: data(r, (4, 3), np.float32, seed=7) for r in members}
+        if R in members:
+            pos = members.index(R)
+            got = ptf.allreduce(tf.constant(xs[R]), op=ptf.Average, process_set_id=set_id)
+            np.testing.assert_allclose(got.numpy(), np.mean([xs[r] for r in members], 0),
+                                       rtol=1e-6)
+            grouped = ptf.grouped_allreduce([tf.constant(xs[R]), tf.constant([float(R)])],
+                                            op=ptf.Sum, process_set_id=set_id)
+            np.testing.assert_allclose(grouped[1].numpy(), [float(sum(members))])
+            root = len(members) - 1  # a position in the set
+            b = ptf.broadcast(tf.constant([float(R)]), root_rank=root, process_set_id=set_id)
+            np.testing.assert_array_equal(b.numpy(), [float(members[root])])
+            g = ptf.allgather(tf.fill([pos + 1], float(R)), process_set_id=set_id)
+            np.testing.assert_array_equal(
+                g.numpy(), np.concatenate([[float(r)] * (i + 1) for i, r in enumerate(members)]))
+            ptf.barrier(process_set_id=set_id)
+            # A gradient through a set-local allgather slices this rank's rows.
+            v = tf.Variable(tf.ones([pos + 1]))
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(ptf.allgather(v, process_set_id=set_id) * 2.0)
+            np.testing.assert_allclose(tape.gradient(loss, v).numpy(),
+                                       np.full([pos + 1], 2.0 * len(members)))
+        else:
+            _expect(tf.errors.InvalidArgumentError,
+                    lambda: ptf.allreduce(tf.ones([1]), process_set_id=set_id),
+                    "not a member of process set")
+    # The world keeps working alongside the sets.
+    np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
+    ptf.remove_process_set(even_id)
+    ptf.remove_process_set(pair_id)
+    _expect(tf.errors.InvalidArgumentError,
+            lambda: ptf.allreduce(tf.ones([1]), process_set_id=pair_id), "not a member")
+
+
+def check_process_set_errors():
+    _expect(ValueError, lambda: ptf.add_process_set([0, N]), f"from 0 to {N - 1}")
+    _expect(ValueError, lambda: ptf.add_process_set([]), "non-empty")
+    # Ranks that describe different sets all fail, naming what each gave.
+    _expect(ValueError, lambda: ptf.add_process_set([0, R]), "disagree", "rank 0 gave [0]")
+    _expect(ValueError, lambda: ptf.remove_process_set(999), "does not exist")
+    # A mismatch inside a set names world ranks.
+    set_id = ptf.add_process_set([0, N - 1])
+    if R in (0, N - 1):
+        _expect(tf.errors.FailedPreconditionError,
+                lambda: ptf.allreduce(tf.ones([1 + (R > 0)]), name="ps.mm", process_set_id=set_id),
+                "ps.mm", "rank 0 has [1]", f"rank {N - 1} has [2]")
+    ptf.remove_process_set(set_id)
+
+
+def check_join_uneven_steps():
+    """Rank r runs r + 1 steps; joined ranks count as zeros, rows as none."""
+    for k in range(R + 1):
+        got = ptf.allreduce(tf.constant([float(k + 1)]) * (R + 1), op=ptf.Sum, name=f"join.{k}")
+        expected = (k + 1) * sum(r + 1 for r in range(k, N))
+        np.testing.assert_allclose(got.numpy(), [expected], err_msg=f"step {k}")
+        gathered = ptf.allgather(tf.constant([R]), name=f"join.gather.{k}")
+        np.testing.assert_array_equal(gathered.numpy(), list(range(k, N)))
+        avg = ptf.allreduce(tf.constant([2.0]), op=ptf.Average, name=f"join.avg.{k}")
+        np.testing.assert_allclose(avg.numpy(), [2.0 * (N - k) / N])
+    last = int(ptf.join().numpy())
+    assert last == N - 1, last
+    # join() again right away: every rank gets the same answer.
+    again = int(ptf.join().numpy())
+    agreed = ptf.allgather(tf.constant([again])).numpy()
+    assert len(set(agreed.tolist())) == 1, agreed
+    # Broadcast from a joined root fails clearly for the ranks still working.
+    if R == 0:
+        ptf.join()
+    else:
+        _expect(tf.errors.FailedPreconditionError,
+                lambda: ptf.broadcast(tf.ones([1]), root_rank=0, name="join.bcast"),
+                "root rank 0 has joined")
+        ptf.join()
+    np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
