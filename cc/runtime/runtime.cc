@@ -18,6 +18,9 @@ using Clock = std::chrono::steady_clock;
 // with work joins at once; the others join within this bound.
 constexpr auto kIdleWait = std::chrono::milliseconds(5);
 
+// Bytes each rank contributes to a cycle's first control allgather.
+constexpr size_t kControlSlot = 512;
+
 std::string ClosedKey(const std::string& job, int rank) {
   return "__closed__/" + job + "/rank" + std::to_string(rank);
 }
@@ -365,7 +368,10 @@ void Runtime::RunCycle(bool* stop) {
   if (size == 1) {
     all[0] = std::move(mine);
   } else {
-    // Step 1: each rank's message length; 0 = nothing, -1 = only shutdown.
+    // One allgather of a fixed slot per rank carries the message length
+    // (0 = nothing, -1 = only shutdown) and as much of the message as fits,
+    // which is the whole message in most cycles; a second allgather moves
+    // the rest of longer messages.
     std::vector<char> encoded;
     int64_t len = 0;
     if (!mine.requests.empty()) {
@@ -374,30 +380,42 @@ void Runtime::RunCycle(bool* stop) {
     } else if (mine.shutdown) {
       len = -1;
     }
+    constexpr size_t kInline = kControlSlot - sizeof(int64_t);
+    std::vector<char> slot(kControlSlot, 0);
+    std::memcpy(slot.data(), &len, sizeof(len));
+    const size_t head = std::min(encoded.size(), kInline);
+    if (head) std::memcpy(slot.data() + sizeof(len), encoded.data(), head);
+    std::vector<char> slots(kControlSlot * size);
+    backend_->Allgatherv(GlooBackend::kControl, slot.data(), slots.data(),
+                         std::vector<size_t>(size, kControlSlot));
+    sent += kControlSlot;
     std::vector<int64_t> lens(size);
-    backend_->Allgatherv(GlooBackend::kControl, &len, lens.data(),
-                         std::vector<size_t>(size, sizeof(int64_t)));
-    sent += sizeof(int64_t);
-    std::vector<size_t> bytes(size);
-    size_t total = 0;
+    std::vector<size_t> rest(size, 0);
+    size_t total_rest = 0;
     for (int r = 0; r < size; ++r) {
-      bytes[r] = lens[r] > 0 ? static_cast<size_t>(lens[r]) : 0;
-      total += bytes[r];
+      std::memcpy(&lens[r], slots.data() + r * kControlSlot, sizeof(int64_t));
+      if (lens[r] > static_cast<int64_t>(kInline)) rest[r] = lens[r] - kInline;
+      total_rest += rest[r];
     }
-    // Step 2 only when some rank has requests.
-    std::vector<char> gathered(total);
-    if (total > 0) {
-      backend_->Allgatherv(GlooBackend::kControl, encoded.data(), gathered.data(), bytes);
-      sent += static_cast<int64_t>(encoded.size());
+    std::vector<char> gathered(total_rest);
+    if (total_rest > 0) {
+      char none = 0;
+      const char* tail = encoded.size() > kInline ? encoded.data() + kInline : &none;
+      backend_->Allgatherv(GlooBackend::kControl, tail, gathered.data(), rest);
+      sent += static_cast<int64_t>(rest[options_.rank]);
     }
     size_t offset = 0;
+    std::vector<char> message;
     for (int r = 0; r < size; ++r) {
       if (lens[r] > 0) {
-        all[r] = DecodeCycle(gathered.data() + offset, bytes[r]);
+        const char* inline_part = slots.data() + r * kControlSlot + sizeof(int64_t);
+        message.assign(inline_part, inline_part + std::min<size_t>(lens[r], kInline));
+        message.insert(message.end(), gathered.data() + offset, gathered.data() + offset + rest[r]);
+        all[r] = DecodeCycle(message.data(), message.size());
       } else {
         all[r].shutdown = lens[r] < 0;
       }
-      offset += bytes[r];
+      offset += rest[r];
     }
   }
 
