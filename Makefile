@@ -35,7 +35,7 @@ system:
 $(VENV)/.deps: | system
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest scikit-learn setuptools wheel
+	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest scikit-learn tensorboard setuptools wheel
 	touch $@
 
 native: $(VENV)/.deps

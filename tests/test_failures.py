@@ -153,3 +153,17 @@ def test_mpirun_style_environment_without_perseusrun(tmp_path):
     outs = [p.communicate(timeout=60) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "SUM 3.0" in out, err[-2000:]
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_rank_dying_during_fit_fails_every_survivor(np_):
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "fit_failure_worker.py")],
+                  env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
+    victim = np_ - 1
+    assert proc.returncode != 0
+    assert f"rank {victim}" in proc.stderr and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
+    reports = _survivor_reports(proc, np_)
+    assert sorted(reports) == list(range(np_ - 1)), proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank, (seconds, message) in reports.items():
+        assert f"rank {victim} exited or lost its connection" in message, message
+        assert seconds < 20, f"rank {rank} took {seconds}s to notice"

@@ -221,3 +221,127 @@ def check_strategy_with_two_local_devices_per_process():
     values = strategy.experimental_distribute_values_from_function(
         lambda ctx: tf.constant(float(ctx.replica_id_in_sync_group)))
     assert float(strategy.reduce("SUM", values, axis=None)) == sum(range(2 * N))
+
+
+KERAS3 = keras.__version__.startswith("3.")
+
+
+def _shared_tempdir(prefix):
+    """A directory named by rank 0 (every rank gets the same path)."""
+    mine = tempfile.mkdtemp(prefix=prefix) if R == 0 else ""
+    raw = list(mine.encode()) + [0] * (200 - len(mine))
+    name = ptf.broadcast(tf.constant(raw, tf.uint8), root_rank=0).numpy()
+    return bytes(name).rstrip(b"\0").decode()
+
+
+def check_mixed_precision_overflow_on_one_rank_skips_step_everywhere():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with STRATEGY.scope():
+            keras.utils.set_random_seed(R)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        opt = model.optimizer
+        assert isinstance(opt, keras.mixed_precision.LossScaleOptimizer), type(opt)
+        scale = (lambda: float(opt.dynamic_scale.numpy())) if KERAS3 else (
+            lambda: float(opt.loss_scale.numpy()))
+        before, scale0 = [w.numpy() for w in model.weights], 2.0 ** 15  # the initial scale
+        # One global batch of N rows; exactly one row (on one rank's shard)
+        # makes the float16 gradients overflow.
+        x = np.full((N, 6), 0.1, np.float32)
+        x[0] = 3000.0
+        y = np.zeros((N, 1), np.float32)
+        model.fit(x, y, batch_size=N, epochs=1, verbose=0, shuffle=False)
+        after = [w.numpy() for w in model.weights]
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b)  # skipped on every rank
+        assert scale() == scale0 / 2, (scale0, scale())
+        # A normal step then updates every rank identically.
+        model.fit(np.full((N, 6), 0.1, np.float32), y, batch_size=N, epochs=1, verbose=0)
+        changed = [w.numpy() for w in model.weights]
+        assert any(not np.array_equal(a, b) for a, b in zip(after, changed))
+        same_on_all_ranks(changed + [[scale()]])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def check_sync_batch_norm_uses_global_batch_statistics():
+    with STRATEGY.scope():
+        if KERAS3:
+            bn = keras.layers.BatchNormalization(synchronized=True, momentum=0.0)
+        else:
+            bn = tf.keras.layers.experimental.SyncBatchNormalization(momentum=0.0)
+        model = keras.Sequential([keras.Input((6,)), bn])
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x = X[:GLOBAL_BATCH]
+    model.fit(x, np.zeros_like(x), batch_size=GLOBAL_BATCH, epochs=1, verbose=0, shuffle=False)
+    # momentum 0: the moving statistics are exactly the last batch's.
+    np.testing.assert_allclose(bn.moving_mean.numpy(), x.mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), x.var(0), rtol=1e-4, atol=1e-6)
+    # Each rank's shard alone would give different statistics.
+    shard = x[R::N]
+    assert not np.allclose(shard.mean(0), x.mean(0), atol=1e-3)
+
+
+def check_model_save_and_reload_continue_training():
+    with STRATEGY.scope():
+        model = make_model(seed=R)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    model.fit(dataset(), epochs=1, verbose=0)
+    # Saving reads metrics (collectives): every rank saves, each to its own place.
+    path = os.path.join(tempfile.mkdtemp(prefix=f"perseus-save{R}-"),
+                        "model.keras" if KERAS3 else "model")
+    model.save(path)
+    with STRATEGY.scope():
+        loaded = keras.models.load_model(path)
+    for a, b in zip(model.weights, loaded.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    np.testing.assert_allclose(loaded.predict(X[:8], verbose=0), model.predict(X[:8], verbose=0),
+                               rtol=1e-6)
+    loaded.fit(dataset(), epochs=1, verbose=0)
+    model.fit(dataset(), epochs=1, verbose=0)
+    for a, b in zip(model.weights, loaded.weights):  # same optimizer state, same result
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-6)
+    same_on_all_ranks([w.numpy() for w in loaded.weights])
+
+
+def check_tensorboard_logs_written_by_rank0_only():
+    directory = _shared_tempdir("perseus-tb-")
+    with STRATEGY.scope():
+        model = make_model(seed=R)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    model.fit(dataset(), epochs=2, verbose=0,
+              callbacks=[keras.callbacks.TensorBoard(log_dir=directory)])
+    ptf.barrier()
+    events = [f for _, _, fs in os.walk(directory) for f in fs if "tfevents" in f]
+    assert len(events) == 1, events  # one writer (rank 0), one run ("train")
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def check_backup_and_restore_resumes_on_every_rank():
+    directory = _shared_tempdir("perseus-backup-")
+    with STRATEGY.scope():
+        model = make_model(seed=R)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    backup = keras.callbacks.BackupAndRestore(backup_dir=directory)
+    try:
+        model.fit(dataset(), epochs=3, verbose=0, callbacks=[backup, _Interrupt()])
+        raise AssertionError("the interrupting callback did not fire")
+    except RuntimeError as e:
+        assert "interrupted" in str(e)
+    ptf.barrier()
+    assert os.listdir(directory), "rank 0 wrote no backup"
+    after_one = [w.numpy() for w in model.weights]
+    with STRATEGY.scope():
+        resumed = make_model(seed=50 + R)
+        resumed.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    history = resumed.fit(dataset(), epochs=3, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(backup_dir=directory)])
+    assert history.epoch == [1, 2], history.epoch  # epoch 0 was not run again
+    same_on_all_ranks([w.numpy() for w in resumed.weights])
+    assert any(not np.allclose(a, b) for a, b in zip(after_one, resumed.weights))

@@ -1,0 +1,44 @@
+"""Mixed precision under PerseusStrategy: ranks agree on skipping a step.
+
+Keras 3's LossScaleOptimizer decides whether a step's gradients are finite
+from each replica's local gradients, before they are all-reduced (the inner
+optimizer reduces them later). Across processes that decision can differ:
+one rank skips the step, the others go on to an all-reduce it never joins.
+Under a PerseusStrategy the check is made global here: the count of replicas
+that saw a non-finite gradient is summed over all replicas, and every
+replica skips the step if any saw one. Keras 2 all-reduces the gradients
+before its check, so it needs nothing.
+"""
+
+import tensorflow as tf
+
+_installed = False
+
+
+def install():
+    global _installed
+    if _installed:
+        return
+    try:
+        import keras
+    except ImportError:  # pragma: no cover
+        return
+    if not keras.__version__.startswith("3."):
+        return
+    optimizer_cls = keras.optimizers.LossScaleOptimizer
+    local_check = optimizer_cls.check_finite
+
+    def check_finite(self, grads):
+        finite = local_check(self, grads)
+        from perseus_tf.strategy import PerseusStrategy
+
+        strategy = tf.distribute.get_strategy()
+        context = tf.distribute.get_replica_context()
+        if not isinstance(strategy, PerseusStrategy) or context is None:
+            return finite
+        bad = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
+        bad_replicas = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+        return tf.equal(bad_replicas, 0.0)
+
+    optimizer_cls.check_finite = check_finite
+    _installed = True
