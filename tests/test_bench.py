@@ -62,3 +62,16 @@ def test_allreduce_bench_quick(tmp_path):
     csv_lines = csv_path.read_text().splitlines()
     assert csv_lines[0].startswith("bytes,count,dtype,ranks,iters,ours_median_us")
     assert len(csv_lines) == 1 + len(SIZES)
+
+
+def test_keras_throughput_benchmark_runs_all_three_modes():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "keras_throughput.py"), "--np", "2",
+         "--width", "32", "--global-batch", "8", "--steps", "2", "--warmup", "1"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = {m.group(1): float(m.group(2)) for m in
+            re.finditer(r"^(single|perseus|mwms)\s+([\d.]+)\s", proc.stdout, re.M)}
+    assert sorted(rows) == ["mwms", "perseus", "single"], proc.stdout
+    assert all(v > 0 for v in rows.values()), rows
+    assert re.search(r"^target: .*(PASS|FAIL) \([\d.]+x\)$", proc.stdout, re.M), proc.stdout
