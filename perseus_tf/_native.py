@@ -51,7 +51,8 @@ def init(**overrides):
             timeout_seconds=cfg.timeout_seconds,
             fusion_threshold_bytes=cfg.fusion_threshold_bytes,
             cycle_time_ms=cfg.cycle_time_ms,
-            stall_timeout_seconds=cfg.stall_timeout_seconds))
+            stall_timeout_seconds=cfg.stall_timeout_seconds,
+            gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck)))
         _config_in_use, _topology = cfg, topo
 
 

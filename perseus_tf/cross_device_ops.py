@@ -15,6 +15,7 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values as values_lib
 
+from perseus_tf import _gradients
 from perseus_tf import _native
 from perseus_tf import ops as perseus_ops
 
@@ -43,6 +44,17 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
         super().__init__()
         _native.ensure_initialized()
 
+    @staticmethod
+    def _compression():
+        """Gradient compression from PERSEUS_ALLREDUCE_DTYPE: 0 float16, 1 none,
+        2 mixed (float16 only when the job spans several hosts: without
+        hierarchical allreduce the whole ring then uses it)."""
+        cfg = _native.config()
+        mode = 1 if cfg is None else cfg.allreduce_dtype
+        if mode == 0 or (mode == 2 and perseus_ops.cross_size() > 1):
+            return "fp16"
+        return "none"
+
     @property
     def _num_between_graph_workers(self):
         # The base class skips reductions of a single local value unless it
@@ -69,10 +81,12 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
             for i, t in enumerate(locals_):
                 by_dtype.setdefault(t.dtype, []).append(i)
             reduced = list(locals_)
+            compression = self._compression() if _gradients.active() else "none"
             for dtype, idx in by_dtype.items():
                 with tf.device("/cpu:0"):
-                    outs = perseus_ops.grouped_allreduce([locals_[i] for i in idx],
-                                                         op=perseus_ops.Sum)
+                    outs = perseus_ops.grouped_allreduce(
+                        [locals_[i] for i in idx], op=perseus_ops.Sum,
+                        compression=compression if dtype == tf.float32 else "none")
                 for i, o in zip(idx, outs):
                     reduced[i] = o
         else:

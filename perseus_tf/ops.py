@@ -48,6 +48,16 @@ Max = 4
 Product = 5
 
 _NATIVE_REDUCE = {Sum: 0, Average: 1, Min: 2, Max: 3, Product: 4}
+_COMPRESSION = {None: 0, "none": 0, "fp16": 1, "float16": 1}
+
+
+def _compression(compression):
+    key = compression.lower() if isinstance(compression, str) else compression
+    if key not in _COMPRESSION:
+        raise ValueError(f"compression={compression!r} is not supported; use 'none' or 'fp16' "
+                         "(float32 sums and averages travel as float16 times "
+                         "PERSEUS_ALLREDUCE_GRADIENT_SCALE; other tensors as they are)")
+    return _COMPRESSION[key]
 _NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
           Product: "Product"}
 
@@ -117,7 +127,7 @@ def _name(name):
 
 
 def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
-              process_set_id=0):
+              process_set_id=0, compression="none"):
     """Reduces `tensor` across ranks; every rank gets the result.
 
     Args:
@@ -128,16 +138,20 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
       name: pairs this call across ranks (defaults to the op's node name).
       process_set_id: reduce among a process set's members only (see
         add_process_set); 0, the default, is every rank.
+      compression: "none" or "fp16": a float32 Sum/Average then travels as
+        float16 of (x * PERSEUS_ALLREDUCE_GRADIENT_SCALE), summed in float16
+        and divided by the scale after; other dtypes and ops ignore it.
     """
     _native.ensure_initialized()
     return _LIB.perseus_allreduce(tensor, tensor_name=_name(name), reduce_op=_native_op(op),
                                   prescale=float(prescale_factor),
                                   postscale=float(postscale_factor),
-                                  process_set_id=int(process_set_id))
+                                  process_set_id=int(process_set_id),
+                                  compression=_compression(compression))
 
 
 def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                      process_set_id=0):
+                      process_set_id=0, compression="none"):
     """Reduces a list of tensors as one request, fused into as few buckets as fit."""
     _native.ensure_initialized()
     tensors = list(tensors)
@@ -147,7 +161,8 @@ def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0
                                           reduce_op=_native_op(op),
                                           prescale=float(prescale_factor),
                                           postscale=float(postscale_factor),
-                                          process_set_id=int(process_set_id))
+                                          process_set_id=int(process_set_id),
+                                          compression=_compression(compression))
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set_id=0):
@@ -246,7 +261,8 @@ def _allreduce_grad(op, grad):
         raise NotImplementedError("only Sum and Average allreduce have gradients")
     return _LIB.perseus_allreduce(grad, reduce_op=reduce_op, prescale=op.get_attr("prescale"),
                                   postscale=op.get_attr("postscale"),
-                                  process_set_id=op.get_attr("process_set_id"))
+                                  process_set_id=op.get_attr("process_set_id"),
+                                  compression=op.get_attr("compression"))
 
 
 @tf.RegisterGradient("PerseusGroupedAllreduce")
@@ -258,7 +274,8 @@ def _grouped_allreduce_grad(op, *grads):
     return _LIB.perseus_grouped_allreduce(grads, reduce_op=reduce_op,
                                           prescale=op.get_attr("prescale"),
                                           postscale=op.get_attr("postscale"),
-                                          process_set_id=op.get_attr("process_set_id"))
+                                          process_set_id=op.get_attr("process_set_id"),
+                                          compression=op.get_attr("compression"))
 
 
 @tf.RegisterGradient("PerseusBroadcast")

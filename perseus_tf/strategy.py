@@ -27,6 +27,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from perseus_tf import _keras_files
+from perseus_tf import _gradients
 from perseus_tf import _keras_mixed
 from perseus_tf import _native
 from perseus_tf import ops as perseus_ops
@@ -185,5 +186,6 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         extended = PerseusExtended(self, devices=devices, cross_device_ops=cross_device_ops)
         tf.distribute.Strategy.__init__(self, extended)
         _keras_mixed.install()
+        _gradients.install()
         if perseus_ops.size() > 1:
             _keras_files.install(perseus_ops.rank())

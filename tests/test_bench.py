@@ -1,9 +1,11 @@
-"""A quick end-to-end run of ``python -m perseus_tf.bench allreduce`` at 2 ranks.
+"""Quick end-to-end runs of ``python -m perseus_tf.bench`` at 2 ranks.
 
-It checks the command relaunches itself through perseusrun, exits 0 and that
+``allreduce``: the command relaunches itself through perseusrun, exits 0 and
 rank 0's table has one row per size with our and raw Gloo columns and a
-positive busbw ratio. No TensorFlow needed: the benchmark uses the pybind11
-module only.
+positive busbw ratio. ``gradients``: a model profile (vgg16) and a synthetic
+step (50 tensors of 1 KiB) each give one row with a positive time ratio and
+an exact float32 average. No TensorFlow needed: the benchmarks use the
+pybind11 module only.
 """
 
 import os
@@ -62,6 +64,71 @@ def test_allreduce_bench_quick(tmp_path):
     csv_lines = csv_path.read_text().splitlines()
     assert csv_lines[0].startswith("bytes,count,dtype,ranks,iters,ours_median_us")
     assert len(csv_lines) == 1 + len(SIZES)
+
+
+GRADIENTS_COLUMNS = ["model", "tensors", "MB", "ours_ms", "ours_min-max_ms", "busbw",
+                     "raw_ms", "raw_min-max_ms", "busbw", "wire_MB", "ctrl_B", "buckets",
+                     "cycles", "ratio", "iters"]
+
+
+def run_gradients_bench(extra, tmp_path):
+    """Runs the gradients benchmark at 2 ranks; returns (rank 0's lines, its row, csv lines)."""
+    csv_path = tmp_path / "gradients.csv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "perseus_tf.bench", "gradients", "--np", "2", *extra,
+         "--iters", "2", "--warmup", "1", "--csv", str(csv_path)],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("[1] ")], proc.stdout
+    lines = [line[len("[0] "):] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
+    header = next(line for line in lines if line.startswith("#") and "ours_ms" in line)
+    assert header.lstrip("#").split() == GRADIENTS_COLUMNS
+    rows = [line.split() for line in lines if line and not line.startswith(("#", "target:"))]
+    assert len(rows) == 1, proc.stdout
+    assert len(rows[0]) == len(GRADIENTS_COLUMNS), rows[0]
+    # The duplicated busbw name does not matter here: both are checked positive.
+    row = dict(zip(GRADIENTS_COLUMNS, rows[0]))
+    for time_col, spread_col in (("ours_ms", "ours_min-max_ms"), ("raw_ms", "raw_min-max_ms")):
+        lo, hi = (float(v) for v in row[spread_col].split("-"))
+        assert 0 < lo <= float(row[time_col]) <= hi, row
+    assert float(rows[0][5]) > 0 and float(rows[0][8]) > 0  # busbw of ours and raw
+    assert float(row["ratio"]) > 0, row
+    assert int(row["iters"]) == 2
+    # Two ranks negotiate, so the runtime counted control traffic and buckets.
+    assert float(row["ctrl_B"]) > 0 and float(row["buckets"]) >= 1 and float(row["cycles"]) >= 1
+    check = next(line for line in lines if line.startswith("# result check"))
+    assert "exact: float32" in check, check  # no compression in this runtime yet
+    target = [line for line in lines if line.startswith("target:")]
+    assert len(target) == 1 and "N/A" in target[0], target  # resnet50 only
+    csv_lines = csv_path.read_text().splitlines()
+    assert csv_lines[0].startswith("model,tensors,bytes,ranks,iters,")
+    assert len(csv_lines) == 2
+    return lines, row, csv_lines
+
+
+def test_gradients_bench_vgg16_profile(tmp_path):
+    lines, row, csv_lines = run_gradients_bench(["--profile", "vgg16"], tmp_path)
+    assert row["model"] == "vgg16" and row["tensors"] == "32"
+    # 138,357,544 float32 elements; a ring allreduce at 2 ranks sends all of them once.
+    assert row["MB"] == "553.430" and row["wire_MB"] == "553.430"
+    assert csv_lines[1].startswith("vgg16,32,553430176,2,2,")
+
+
+def test_gradients_bench_synthetic(tmp_path):
+    lines, row, csv_lines = run_gradients_bench(
+        ["--tensors", "50", "--tensor-bytes", "1K"], tmp_path)
+    assert row["model"] == "synthetic" and row["tensors"] == "50" and row["MB"] == "0.051"
+    runtime = next(line for line in lines if line.startswith("# runtime per step"))
+    assert "50.0 requests" in runtime and "51200 data bytes" in runtime, runtime
+
+
+def test_gradients_bench_names_a_missing_profile(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "perseus_tf.bench", "gradients", "--profile", "resnet51",
+         "--profile-dir", str(tmp_path)],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert str(tmp_path / "resnet51.json") in proc.stderr, proc.stderr
 
 
 def test_keras_throughput_benchmark_runs_all_three_modes():

@@ -23,6 +23,24 @@ def test_examples_train_on_two_ranks(script, metric):
     assert accuracy > 0.85, lines
 
 
+def _digits(dtype_mode):
+    proc = launch(2, [sys.executable, os.path.join(ROOT, "examples", "keras_digits.py"),
+                      "--epochs", "4"], env={"PERSEUS_ALLREDUCE_DTYPE": dtype_mode}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracy = [float(m) for m in re.findall(r"\[0\] epoch .* val_accuracy ([\d.]+)", proc.stdout)]
+    mib = float(re.search(r"\[0\] perseus: \d+ collectives, ([\d.]+) MiB", proc.stdout).group(1))
+    return accuracy[-1], mib
+
+
+def test_fp16_gradient_compression_trains_to_the_same_accuracy():
+    acc_fp16, mib_fp16 = _digits("0")  # the default: float16 gradients
+    acc_none, mib_none = _digits("1")
+    assert abs(acc_fp16 - acc_none) <= 0.01, (acc_fp16, acc_none)
+    assert acc_fp16 > 0.85
+    # Gradients are most of the traffic, and they travelled at half the size.
+    assert mib_fp16 < 0.6 * mib_none, (mib_fp16, mib_none)
+
+
 def test_one_runtime_shared_by_op_library_and_pybind_module():
     code = ("import tensorflow as tf, perseus_tf as ptf\n"
             "from perseus_tf import _native\n"

@@ -1,7 +1,7 @@
 """TensorFlow ops at 2 and 4 ranks (one perseusrun launch per rank count).
 
 2 ranks run with default fusion, 4 ranks with fusion off
-(PERSEUS_FUSION_THRESHOLD=0), so both the fused and the unfused path are
+(PERSEUS_FUSION_THRESHOLD=0) and NaN checks on, so both the fused and the unfused path are
 checked against numpy.
 """
 
@@ -10,7 +10,7 @@ import pytest
 from harness import check_names, run_checks
 
 CHECKS = check_names("checks_ops")
-CONFIGS = {2: {}, 4: {"PERSEUS_FUSION_THRESHOLD": "0"}}
+CONFIGS = {2: {}, 4: {"PERSEUS_FUSION_THRESHOLD": "0", "PERSEUS_ALLREDUCE_NANCHECK": "1"}}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -106,7 +106,7 @@ class Handle {
 
 Handle Submit(int op, py::array input, const std::string& name, int dtype, int reduce_op,
               int root, double prescale, double postscale, std::vector<int64_t> splits,
-              py::object output, int process_set) {
+              py::object output, int process_set, int compression) {
   Runtime* rt = Runtime::Find(process_set);
   if (rt == nullptr) {
     throw InvalidError("this rank is not a member of process set " + std::to_string(process_set) +
@@ -126,6 +126,7 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
   req->meta.prescale = prescale;
   req->meta.postscale = postscale;
   req->meta.splits = std::move(splits);
+  req->meta.compression = compression;
   req->input = input.data();
   if (!output.is_none()) {
     py::array out = output.cast<py::array>();
@@ -201,6 +202,8 @@ PYBIND11_MODULE(_core, m) {
     opts.fusion_threshold_bytes = o["fusion_threshold_bytes"].cast<int64_t>();
     opts.cycle_time_ms = o["cycle_time_ms"].cast<double>();
     opts.stall_timeout_seconds = o["stall_timeout_seconds"].cast<double>();
+    if (o.contains("gradient_scale")) opts.gradient_scale = o["gradient_scale"].cast<double>();
+    if (o.contains("nancheck")) opts.nancheck = o["nancheck"].cast<bool>();
     Status s;
     {
       py::gil_scoped_release release;
@@ -263,7 +266,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("submit", &Submit, py::arg("op"), py::arg("input"), py::arg("name"), py::arg("dtype"),
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("prescale") = 1.0,
         py::arg("postscale") = 1.0, py::arg("splits") = std::vector<int64_t>(),
-        py::arg("output") = py::none(), py::arg("process_set") = 0);
+        py::arg("output") = py::none(), py::arg("process_set") = 0,
+        py::arg("compression") = 0);
   m.def("raw_allreduce", [](py::array data, int dtype) {
     Status s;
     void* p = data.mutable_data();

@@ -81,6 +81,8 @@ std::vector<char> EncodeCycle(const CycleMessage& msg) {
     w.Put<double>(m.postscale);
     w.PutInts(m.splits);
     w.Put<int32_t>(m.group);
+    w.Put<int32_t>(m.compression);
+    w.Put<int32_t>(m.flags);
   }
   return out;
 }
@@ -103,6 +105,8 @@ CycleMessage DecodeCycle(const char* data, size_t size) {
     m.postscale = r.Get<double>();
     m.splits = r.GetInts();
     m.group = r.Get<int32_t>();
+    m.compression = r.Get<int32_t>();
+    m.flags = r.Get<int32_t>();
     msg.requests.push_back(std::move(m));
   }
   return msg;

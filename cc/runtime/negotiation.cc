@@ -181,6 +181,28 @@ Status Negotiator::Validate(const std::string& name, const Entry& e) const {
                   }));
     }
   }
+  if (op == OpType::kAllreduce &&
+      !AllSame(m, [](const TensorMeta& t) { return t.compression; })) {
+    return fail("compression", Column(m, [](const TensorMeta& t) {
+                  return std::string(t.compression ? "float16" : "none");
+                }));
+  }
+  {
+    std::vector<int> bad;
+    for (size_t i = 0; i < m.size(); ++i) {
+      if (m[i].flags & kMetaNonFinite) bad.push_back(ids[i]);
+    }
+    if (!bad.empty()) {
+      std::ostringstream out;
+      out << "Perseus " << OpTypeName(m[0].op) << " of tensor '" << name << "': rank";
+      out << (bad.size() > 1 ? "s " : " ");
+      for (size_t i = 0; i < bad.size(); ++i) out << (i ? ", " : "") << bad[i];
+      out << (bad.size() > 1 ? " have" : " has")
+          << " NaN or Inf values in it (PERSEUS_ALLREDUCE_NANCHECK=1); the step is not "
+             "applied on any rank";
+      return Status::Error(StatusCode::kInvalidArgument, out.str());
+    }
+  }
   if (op == OpType::kBroadcast &&
       !AllSame(m, [](const TensorMeta& t) { return t.root; })) {
     return fail("the root rank", Column(m, [](const TensorMeta& t) {
@@ -290,7 +312,7 @@ std::vector<Response> Negotiator::Fuse(std::vector<Response> ready) const {
   // bucket until it would exceed the threshold; everything else passes
   // through in order. A bucket takes the position of its first member.
   std::vector<Response> out;
-  std::map<std::tuple<int, int, double, double>, size_t> open;  // key -> index in out
+  std::map<std::tuple<int, int, double, double, int>, size_t> open;  // key -> index in out
   std::vector<int64_t> bucket_bytes;
   for (Response& r : ready) {
     bool fusable = r.op == OpType::kAllreduce && r.error.ok() &&
@@ -304,7 +326,7 @@ std::vector<Response> Negotiator::Fuse(std::vector<Response> ready) const {
     int64_t bytes = NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
     auto key = std::make_tuple(static_cast<int>(m.dtype),
                                static_cast<int>(m.reduce_op), m.prescale,
-                               m.postscale);
+                               m.postscale, static_cast<int>(m.compression));
     auto it = open.find(key);
     if (it != open.end() &&
         bucket_bytes[it->second] + bytes <= fusion_threshold_) {

@@ -266,7 +266,64 @@ __attribute__((target("avx2,f16c"))) void HalfToFloatF16C(const uint16_t* in, fl
   }
   for (; i < n; ++i) out[i] = HalfBitsToFloat(in[i]);
 }
+__attribute__((target("avx2,f16c"))) void FloatToHalfScaledF16C(const float* in, uint16_t* out,
+                                                              size_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(in + i), s);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < n; ++i) out[i] = FloatToHalfBits(in[i] * scale);
+}
+__attribute__((target("avx2,f16c"))) void HalfToFloatScaledF16C(const uint16_t* in, float* out,
+                                                              size_t n, float scale) {
+  const __m256 s = _mm256_set1_ps(scale);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(f, s));
+  }
+  for (; i < n; ++i) out[i] = HalfBitsToFloat(in[i]) * scale;
+}
+
+template <typename T>
+bool AnyNonFinite(const T* p, size_t n) {
+  // Summing x - x gives 0 for finite x and NaN otherwise; no branch per element.
+  T acc = 0;
+  for (size_t i = 0; i < n; ++i) acc += p[i] - p[i];
+  return !(acc == 0);
+}
 }  // namespace
+
+void FloatToHalfScaled(const float* in, uint16_t* out, size_t n, float scale) {
+  if (CpuHasF16C()) return FloatToHalfScaledF16C(in, out, n, scale);
+  for (size_t i = 0; i < n; ++i) out[i] = FloatToHalfBits(in[i] * scale);
+}
+
+void HalfToFloatScaled(const uint16_t* in, float* out, size_t n, float scale) {
+  if (CpuHasF16C()) return HalfToFloatScaledF16C(in, out, n, scale);
+  for (size_t i = 0; i < n; ++i) out[i] = HalfBitsToFloat(in[i]) * scale;
+}
+
+bool HasNonFinite(const void* data, DataType dtype, size_t n) {
+  switch (dtype) {
+    case DataType::kFloat32: return AnyNonFinite(static_cast<const float*>(data), n);
+    case DataType::kFloat64: return AnyNonFinite(static_cast<const double*>(data), n);
+    case DataType::kFloat16:
+    case DataType::kBFloat16: {
+      // Exponent bits all ones: 0x7c00 for float16, 0x7f80 for bfloat16.
+      const uint16_t mask = dtype == DataType::kFloat16 ? 0x7c00 : 0x7f80;
+      const uint16_t* p = static_cast<const uint16_t*>(data);
+      for (size_t i = 0; i < n; ++i) {
+        if ((p[i] & mask) == mask) return true;
+      }
+      return false;
+    }
+    default: return false;
+  }
+}
 
 void FloatToHalf(const float* in, uint16_t* out, size_t n) {
   if (CpuHasF16C()) return FloatToHalfF16C(in, out, n);

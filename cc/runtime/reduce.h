@@ -24,6 +24,14 @@ void ScaleBuffer(void* data, DataType dtype, size_t n, double factor);
 // float32 <-> IEEE float16 (round to nearest even).
 void FloatToHalf(const float* in, uint16_t* out, size_t n);
 void HalfToFloat(const uint16_t* in, float* out, size_t n);
+// The same with a multiplication on the way: out = half(in * scale) and
+// out = float(in) * scale (both products in float32).
+void FloatToHalfScaled(const float* in, uint16_t* out, size_t n, float scale);
+void HalfToFloatScaled(const uint16_t* in, float* out, size_t n, float scale);
+
+// True if a floating-point buffer holds a NaN or an infinity (integer and
+// bool buffers never do).
+bool HasNonFinite(const void* data, DataType dtype, size_t n);
 
 bool CpuHasF16C();
 

@@ -258,6 +258,19 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
     if (m.reduce_op == ReduceOp::kAverage && m.dtype == DataType::kBool) {
       return invalid("average is not defined for bool");
     }
+    if (options_.nancheck && IsFloatingPoint(m.dtype) && request->input != nullptr &&
+        HasNonFinite(request->input, m.dtype, static_cast<size_t>(NumElements(m.shape)))) {
+      request->meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)
+    }
+  }
+  // Compression applies to float32 sums and averages; anything else travels
+  // as it is.
+  if (m.op != OpType::kAllreduce || m.dtype != DataType::kFloat32 ||
+      (m.reduce_op != ReduceOp::kSum && m.reduce_op != ReduceOp::kAverage)) {
+    request->meta.compression = 0;
+  } else if (m.compression < 0 || m.compression > 1) {
+    return invalid("compression must be 0 (none) or 1 (float16), got " +
+                   std::to_string(m.compression));
   }
   if (m.op == OpType::kBroadcast && (m.root < 0 || m.root >= size)) {
     return invalid("root_rank " + std::to_string(m.root) + " is out of range: valid ranks are 0 to " +
@@ -558,7 +571,9 @@ void Runtime::StreamLoop(int index) {
       ++st.responses;
       st.tensors += static_cast<int64_t>(response.names.size());
       for (const TensorMeta& m : response.metas) {
-        st.bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
+        // Payload as sent: compressed float32 travels as 2-byte float16.
+        st.bytes += NumElements(m.shape) *
+                    static_cast<int64_t>(m.compression ? 2 : DataTypeSize(m.dtype));
       }
       st.busy_seconds += secs;
     }
@@ -602,6 +617,7 @@ void Runtime::Execute(int stream, const Response& r,
 void Runtime::ExecuteAllreduce(int stream, const Response& r,
                                std::vector<std::shared_ptr<Request>>& requests) {
   const TensorMeta& m0 = r.metas[0];
+  if (m0.compression == 1) return ExecuteCompressedAllreduce(stream, r, requests);
   const DataType dtype = m0.dtype;
   const size_t esize = DataTypeSize(dtype);
   ReduceFn fn = GetReduceFn(dtype, m0.reduce_op);
@@ -635,6 +651,38 @@ void Runtime::ExecuteAllreduce(int stream, const Response& r,
     size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
     if (bytes) std::memcpy(q->output, buf.data() + offset, bytes);
     offset += bytes;
+  }
+}
+
+// float32 in, float16 on the wire: each input is multiplied by prescale *
+// gradient_scale while it is converted into the bucket, the bucket is summed
+// in float16 (F16C), and the sum is converted back multiplied by
+// postscale / gradient_scale (and 1/size for an average). The scale keeps
+// small gradients out of float16's subnormal range.
+void Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
+                                         std::vector<std::shared_ptr<Request>>& requests) {
+  const TensorMeta& m0 = r.metas[0];
+  size_t total = 0;
+  for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
+  std::vector<uint16_t>& half = streams_[stream]->half_buffer;
+  if (half.size() < total) half.resize(total);
+  const float in_scale = static_cast<float>(m0.prescale * options_.gradient_scale);
+  size_t offset = 0;
+  for (auto& q : requests) {
+    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+    FloatToHalfScaled(static_cast<const float*>(q->input), half.data() + offset, n, in_scale);
+    offset += n;
+  }
+  backend_->Allreduce(stream, half.data(), total, DataType::kFloat16,
+                      GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+  const double post =
+      m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+  const float out_scale = static_cast<float>(post / options_.gradient_scale);
+  offset = 0;
+  for (auto& q : requests) {
+    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+    HalfToFloatScaled(half.data() + offset, static_cast<float*>(q->output), n, out_scale);
+    offset += n;
   }
 }
 

@@ -51,6 +51,9 @@ struct InitOptions {
   int64_t fusion_threshold_bytes = 64 << 20;
   double cycle_time_ms = 1.0;
   double stall_timeout_seconds = 0;  // 0: wait forever for the other ranks
+  // Compressed allreduces send x * gradient_scale as float16 and divide after.
+  double gradient_scale = 10.0;
+  bool nancheck = false;  // reject reductions whose input holds NaN/Inf
   // A process set (sub-group) runtime: its id and the world ranks of its
   // members, in order (this process is member `rank`). Empty: the world.
   int process_set_id = 0;
@@ -136,6 +139,8 @@ class Runtime {
                std::vector<std::shared_ptr<Request>>& requests);
   void ExecuteAllreduce(int stream, const Response& r,
                         std::vector<std::shared_ptr<Request>>& requests);
+  void ExecuteCompressedAllreduce(int stream, const Response& r,
+                                  std::vector<std::shared_ptr<Request>>& requests);
   void ExecuteAllgather(int stream, const Response& r, Request& req);
   void ExecuteAlltoall(int stream, const Response& r, Request& req);
   void ExecuteReducescatter(int stream, const Response& r, Request& req);
@@ -174,6 +179,7 @@ class Runtime {
     std::deque<std::vector<std::shared_ptr<Request>>> work;
     bool stop = false;
     std::vector<char> fusion_buffer;
+    std::vector<uint16_t> half_buffer;  // compressed buckets
     StreamStats stats;
   };
   std::vector<std::unique_ptr<Stream>> streams_;

@@ -57,6 +57,7 @@ void* DataOf(const Tensor& t) { return const_cast<char*>(t.tensor_data().data())
 struct ReduceAttrs {
   perseus::ReduceOp op = perseus::ReduceOp::kSum;
   float prescale = 1.0f, postscale = 1.0f;
+  int64 compression = 0;  // allreduce of float32 only: 1 = float16 on the wire
 
   Status Read(OpKernelConstruction* c) {
     int reduce_op;
@@ -66,9 +67,11 @@ struct ReduceAttrs {
     }
     op = static_cast<perseus::ReduceOp>(reduce_op);
     TF_RETURN_IF_ERROR(c->GetAttr("prescale", &prescale));
+    if (c->HasAttr("compression")) TF_RETURN_IF_ERROR(c->GetAttr("compression", &compression));
     return c->GetAttr("postscale", &postscale);
   }
   void Apply(Request* req) const {
+    req->meta.compression = static_cast<int32_t>(compression);
     req->meta.reduce_op = op;
     req->meta.prescale = prescale;
     req->meta.postscale = postscale;

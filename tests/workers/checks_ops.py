@@ -334,3 +334,68 @@ def check_join_uneven_steps():
                 "root rank 0 has joined")
         ptf.join()
     np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
+
+
+def _fp16_model(xs, scale, post):
+    """What the runtime computes for a compressed float32 sum (2 ranks: exact)."""
+    s32 = np.float32(scale)
+    halves = [(x.astype(np.float32) * s32).astype(np.float16) for x in xs]
+    total = halves[0]
+    for h in halves[1:]:
+        total = (total.astype(np.float32) + h.astype(np.float32)).astype(np.float16)
+    return total.astype(np.float32) * np.float32(post / scale)
+
+
+def check_fp16_compression_against_numpy_model():
+    from perseus_tf import _native
+
+    scale = _native.config().gradient_scale
+    xs = [np.random.default_rng(50 + r).normal(0, 1e-3, size=(257,)).astype(np.float32)
+          for r in range(N)]
+    exact = np.sum([x.astype(np.float64) for x in xs], 0)
+    for op, post in ((ptf.Sum, 1.0), (ptf.Average, 1.0 / N)):
+        got = ptf.allreduce(tf.constant(xs[R]), op=op, compression="fp16").numpy()
+        grouped = ptf.grouped_allreduce([tf.constant(xs[R]), tf.constant(xs[R][:5])], op=op,
+                                        compression="fp16")
+        model = _fp16_model(xs, scale, post)
+        if N == 2:  # one addition per element: the model is exact
+            np.testing.assert_array_equal(got, model)
+            np.testing.assert_array_equal(grouped[0].numpy(), model)
+            np.testing.assert_array_equal(grouped[1].numpy(), model[:5])
+        else:  # the ring adds in another order: within float16 rounding of the model
+            np.testing.assert_allclose(got, model, rtol=0, atol=N * 2e-6)
+            np.testing.assert_allclose(grouped[1].numpy(), model[:5], rtol=0, atol=N * 2e-6)
+        np.testing.assert_allclose(got, exact * post, rtol=0, atol=N * 2e-6)
+        # It really travelled as float16: not the float32 result.
+        plain = ptf.allreduce(tf.constant(xs[R]), op=op).numpy()
+        assert not np.array_equal(got, plain)
+    # Other dtypes and reductions ignore compression and stay exact.
+    ints = ptf.allreduce(tf.constant([R + 1, 1000003]), compression="fp16").numpy()
+    np.testing.assert_array_equal(ints, [N * (N + 1) // 2, 1000003 * N])
+    mx = ptf.allreduce(tf.constant([1e-3 * (R + 1)]), op=ptf.Max, compression="fp16").numpy()
+    np.testing.assert_array_equal(mx, np.float32([1e-3 * N]))
+    _expect(ValueError, lambda: ptf.allreduce(tf.ones([1]), compression="int8"), "'fp16'")
+    # Ranks must agree on compression like on anything else.
+    _expect(tf.errors.FailedPreconditionError,
+            lambda: ptf.allreduce(tf.ones([2]), name="mm.comp",
+                                  compression="fp16" if R == 0 else "none"),
+            "mm.comp", "compression", "rank 0 has float16")
+
+
+def check_nancheck_names_tensor_and_rank():
+    from perseus_tf import _native
+
+    x = np.ones(4, np.float32)
+    if R == N - 1:
+        x[2] = np.nan
+    if _native.config().nancheck:
+        for op in (ptf.allreduce, lambda t, name: ptf.grouped_allreduce([t], name=name)[0]):
+            _expect(tf.errors.InvalidArgumentError, lambda: op(tf.constant(x), name="nan.grad"),
+                    "nan.grad", f"rank {N - 1} has NaN or Inf", "PERSEUS_ALLREDUCE_NANCHECK")
+        inf = np.float16([1, np.inf]) if R == 0 else np.float16([1, 1])
+        _expect(tf.errors.InvalidArgumentError,
+                lambda: ptf.allreduce(tf.constant(inf), name="inf.grad"), "rank 0 has NaN or Inf")
+    else:  # off: NaN passes through like any value
+        got = ptf.allreduce(tf.constant(x), name="nan.grad").numpy()
+        assert np.isnan(got[2]) and got[0] == N, got
+    np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
