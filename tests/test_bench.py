@@ -71,13 +71,15 @@ GRADIENTS_COLUMNS = ["model", "tensors", "MB", "ours_ms", "ours_min-max_ms", "bu
                      "cycles", "ratio", "iters"]
 
 
-def run_gradients_bench(extra, tmp_path):
-    """Runs the gradients benchmark at 2 ranks; returns (rank 0's lines, its row, csv lines)."""
+def run_gradients_bench(extra, tmp_path, dtype_mode):
+    """Runs the gradients benchmark at 2 ranks with PERSEUS_ALLREDUCE_DTYPE=dtype_mode;
+    returns (rank 0's lines, its row, csv lines)."""
     csv_path = tmp_path / "gradients.csv"
     proc = subprocess.run(
         [sys.executable, "-m", "perseus_tf.bench", "gradients", "--np", "2", *extra,
          "--iters", "2", "--warmup", "1", "--csv", str(csv_path)],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+        cwd=REPO, env=dict(ENV, PERSEUS_ALLREDUCE_DTYPE=dtype_mode), capture_output=True,
+        text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not [line for line in proc.stdout.splitlines() if line.startswith("[1] ")], proc.stdout
     lines = [line[len("[0] "):] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
@@ -97,7 +99,8 @@ def run_gradients_bench(extra, tmp_path):
     # Two ranks negotiate, so the runtime counted control traffic and buckets.
     assert float(row["ctrl_B"]) > 0 and float(row["buckets"]) >= 1 and float(row["cycles"]) >= 1
     check = next(line for line in lines if line.startswith("# result check"))
-    assert "exact: float32" in check, check  # no compression in this runtime yet
+    # 1: float32 end to end; 0 (the default): float16 on the wire.
+    assert ("exact: float32" if dtype_mode == "1" else "not exact: compressed") in check, check
     target = [line for line in lines if line.startswith("target:")]
     assert len(target) == 1 and "N/A" in target[0], target  # resnet50 only
     csv_lines = csv_path.read_text().splitlines()
@@ -107,7 +110,7 @@ def run_gradients_bench(extra, tmp_path):
 
 
 def test_gradients_bench_vgg16_profile(tmp_path):
-    lines, row, csv_lines = run_gradients_bench(["--profile", "vgg16"], tmp_path)
+    lines, row, csv_lines = run_gradients_bench(["--profile", "vgg16"], tmp_path, "1")
     assert row["model"] == "vgg16" and row["tensors"] == "32"
     # 138,357,544 float32 elements; a ring allreduce at 2 ranks sends all of them once.
     assert row["MB"] == "553.430" and row["wire_MB"] == "553.430"
@@ -116,10 +119,12 @@ def test_gradients_bench_vgg16_profile(tmp_path):
 
 def test_gradients_bench_synthetic(tmp_path):
     lines, row, csv_lines = run_gradients_bench(
-        ["--tensors", "50", "--tensor-bytes", "1K"], tmp_path)
+        ["--tensors", "50", "--tensor-bytes", "1K"], tmp_path, "0")
     assert row["model"] == "synthetic" and row["tensors"] == "50" and row["MB"] == "0.051"
     runtime = next(line for line in lines if line.startswith("# runtime per step"))
-    assert "50.0 requests" in runtime and "51200 data bytes" in runtime, runtime
+    # float16 on the wire: half of the 51200 float32 bytes.
+    assert "50.0 requests" in runtime and "25600 data bytes" in runtime, runtime
+    assert row["wire_MB"] == "0.026", row
 
 
 def test_gradients_bench_names_a_missing_profile(tmp_path):
