@@ -1,0 +1,58 @@
+"""The Horovod-compatible API (perseus_tf.horovod and perseus_tf.horovod.keras)
+at 2 and 4 ranks: one perseusrun launch per worker module and rank count."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT, check_names, rank_env, run_checks
+
+ESTIMATOR_ONLY = {"check_estimator_with_hook"}
+HAS_ESTIMATOR = importlib.util.find_spec("tensorflow_estimator") is not None
+MODULES = ["checks_horovod", "checks_horovod_keras"]
+CASES = [(m, c) for m in MODULES for c in check_names(m)]
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def ranks(request):
+    return request.param
+
+
+_launches = {}
+
+
+def launched(module, np_):
+    if (module, np_) not in _launches:
+        _launches[(module, np_)] = run_checks(module, np_, timeout=900)
+    return _launches[(module, np_)]
+
+
+@pytest.mark.parametrize("module,check", CASES, ids=[c for _, c in CASES])
+def test_horovod(ranks, module, check):
+    if check in ESTIMATOR_ONLY and not HAS_ESTIMATOR:
+        pytest.skip("tf.estimator was removed in TF 2.16")
+    launched(module, ranks).assert_ok(check)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_clean_exit(ranks, module):
+    proc = launched(module, ranks).proc
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_queries_before_init_raise_as_in_horovod():
+    code = ("import perseus_tf.horovod as hvd\n"
+            "for query in (hvd.rank, hvd.size, hvd.local_rank, hvd.cross_size):\n"
+            "    try:\n"
+            "        query()\n"
+            "        raise SystemExit(f'{query.__name__} did not raise before init')\n"
+            "    except ValueError as e:\n"
+            "        assert 'hvd.init()' in str(e), e\n"
+            "hvd.init()\n"
+            "assert (hvd.rank(), hvd.size()) == (0, 1)\n"
+            "print('BEFORE INIT OK')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=rank_env(), capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert "BEFORE INIT OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]

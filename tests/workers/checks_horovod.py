@@ -1,0 +1,633 @@
+"""The Horovod TensorFlow API (`perseus_tf.horovod`) on every rank, against
+numpy references.
+
+Run by tests/test_horovod.py through harness.run_checks at 2 and 4 ranks.
+Data depend only on the rank and a seed, so each rank computes what every
+other rank contributed and builds the numpy answer locally. Every check
+makes the same collective calls on every rank whatever its outcome.
+"""
+
+import contextlib
+import os
+import tempfile
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+import perseus_tf as ptf
+import perseus_tf.horovod as hvd
+from perseus_tf import ops
+
+R = N = None
+
+
+def setup():
+    global R, N
+    hvd.init()
+    R, N = hvd.rank(), hvd.size()
+    return R
+
+
+def teardown():
+    # Shutdown is collective: a rank that finished early would shut the
+    # runtime down under a rank still running its last (local) check.
+    hvd.barrier()
+
+
+def data(rank, shape, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(1000 * rank + seed)
+    return rng.integers(1, 4, size=shape).astype(dtype)
+
+
+def normal(rank, shape, seed=0):
+    return np.random.default_rng(1000 * rank + seed).normal(size=shape).astype(np.float32)
+
+
+def same_on_all_ranks(arrays, tol=0.0):
+    """Every rank holds the same arrays (compared through an allgather)."""
+    for a in arrays:
+        a = np.asarray(a, np.float64).reshape(1, -1)
+        everyone = ptf.allgather(tf.constant(a)).numpy()
+        np.testing.assert_allclose(everyone, np.repeat(everyone[:1], N, 0), atol=tol)
+
+
+def expect(error, fn, *needles):
+    try:
+        fn()
+    except error as e:
+        for needle in needles:
+            assert needle in str(e), f"{needle!r} not in {type(e).__name__}: {e}"
+        return
+    raise AssertionError(f"expected {error.__name__}")
+
+
+@contextlib.contextmanager
+def counting_native_calls():
+    """Counts perseus_tf.ops.grouped_allreduce / allreduce calls made by the shim."""
+    calls = {"grouped": [], "single": 0}
+    grouped, single = ops.grouped_allreduce, ops.allreduce
+
+    def grouped_spy(tensors, *args, **kwargs):
+        tensors = list(tensors)
+        calls["grouped"].append([t.dtype for t in tensors])
+        return grouped(tensors, *args, **kwargs)
+
+    def single_spy(*args, **kwargs):
+        calls["single"] += 1
+        return single(*args, **kwargs)
+
+    ops.grouped_allreduce, ops.allreduce = grouped_spy, single_spy
+    try:
+        yield calls
+    finally:
+        ops.grouped_allreduce, ops.allreduce = grouped, single
+
+
+# ---- basics ----------------------------------------------------------------
+
+def check_topology_and_build_flags():
+    assert hvd.is_initialized()
+    assert (hvd.size(), hvd.rank()) == (ptf.size(), ptf.rank())
+    assert (hvd.local_size(), hvd.local_rank()) == (ptf.local_size(), ptf.local_rank())
+    assert (hvd.cross_size(), hvd.cross_rank()) == (ptf.cross_size(), ptf.cross_rank())
+    assert hvd.is_homogeneous() is True  # perseusrun -np N: one host
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
+    assert hvd.gloo_enabled() and hvd.gloo_built()
+    assert not (hvd.mpi_enabled() or hvd.mpi_built() or hvd.ddl_built() or hvd.ccl_built())
+    assert hvd.nccl_built() == 0 and not hvd.cuda_built() and not hvd.rocm_built()
+    expect(ValueError, hvd.mpi_threads_supported, "MPI")
+    assert int(hvd.size_op()) == N and int(hvd.rank_op()) == R
+    assert hvd.global_process_set.size() == N and hvd.global_process_set.included()
+    assert hvd.global_process_set.ranks == list(range(N))
+
+
+# ---- allreduce -------------------------------------------------------------
+
+def check_allreduce_default_is_average_and_every_op():
+    for i, dt in enumerate([np.float32, np.float64, np.int32, np.int64, np.float16]):
+        xs = [data(r, (3, 4), dt, seed=i) for r in range(N)]
+        stacked = np.stack([x.astype(np.float64) for x in xs])
+        mean = stacked.mean(0)
+        if np.issubdtype(dt, np.integer):
+            mean = np.trunc(mean)
+        tol = 1e-2 if dt == np.float16 else 1e-6
+        got = hvd.allreduce(tf.constant(xs[R]))  # no op: Average, as in Horovod
+        assert got.dtype == tf.as_dtype(dt)
+        np.testing.assert_allclose(got.numpy().astype(np.float64), mean, rtol=tol)
+        refs = {hvd.Sum: stacked.sum(0), hvd.Min: stacked.min(0), hvd.Max: stacked.max(0),
+                hvd.Product: stacked.prod(0), hvd.Average: mean}
+        for op, ref in refs.items():
+            got = hvd.allreduce(tf.constant(xs[R]), op=op).numpy().astype(np.float64)
+            np.testing.assert_allclose(got, ref, rtol=tol, err_msg=f"{dt} op {op}")
+
+
+def check_allreduce_deprecated_average_flag_and_scales():
+    xs = [normal(r, (5, 3)) for r in range(N)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summed = hvd.allreduce(tf.constant(xs[R]), average=False).numpy()
+        averaged = hvd.allreduce(tf.constant(xs[R]), average=True).numpy()
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
+    np.testing.assert_allclose(summed, sum(xs), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(averaged, sum(xs) / N, rtol=1e-5, atol=1e-6)
+    expect(ValueError, lambda: hvd.allreduce(tf.constant(xs[R]), average=True, op=hvd.Sum),
+           "supersedes")
+    got = hvd.allreduce(tf.constant(xs[R]), op=hvd.Sum, prescale_factor=0.5,
+                        postscale_factor=3.0).numpy()
+    np.testing.assert_allclose(got, 1.5 * sum(xs), rtol=1e-5, atol=1e-5)
+    got = hvd.allreduce(tf.Variable(xs[R]), op=hvd.Average, postscale_factor=2.0).numpy()
+    np.testing.assert_allclose(got, 2.0 * sum(xs) / N, rtol=1e-5, atol=1e-5)
+    expect(NotImplementedError, lambda: hvd.allreduce(tf.constant(xs[R]), op=hvd.Adasum),
+           "Average")
+
+
+def check_allreduce_fp16_compression():
+    xs = [normal(r, (64,)) for r in range(N)]
+    compressed, ctx = hvd.Compression.fp16.compress(tf.constant(xs[R]))
+    assert compressed.dtype == tf.float16 and ctx == tf.float32
+    got = hvd.allreduce(tf.constant(xs[R]), compression=hvd.Compression.fp16)
+    assert got.dtype == tf.float32
+    ref = np.mean([x.astype(np.float16).astype(np.float64) for x in xs], 0)
+    np.testing.assert_allclose(got.numpy(), ref, atol=5e-3)
+    # Not exactly the fp32 answer: the data really travelled as float16.
+    assert not np.array_equal(got.numpy(), np.mean(xs, 0, dtype=np.float32))
+    ints = hvd.allreduce(tf.constant([R, 1]), op=hvd.Sum, compression=hvd.Compression.fp16)
+    assert ints.dtype == tf.int32 and list(ints.numpy()) == [N * (N - 1) // 2, N]
+    assert hvd.Compression.none.compress(tf.constant(xs[R]))[0].dtype == tf.float32
+
+
+def _slices(rank):
+    rows = rank + 1  # ranks contribute different numbers of rows
+    values = data(rank, (rows, 3), np.float32, seed=7)
+    indices = np.array([(rank + j) % 5 for j in range(rows)], np.int64)
+    return values, indices
+
+
+def _to_dense(values, indices):
+    out = np.zeros((5, 3), np.float64)
+    np.add.at(out, indices, values)
+    return out
+
+
+def check_allreduce_indexed_slices_gathers_values_and_indices():
+    values, indices = _slices(R)
+    slices = tf.IndexedSlices(tf.constant(values), tf.constant(indices), tf.constant([5, 3]))
+    total = sum(_to_dense(*_slices(r)) for r in range(N))
+    for op, ref in ((hvd.Sum, total), (hvd.Average, total / N), (None, total / N)):
+        got = hvd.allreduce(slices, op=op)
+        assert isinstance(got, tf.IndexedSlices)
+        assert got.values.shape[0] == sum(r + 1 for r in range(N))
+        np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(), ref, rtol=1e-6)
+    expect(NotImplementedError, lambda: hvd.allreduce(slices, op=hvd.Max), "Sum and Average")
+    expect(NotImplementedError, lambda: hvd.allreduce(slices, prescale_factor=2.0), "scale")
+
+
+def check_grouped_allreduce_mixed_dtypes_and_slices():
+    xs = [[data(r, (i + 2, 3), dt, seed=i) for i, dt in
+           enumerate([np.float32, np.float64, np.int32, np.float32])] for r in range(N)]
+    values, indices = _slices(R)
+    mine = [tf.constant(x) for x in xs[R]]
+    mine.insert(2, tf.IndexedSlices(tf.constant(values), tf.constant(indices), [5, 3]))
+    got = hvd.grouped_allreduce(mine, op=hvd.Sum)
+    assert isinstance(got[2], tf.IndexedSlices)
+    np.testing.assert_allclose(tf.convert_to_tensor(got.pop(2)).numpy(),
+                               sum(_to_dense(*_slices(r)) for r in range(N)))
+    for i, g in enumerate(got):
+        assert g.dtype == mine[i if i < 2 else i + 1].dtype
+        np.testing.assert_array_equal(g.numpy(), sum(x[i] for x in xs))
+    avg = hvd.grouped_allreduce([tf.constant(x) for x in xs[R] if x.dtype != np.int32])
+    np.testing.assert_allclose(avg[0].numpy(), sum(x[0] for x in xs) / N, rtol=1e-6)
+    assert hvd.grouped_allreduce([]) == []
+
+
+# ---- other collectives -----------------------------------------------------
+
+def check_allgather_and_grouped_allgather():
+    mine = data(R, (R + 1, 2), np.int64)
+    got = hvd.allgather(tf.constant(mine)).numpy()
+    np.testing.assert_array_equal(got, np.concatenate([data(r, (r + 1, 2), np.int64)
+                                                       for r in range(N)]))
+    a, b = hvd.grouped_allgather([tf.fill([R + 2], R), tf.constant([[float(R)]])])
+    np.testing.assert_array_equal(a.numpy(), np.concatenate([[r] * (r + 2) for r in range(N)]))
+    np.testing.assert_array_equal(b.numpy(), np.arange(N, dtype=np.float32).reshape(N, 1))
+
+
+def check_broadcast_from_every_root():
+    for root in range(N):
+        got = hvd.broadcast(tf.constant(data(R, (4,), np.float64, seed=root)), root)
+        np.testing.assert_array_equal(got.numpy(), data(root, (4,), np.float64, seed=root))
+
+
+def check_alltoall_with_and_without_splits():
+    rows = np.arange(N * 2, dtype=np.float32).reshape(N * 2, 1) + 100 * R
+    out, received = hvd.alltoall(tf.constant(rows))
+    np.testing.assert_array_equal(received.numpy(), [2] * N)
+    np.testing.assert_array_equal(out.numpy().ravel(), np.concatenate(
+        [np.arange(2 * R, 2 * R + 2) + 100 * r for r in range(N)]))
+    splits = [(R + d) % 2 + 1 for d in range(N)]  # rank R sends splits[d] rows to d
+    mine = np.full((sum(splits),), R, np.int32)
+    out, received = hvd.alltoall(tf.constant(mine), splits=splits)
+    expected_counts = [(r + R) % 2 + 1 for r in range(N)]
+    np.testing.assert_array_equal(received.numpy(), expected_counts)
+    np.testing.assert_array_equal(out.numpy(), np.repeat(np.arange(N), expected_counts))
+
+
+def check_reducescatter_average_by_default_and_grouped():
+    rows = 2 * N + 1
+    xs = [data(r, (rows, 3), np.float32) for r in range(N)]
+    counts = [rows // N + (1 if r < rows % N else 0) for r in range(N)]
+    start = sum(counts[:R])
+    got = hvd.reducescatter(tf.constant(xs[R]))
+    np.testing.assert_allclose(got.numpy(), (sum(xs) / N)[start:start + counts[R]], rtol=1e-6)
+    a, b = hvd.grouped_reducescatter([tf.constant(xs[R]), tf.constant(xs[R] * 2)], op=hvd.Sum)
+    np.testing.assert_allclose(a.numpy(), sum(xs)[start:start + counts[R]])
+    np.testing.assert_allclose(b.numpy(), 2 * sum(xs)[start:start + counts[R]])
+
+
+def check_barrier():
+    hvd.barrier()
+    hvd.barrier()
+
+
+def check_mismatched_shapes_dtypes_roots_raise():
+    expect(tf.errors.FailedPreconditionError,
+           lambda: hvd.allreduce(tf.ones([2 + R]), name="hvd.mm.shape"), "hvd.mm.shape", "shape")
+    dt = tf.float32 if R == 0 else tf.float64
+    expect(tf.errors.FailedPreconditionError,
+           lambda: hvd.allreduce(tf.ones([2], dt), name="hvd.mm.dtype"), "dtype")
+    expect(tf.errors.FailedPreconditionError,
+           lambda: hvd.broadcast(tf.ones([2]), min(R, 1), name="hvd.mm.root"), "root")
+    # allgather: the first dimension may differ, the others may not.
+    expect(tf.errors.FailedPreconditionError,
+           lambda: hvd.allgather(tf.ones([2, 1 + R]), name="hvd.mm.gather"), "hvd.mm.gather")
+    expect(tf.errors.FailedPreconditionError,
+           lambda: hvd.grouped_allreduce([tf.ones([1]), tf.ones([1 + R])], name="hvd.mm.group"),
+           "hvd.mm.group")
+    np.testing.assert_array_equal(hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy(), [N, N])
+
+
+# ---- process sets and join (native support from perseus_tf.ops) ------------
+
+def check_process_sets():
+    evens_ranks = list(range(0, N, 2))
+    evens = hvd.add_process_set(evens_ranks)
+    odds = hvd.add_process_set(hvd.ProcessSet(range(1, N, 2)))
+    assert evens.process_set_id not in (None, 0) and odds.process_set_id != evens.process_set_id
+    mine, members = (evens, evens_ranks) if R % 2 == 0 else (odds, list(range(1, N, 2)))
+    other = odds if mine is evens else evens
+    assert mine.size() == len(members) and mine.included() and not other.included()
+    assert mine.rank() == members.index(R)
+    expect(ValueError, other.rank, "not part")
+    got = hvd.allreduce(tf.constant([float(R)]), op=hvd.Sum, process_set=mine).numpy()
+    assert got[0] == sum(members), got
+    got = hvd.allreduce(tf.constant([float(R)]), process_set=mine).numpy()
+    assert got[0] == np.mean(members), got
+    gathered = hvd.allgather(tf.constant([R]), process_set=mine).numpy()
+    np.testing.assert_array_equal(gathered, members)
+    root = members[-1]  # a global rank, as in Horovod
+    got = hvd.broadcast(tf.constant([R]), root, process_set=mine).numpy()
+    assert got[0] == root, got
+    assert hvd.broadcast_object(("from", R), root_rank=root, process_set=mine) == ("from", root)
+    assert hvd.allgather_object(R, process_set=mine) == members
+    expect(ValueError, lambda: hvd.broadcast(tf.constant([R]), other.ranks[0], process_set=mine),
+           "not a member")
+    # The gradient path honours the set: gradients are averaged among its members.
+    w = tf.Variable([1.0, 2.0])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * float(R + 1))
+    grad = hvd.DistributedGradientTape(tape, process_set=mine).gradient(loss, [w])[0]
+    np.testing.assert_allclose(grad.numpy(), [np.mean(members) + 1] * 2)
+    hvd.barrier(process_set=mine)
+    assert hvd.remove_process_set(odds) is True and hvd.remove_process_set(evens) is True
+    assert evens.process_set_id is None and evens.size() is None
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    expect(ValueError, lambda: hvd.allreduce(tf.ones([1]), process_set=evens), "not registered")
+    expect(ValueError, lambda: hvd.add_process_set([0, N]), "subset")
+    first = hvd.ProcessSet([0])
+    hvd.init(process_sets=[first])  # registers sets given to init (collective)
+    assert first.process_set_id not in (None, 0) and first.included() == (R == 0)
+    assert hvd.remove_process_set(first)
+
+
+def check_join():
+    # Rank r has r + 1 batches; joined ranks contribute zeros to the others' sums.
+    for step in range(R + 1):
+        got = hvd.allreduce(tf.constant([1.0]), op=hvd.Sum, name="join.step").numpy()
+        assert got[0] == sum(1 for r in range(N) if r >= step), (step, got)
+    assert int(hvd.join()) == N - 1
+    # Usable again afterwards, e.g. once per epoch.
+    np.testing.assert_array_equal(hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy(), [N])
+    assert int(hvd.join()) in range(N)
+
+
+# ---- variables and objects ------------------------------------------------
+
+def check_broadcast_variables_and_objects():
+    variables = [tf.Variable(normal(R, (3, 2))), tf.Variable(R, dtype=tf.int64)]
+    hvd.broadcast_variables(variables, root_rank=N - 1)
+    np.testing.assert_array_equal(variables[0].numpy(), normal(N - 1, (3, 2)))
+    assert variables[1].numpy() == N - 1
+    obj = {"rank": R, "payload": list(range(R + 3)), "name": "x" * R}
+    got = hvd.broadcast_object(obj, root_rank=1 if N > 1 else 0)
+    assert got == {"rank": 1, "payload": [0, 1, 2, 3], "name": "x"}, got
+    everyone = hvd.allgather_object(obj)
+    assert everyone == [{"rank": r, "payload": list(range(r + 3)), "name": "x" * r}
+                        for r in range(N)], everyone
+    assert hvd.broadcast_object_fn(root_rank=0)(("tuple", R)) == ("tuple", 0)
+    expect(RuntimeError, lambda: hvd.broadcast_global_variables(0), "eager")
+
+
+def check_broadcast_global_variables_in_a_graph():
+    with tf.Graph().as_default():
+        a = tf.compat.v1.get_variable("a", initializer=tf.constant(normal(R, (4,))))
+        b = tf.compat.v1.get_variable("b", initializer=tf.constant([R, 2 * R]))
+        bcast = hvd.broadcast_global_variables(0)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(bcast)
+            av, bv = sess.run([a, b])
+            obj = hvd.broadcast_object({"r": R}, root_rank=0, session=sess)
+    np.testing.assert_array_equal(av, normal(0, (4,)))
+    np.testing.assert_array_equal(bv, [0, 0])
+    assert obj == {"r": 0}
+
+
+# ---- DistributedGradientTape ------------------------------------------------
+
+def _linear_problem(seed=0):
+    w0 = normal(99, (4, 2), seed=seed)
+    xs = [normal(r, (6, 4), seed=seed + 1) for r in range(N)]
+    ys = [normal(r, (6, 2), seed=seed + 2) for r in range(N)]
+    # d/dw mean((xw - y)^2) = 2 x^T (xw - y) / (rows * cols)
+    grads = [2 * x.T @ (x @ w0 - y) / y.size for x, y in zip(xs, ys)]
+    return w0, xs, ys, grads
+
+
+def check_gradient_tape_average_sum_predivide_and_fp16():
+    w0, xs, ys, grads = _linear_problem()
+    w = tf.Variable(w0)
+    bias = tf.Variable(tf.zeros([2], tf.float64))
+
+    def tape_grads(**kwargs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((xs[R] @ w + tf.cast(bias, tf.float32) - ys[R]) ** 2)
+        return hvd.DistributedGradientTape(tape, **kwargs).gradient(loss, [w, bias])
+
+    with counting_native_calls() as calls:
+        gw, gb = tape_grads()
+    # One fused request per dtype (float32 weight, float64 bias), no per-tensor allreduce.
+    assert sorted(map(str, calls["grouped"])) == ["[tf.float32]", "[tf.float64]"], calls
+    assert calls["single"] == 0
+    np.testing.assert_allclose(gw.numpy(), np.mean(grads, 0), rtol=1e-5, atol=1e-6)
+    gw_sum, _ = tape_grads(op=hvd.Sum)
+    np.testing.assert_allclose(gw_sum.numpy(), np.sum(grads, 0), rtol=1e-5, atol=1e-6)
+    gw_pre, _ = tape_grads(gradient_predivide_factor=float(N))
+    np.testing.assert_allclose(gw_pre.numpy(), np.mean(grads, 0), rtol=1e-5, atol=1e-6)
+    gw_fp16, _ = tape_grads(compression=hvd.Compression.fp16)
+    assert gw_fp16.dtype == tf.float32
+    np.testing.assert_allclose(gw_fp16.numpy(), np.mean(grads, 0), rtol=1e-2, atol=1e-2)
+    expect(ValueError, lambda: tape_grads(op=hvd.Sum, gradient_predivide_factor=2.0), "op")
+    expect(NotImplementedError, lambda: tape_grads(op=hvd.Adasum), "Average")
+
+
+def check_gradient_tape_groups_and_tf_function():
+    ws = [tf.Variable(normal(50 + i, (3,))) for i in range(5)]
+    x = normal(R, (3,), seed=3)
+
+    def run(**kwargs):
+        with tf.GradientTape() as tape:
+            loss = sum(tf.reduce_sum(w * x * (i + 1)) for i, w in enumerate(ws))
+        return hvd.DistributedGradientTape(tape, **kwargs).gradient(loss, ws)
+
+    ref = [np.mean([normal(r, (3,), seed=3) for r in range(N)], 0) * (i + 1) for i in range(5)]
+    for kwargs, requests in (({}, 1), ({"groups": 2}, 2), ({"num_groups": 3}, 3),
+                             ({"groups": [[ws[0], ws[4]], [ws[2]]]}, 4)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with counting_native_calls() as calls:
+                got = run(**kwargs)
+        assert len(calls["grouped"]) == requests, (kwargs, calls)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g.numpy(), r, rtol=1e-6)
+    expect(ValueError, lambda: run(groups=-1), "groups")
+
+    step = tf.function(lambda: run())
+    for _ in range(2):
+        for g, r in zip(step(), ref):
+            np.testing.assert_allclose(g.numpy(), r, rtol=1e-6)
+
+
+def check_gradient_tape_sparse_and_sparse_as_dense():
+    table = tf.Variable(normal(7, (5, 3)))
+    ids = tf.constant([(R + j) % 5 for j in range(R + 1)])
+
+    def run(**kwargs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, ids))
+        return hvd.DistributedGradientTape(tape, **kwargs).gradient(loss, [table])[0]
+
+    counts = np.zeros((5, 3))
+    for r in range(N):
+        for j in range(r + 1):
+            counts[(r + j) % 5] += 1
+    sparse = run()
+    assert isinstance(sparse, tf.IndexedSlices)
+    np.testing.assert_allclose(tf.convert_to_tensor(sparse).numpy(), counts / N, rtol=1e-6)
+    dense = run(sparse_as_dense=True)
+    assert not isinstance(dense, tf.IndexedSlices)
+    np.testing.assert_allclose(dense.numpy(), counts / N, rtol=1e-6)
+
+
+def check_partial_gradient_tape_keeps_local_layers_local():
+    keras = tf.keras
+    shared, local = keras.layers.Dense(2, use_bias=False), keras.layers.Dense(1, use_bias=False)
+    x = tf.constant(normal(R, (4, 3), seed=11))
+    shared.build((None, 3))
+    local.build((None, 2))
+    shared.kernel.assign(normal(0, (3, 2), seed=12))
+    local.kernel.assign(normal(0, (2, 1), seed=13))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(shared(x)))
+    raw = tape.gradient(loss, [shared.kernel, local.kernel])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(shared(x)))
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local])
+    got = tape.gradient(loss, [shared.kernel, local.kernel])
+    # The shared gradient is averaged; the local one stays local, divided by size.
+    everyone = ptf.allgather(tf.expand_dims(raw[0], 0)).numpy()
+    np.testing.assert_allclose(got[0].numpy(), everyone.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(got[1].numpy(), raw[1].numpy() / N, rtol=1e-6)
+
+
+# ---- tf.compat.v1 optimizer ---------------------------------------------------
+
+def _graph_sgd(distributed_kwargs, lr, batches, reference=False):
+    """Trains y = xw in a TF1 graph; returns (w after each run, global steps)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+        y = tf.compat.v1.placeholder(tf.float32, [None, 2])
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant(normal(99, (4, 2))))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        loss = tf.reduce_mean((tf.matmul(x, w) - y) ** 2)
+        opt = tf.compat.v1.train.GradientDescentOptimizer(lr)
+        if not reference:
+            opt = hvd.DistributedOptimizer(opt, **distributed_kwargs)
+        train = opt.minimize(loss, global_step=step)
+        with tf.compat.v1.Session() as sess:
+            sess.run([tf.compat.v1.global_variables_initializer(),
+                      tf.compat.v1.local_variables_initializer()])
+            history = []
+            for bx, by in batches:
+                sess.run(train, {x: bx, y: by})
+                history.append(sess.run(w))
+            return history, sess.run(step)
+
+
+def check_tf1_optimizer_averages_gradients():
+    w0, xs, ys, grads = _linear_problem()
+    history, steps = _graph_sgd({}, 0.1, [(xs[R], ys[R])])
+    np.testing.assert_allclose(history[0], w0 - 0.1 * np.mean(grads, 0), rtol=1e-5, atol=1e-6)
+    assert steps == 1
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer(0.1))
+    assert isinstance(opt, tf.compat.v1.train.Optimizer)
+    expect(ValueError, lambda: hvd.DistributedOptimizer(object()), "optimizer")
+
+
+def _micro_batches(k, steps, b=3, seed=20):
+    """Rank R's micro-batches and the big batches (k * N * b rows) they make up."""
+    rng = np.random.default_rng(seed)
+    total = steps * k * N * b
+    x = rng.normal(size=(total, 4)).astype(np.float32)
+    y = rng.normal(size=(total, 2)).astype(np.float32)
+    mine, big = [], []
+    for t in range(steps):
+        base = t * k * N * b
+        big.append((x[base:base + k * N * b], y[base:base + k * N * b]))
+        for j in range(k):
+            lo = base + (j * N + R) * b
+            mine.append((x[lo:lo + b], y[lo:lo + b]))
+    return mine, big
+
+
+def check_tf1_backward_passes_equal_a_k_times_larger_batch():
+    k, steps, lr = 3, 4, 0.2
+    mine, big = _micro_batches(k, steps)
+    # Summed (not averaged) accumulation with lr / k is the big-batch mean with lr.
+    history, global_steps = _graph_sgd(
+        {"backward_passes_per_step": k}, lr / k, mine)
+    ref, _ = _graph_sgd({}, lr, big, reference=True)
+    assert global_steps == k * steps, global_steps  # every call advances global_step
+    for t in range(steps):
+        np.testing.assert_allclose(history[k * t + k - 1], ref[t], atol=1e-5)
+        if t:  # between applies the weights do not move
+            np.testing.assert_array_equal(history[k * t], history[k * t - 1])
+    averaged, _ = _graph_sgd({"backward_passes_per_step": k,
+                              "average_aggregated_gradients": True}, lr, mine)
+    np.testing.assert_allclose(averaged[-1], ref[-1], atol=1e-5)
+
+
+# ---- MonitoredTrainingSession and Estimator with the hook --------------------
+
+class _Recorder(tf.compat.v1.train.SessionRunHook):
+    """Reads every trainable variable right after the session is created."""
+
+    def __init__(self):
+        self.values = self.final = None
+
+    def after_create_session(self, session, coord):
+        self.values = session.run(tf.compat.v1.trainable_variables())
+
+    def end(self, session):
+        self.final = session.run(tf.compat.v1.global_variables())
+
+
+def _dense(x, units, name):
+    """A TF1 dense layer from get_variable (tf.compat.v1.layers needs Keras 2)."""
+    init = tf.compat.v1.random_normal_initializer(stddev=0.5)
+    w = tf.compat.v1.get_variable(name + "/kernel", [x.shape[-1], units], initializer=init)
+    b = tf.compat.v1.get_variable(name + "/bias", [units], initializer=init)
+    return tf.matmul(x, w) + b
+
+
+def _monitored_training(checkpoint_dir, steps=5):
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(R)  # every rank initialises differently
+        x = tf.constant(normal(R, (8, 4), seed=30))
+        y = tf.constant(normal(R, (8, 1), seed=31))
+        hidden = tf.tanh(_dense(x, 5, "dense"))
+        loss = tf.reduce_mean((_dense(hidden, 1, "dense_1") - y) ** 2)
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.05, 0.9))
+        train = opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        recorder = _Recorder()
+        hooks = [hvd.BroadcastGlobalVariablesHook(0), recorder,
+                 tf.compat.v1.train.StopAtStepHook(last_step=steps)]
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                checkpoint_dir=checkpoint_dir, hooks=hooks, save_checkpoint_secs=None,
+                save_checkpoint_steps=1000 if checkpoint_dir else None, save_summaries_steps=None,
+                save_summaries_secs=None, log_step_count_steps=None) as sess:
+            while not sess.should_stop():
+                sess.run(train)
+        return recorder.values
+
+
+def check_monitored_training_session_with_hook():
+    start = _monitored_training(None)
+    same_on_all_ranks(start)  # the hook broadcast rank 0's initial values
+    # With rank 0 restoring a checkpoint, every rank starts from the restored values.
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = d if R == 0 else None
+        first = _monitored_training(ckpt, steps=3)   # rank 0 saves at the end
+        second = _monitored_training(ckpt, steps=6)  # and restores here
+        same_on_all_ranks(first)
+        same_on_all_ranks(second)
+        if R == 0:
+            reader = tf.train.load_checkpoint(d)
+            assert reader.get_tensor("global_step") == 6
+    for a, b in zip(first, second):
+        assert not np.allclose(a, b)  # the second run started from trained values
+
+
+def check_monitored_training_session_final_weights_equal():
+    with tf.Graph().as_default():
+        x = tf.constant(normal(R, (8, 3), seed=40))
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant(normal(R, (3, 1), seed=41)))
+        loss = tf.reduce_mean(tf.matmul(x, w) ** 2)
+        train = hvd.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer(0.1)).minimize(
+            loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        recorder = _Recorder()
+        hooks = [hvd.BroadcastGlobalVariablesHook(0), recorder,
+                 tf.compat.v1.train.StopAtStepHook(last_step=4)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            while not sess.should_stop():
+                sess.run(train)
+    assert len(recorder.final) >= 4, recorder.final  # w, global_step, Adam slots
+    same_on_all_ranks([np.asarray(v, np.float64) for v in recorder.final], tol=1e-6)
+
+
+def check_estimator_with_hook():
+    if not hasattr(tf, "estimator"):
+        return  # tests/test_horovod.py skips this check: tf.estimator was removed in TF 2.16
+
+    def model_fn(features, labels, mode):
+        tf.compat.v1.set_random_seed(R)
+        hidden = tf.tanh(_dense(features, 4, "dense"))
+        pred = _dense(hidden, 1, "dense_1")
+        loss = tf.reduce_mean((pred - labels) ** 2)
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+        train = opt.minimize(loss, global_step=tf.compat.v1.train.get_global_step())
+        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train)
+
+    def input_fn():
+        x, y = normal(R, (16, 3), seed=50), normal(R, (16, 1), seed=51)
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+
+    with tempfile.TemporaryDirectory() as d:
+        est = tf.estimator.Estimator(model_fn, model_dir=os.path.join(d, f"rank{R}"))
+        recorder = _Recorder()
+        est.train(input_fn, hooks=[hvd.BroadcastGlobalVariablesHook(0), recorder], steps=5)
+        same_on_all_ranks(recorder.values)
+        names = sorted(n for n in est.get_variable_names() if "dense" in n)
+        assert names, est.get_variable_names()
+        same_on_all_ranks([est.get_variable_value(n) for n in names], tol=1e-6)
+        assert est.get_variable_value("global_step") == 5

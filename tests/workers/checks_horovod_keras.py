@@ -1,0 +1,277 @@
+"""The Horovod Keras API (`perseus_tf.horovod.keras`) on every rank: Keras 3
+on TF 2.21, Keras 2 on TF 2.15.
+
+Run by tests/test_horovod.py through harness.run_checks at 2 and 4 ranks.
+Distributed training is compared with single-process training of the same
+model on the same global batches, computed on each rank.
+"""
+
+import os
+import tempfile
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+import perseus_tf as ptf
+import perseus_tf.horovod as hvd_tf
+import perseus_tf.horovod.keras as hvd
+from perseus_tf.horovod.keras._optimizer import is_distributed
+
+from checks_horovod import counting_native_calls, expect, same_on_all_ranks, teardown  # noqa: F401
+
+keras = tf.keras
+R = N = None
+rng = np.random.default_rng(0)
+X = rng.normal(size=(96, 6)).astype(np.float32)
+Y = (X @ rng.normal(size=(6, 1)) + 0.1).astype(np.float32)
+GLOBAL_BATCH = 16
+
+
+def setup():
+    global R, N
+    hvd.init()
+    R, N = hvd.rank(), hvd.size()
+    import checks_horovod
+    checks_horovod.R, checks_horovod.N = R, N
+    return R
+
+
+def make_model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(1)])
+
+
+def my_shard(x, batch):
+    """Rank R's rows of each global batch of batch * N rows, in order."""
+    parts = [x[t + R * batch:t + (R + 1) * batch] for t in range(0, len(x), batch * N)]
+    return np.concatenate(parts)
+
+
+def weights(model):
+    return [w.numpy() for w in model.weights]
+
+
+def check_fit_matches_single_process_training():
+    b = GLOBAL_BATCH // N
+    model = make_model(seed=R)  # different initial weights on every rank
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                 hvd.callbacks.MetricAverageCallback()]
+    with counting_native_calls() as calls:
+        model.fit(my_shard(X, b), my_shard(Y, b), batch_size=b, epochs=2, shuffle=False,
+                  callbacks=callbacks, verbose=0)
+    # Gradients went through the fused grouped request, not per-tensor allreduces.
+    assert calls["single"] == 0 and any(tf.float32 in c for c in calls["grouped"]), calls
+    same_on_all_ranks(weights(model))  # exactly equal
+    ref = make_model(seed=0)  # rank 0's initial weights
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    ref.fit(X, Y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    for a, r in zip(weights(model), weights(ref)):
+        np.testing.assert_allclose(a, r, atol=1e-5)
+
+
+def check_backward_passes_equal_a_k_times_larger_batch():
+    k, b, steps = 2, 4, 3
+    big = k * N * b
+    x, y = X[:steps * big], Y[:steps * big]
+    mine_x = np.concatenate([x[t * big + (j * N + R) * b:][:b] for t in range(steps)
+                             for j in range(k)])
+    mine_y = np.concatenate([y[t * big + (j * N + R) * b:][:b] for t in range(steps)
+                             for j in range(k)])
+    model = make_model(seed=3)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=k,
+                                   average_aggregated_gradients=True)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(mine_x, mine_y, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    ref = make_model(seed=3)
+    ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    ref.fit(x, y, batch_size=big, epochs=1, shuffle=False, verbose=0)
+    for a, r in zip(weights(model), weights(ref)):
+        np.testing.assert_allclose(a, r, atol=1e-5)
+    assert int(opt.iterations.numpy()) == k * steps  # skipped passes still count
+    same_on_all_ranks(weights(model))
+
+
+def check_custom_loop_apply_gradients_in_tf_function():
+    w = tf.Variable(np.ones((3,), np.float32))
+    opt = hvd_tf.DistributedOptimizer(keras.optimizers.SGD(1.0))  # the TF module dispatches
+    assert is_distributed(opt) and isinstance(opt, keras.optimizers.SGD)
+    x = tf.constant(np.full((3,), R + 1, np.float32))
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * x)
+        opt.apply_gradients(zip(tape.gradient(loss, [w]), [w]))
+
+    step()
+    step()
+    mean_grad = np.mean([r + 1 for r in range(N)])
+    np.testing.assert_allclose(w.numpy(), 1.0 - 2 * mean_grad, rtol=1e-6)
+    expect(ValueError, lambda: hvd.DistributedOptimizer(opt), "already")
+    expect(ValueError, lambda: hvd.DistributedOptimizer(object()), "Keras optimizer")
+
+
+def check_partial_distributed_optimizer_keeps_local_layers_local():
+    shared, local = keras.layers.Dense(2, use_bias=False), keras.layers.Dense(1, use_bias=False)
+    shared.build((None, 3))
+    local.build((None, 2))
+    shared.kernel.assign(np.ones((3, 2), np.float32))
+    local.kernel.assign(np.ones((2, 1), np.float32))
+    variables = [shared.kernel, local.kernel]
+    opt = hvd.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), local_layers=[local])
+    x = tf.constant(np.full((1, 3), R + 1, np.float32))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(shared(x)))
+    grads = tape.gradient(loss, variables)
+    opt.apply_gradients(zip(grads, variables))
+    mean = np.mean([r + 1 for r in range(N)])
+    np.testing.assert_allclose(shared.kernel.numpy(), 1.0 - mean, rtol=1e-6)  # averaged
+    # The local layer's gradient (3 * (R + 1) per weight) stays local, divided by size.
+    np.testing.assert_allclose(local.kernel.numpy(), 1.0 - 3 * (R + 1) / N, rtol=1e-6)
+
+
+def check_sparse_embedding_gradients():
+    keras.utils.set_random_seed(R)
+    model = keras.Sequential([keras.Input((2,), dtype="int32"), keras.layers.Embedding(10, 3),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    ids = np.random.default_rng(R).integers(0, 10, size=(16, 2)).astype(np.int32)
+    model.fit(ids, np.ones((16, 1), np.float32), batch_size=4, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    same_on_all_ranks(weights(model))
+
+
+class _Logs(keras.callbacks.Callback):
+    """Records each epoch's logs as this point of the callback list sees them."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+
+def check_metric_average_callback():
+    b = GLOBAL_BATCH // N
+    model = make_model(seed=5)
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+    before, after = _Logs(), _Logs()
+    model.fit(X[R::N], Y[R::N] * (R + 1), batch_size=b, epochs=2, verbose=0,
+              callbacks=[before, hvd.callbacks.MetricAverageCallback(), after])
+    for raw, averaged in zip(before.epochs, after.epochs):
+        for key in ("loss", "mae"):
+            everyone = ptf.allgather(tf.constant([float(raw[key])], tf.float64)).numpy()
+            assert len(set(everyone)) == N  # ranks really had different values
+            np.testing.assert_allclose(averaged[key], everyone.mean(), rtol=1e-6)
+
+
+class _LearningRates(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rates, self.momenta = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        opt = self.model.optimizer
+        self.rates.append(float(np.asarray(opt.learning_rate)))
+        self.momenta.append(float(np.asarray(getattr(opt, "momentum", 0.0))))
+
+
+def _fit_recording(optimizer, schedule, epochs, batches=3):
+    model = make_model(seed=6)
+    model.compile(optimizer=optimizer, loss="mse")
+    recorder, logs = _LearningRates(), _Logs()
+    model.fit(X[:batches * 8], Y[:batches * 8], batch_size=8, epochs=epochs, shuffle=False,
+              verbose=0, callbacks=[schedule, recorder, logs])
+    return recorder, logs
+
+
+def check_learning_rate_schedule_callback():
+    schedule = hvd.callbacks.LearningRateScheduleCallback(
+        initial_lr=0.1, multiplier=0.5, start_epoch=1, end_epoch=3, momentum_correction=False)
+    rec, logs = _fit_recording(hvd.DistributedOptimizer(keras.optimizers.SGD(0.2)), schedule, 4)
+    expected = [0.2] * 3 + [0.1] * 3 + [0.05] * 3 + [0.05] * 3  # staircase, [1, 3)
+    np.testing.assert_allclose(rec.rates, expected, rtol=1e-6)
+    np.testing.assert_allclose([e["lr"] for e in logs.epochs], [0.2, 0.1, 0.05, 0.05],
+                               rtol=1e-6)
+    smooth = hvd.callbacks.LearningRateScheduleCallback(
+        initial_lr=1.0, multiplier=lambda epoch: 1.0 / (1.0 + epoch), staircase=False,
+        momentum_correction=False)
+    rec, _ = _fit_recording(keras.optimizers.SGD(1.0), smooth, 2)
+    epochs = [e + b / 3.0 for e in range(2) for b in range(3)]
+    np.testing.assert_allclose(rec.rates, [1.0 / (1.0 + e) for e in epochs], rtol=1e-6)
+    expect(ValueError, lambda: hvd.callbacks.LearningRateScheduleCallback(None, 0.5),
+           "initial_lr")
+
+
+def check_learning_rate_warmup_callback():
+    warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2,
+                                                      momentum_correction=False)
+    rec, _ = _fit_recording(keras.optimizers.SGD(0.4), warmup, 3)
+    want = []
+    for e in range(2):
+        for b in range(3):
+            epoch = e + b / 3.0 + 1.0 / 3.0
+            want.append(0.4 / N * (epoch * (N - 1) / 2 + 1))
+    want += [0.4] * 3  # after the warmup the last value (initial_lr) stays
+    np.testing.assert_allclose(rec.rates, want, rtol=1e-6)
+
+
+def check_momentum_correction():
+    schedule = hvd.callbacks.LearningRateScheduleCallback(initial_lr=0.1, multiplier=0.5,
+                                                          start_epoch=1)
+    legacy = getattr(getattr(keras.optimizers, "legacy", None), "SGD", None)
+    try:
+        optimizer = legacy(0.1, momentum=0.9)  # Keras 2: momentum is a hyperparameter
+    except Exception:  # Keras 3: no legacy optimizers
+        optimizer = None
+    if optimizer is None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _fit_recording(keras.optimizers.SGD(0.1, momentum=0.9), schedule, 2)
+        assert any("momentum correction is skipped" in str(w.message) for w in caught)
+        return
+    rec, _ = _fit_recording(hvd.DistributedOptimizer(optimizer), schedule, 3)
+    # At the first batch of each epoch in range the rate changes and momentum is scaled by
+    # new/old for that batch only.
+    np.testing.assert_allclose(rec.rates, [0.1] * 3 + [0.1] * 3 + [0.05] * 3, rtol=1e-6)
+    np.testing.assert_allclose(rec.momenta, [0.9] * 3 + [0.9, 0.9, 0.9] + [0.45, 0.9, 0.9],
+                               rtol=1e-6)
+
+
+def check_load_model_wraps_optimizer_with_its_state():
+    model = make_model(seed=R)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)),
+                  loss="mse")
+    model.fit(X[R::N], Y[R::N], batch_size=8, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    iterations = int(model.optimizer.iterations.numpy())
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, f"rank{R}.keras")
+        model.save(path)
+        loaded = hvd.load_model(path)
+        plain = keras.models.load_model(path)  # loads without the shim, too
+    assert is_distributed(loaded.optimizer), type(loaded.optimizer).__mro__
+    assert isinstance(loaded.optimizer, keras.optimizers.SGD)
+    assert not is_distributed(plain.optimizer)
+    assert int(loaded.optimizer.iterations.numpy()) == iterations
+    for a, b in zip(weights(model), weights(loaded)):
+        np.testing.assert_array_equal(a, b)
+    loaded.fit(X[R::N], Y[R::N], batch_size=8, epochs=1, verbose=0)
+    same_on_all_ranks(weights(loaded))
+
+
+def check_keras_collectives():
+    got = hvd.allreduce(np.array([R, 2.0 * R], np.float32))  # Average by default
+    np.testing.assert_allclose(got.numpy(), [(N - 1) / 2, N - 1])
+    got = hvd.allreduce(np.array([R], np.float32), op=hvd.Sum)
+    assert got.numpy()[0] == N * (N - 1) / 2
+    np.testing.assert_array_equal(hvd.allgather(np.array([[R]])).numpy().ravel(), range(N))
+    np.testing.assert_array_equal(hvd.broadcast(np.array([R, R]), root_rank=N - 1).numpy(),
+                                  [N - 1, N - 1])
+    got = hvd.reducescatter(np.ones((N, 2), np.float32) * (R + 1))
+    np.testing.assert_allclose(got.numpy(), [[(N + 1) / 2] * 2])
+    assert hvd.allgather_object(R) == list(range(N))
