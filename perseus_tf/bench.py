@@ -685,10 +685,12 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     cfg = native.config()
     mode = cfg.allreduce_dtype if cfg is not None else 1
     compression = 1 if mode == 0 or (mode == 2 and native.topology()["cross_size"] > 1) else 0
+    # Gradients may run from an offline plan unless PERSEUS_OFFLINE_NEG=0.
+    plannable = cfg is None or cfg.offline_neg != 0
 
     def ours():
         handles = [core.submit(native.OP_ALLREDUCE, array, name, code, reduce_op=AVERAGE,
-                               output=array, compression=compression)
+                               output=array, compression=compression, plannable=plannable)
                    for name, array in backprop]
         for handle in handles:
             handle.wait()

@@ -81,12 +81,14 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
             for i, t in enumerate(locals_):
                 by_dtype.setdefault(t.dtype, []).append(i)
             reduced = list(locals_)
-            compression = self._compression() if _gradients.active() else "none"
+            gradients = _gradients.active()
+            compression = self._compression() if gradients else "none"
             for dtype, idx in by_dtype.items():
                 with tf.device("/cpu:0"):
                     outs = perseus_ops.grouped_allreduce(
                         [locals_[i] for i in idx], op=perseus_ops.Sum,
-                        compression=compression if dtype == tf.float32 else "none")
+                        compression=compression if dtype == tf.float32 else "none",
+                        gradients=gradients)
                 for i, o in zip(idx, outs):
                     reduced[i] = o
         else:

@@ -126,8 +126,16 @@ def _name(name):
     return "" if name is None else str(name)
 
 
+def _plannable(gradients):
+    """PERSEUS_OFFLINE_NEG: 1 every allreduce may run from an offline plan, 0
+    none, unset (auto) only gradient reductions (`gradients=True`)."""
+    cfg = _native.config()
+    mode = None if cfg is None else cfg.offline_neg
+    return bool(gradients) if mode is None else mode == 1
+
+
 def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
-              process_set_id=0, compression="none"):
+              process_set_id=0, compression="none", gradients=False):
     """Reduces `tensor` across ranks; every rank gets the result.
 
     Args:
@@ -141,17 +149,20 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
       compression: "none" or "fp16": a float32 Sum/Average then travels as
         float16 of (x * PERSEUS_ALLREDUCE_GRADIENT_SCALE), summed in float16
         and divided by the scale after; other dtypes and ops ignore it.
+      gradients: marks a training step's gradient reduction: with
+        PERSEUS_OFFLINE_NEG unset it may then run from an offline plan.
     """
     _native.ensure_initialized()
     return _LIB.perseus_allreduce(tensor, tensor_name=_name(name), reduce_op=_native_op(op),
                                   prescale=float(prescale_factor),
                                   postscale=float(postscale_factor),
                                   process_set_id=int(process_set_id),
-                                  compression=_compression(compression))
+                                  compression=_compression(compression),
+                                  plannable=_plannable(gradients))
 
 
 def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                      process_set_id=0, compression="none"):
+                      process_set_id=0, compression="none", gradients=False):
     """Reduces a list of tensors as one request, fused into as few buckets as fit."""
     _native.ensure_initialized()
     tensors = list(tensors)
@@ -162,7 +173,8 @@ def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0
                                           prescale=float(prescale_factor),
                                           postscale=float(postscale_factor),
                                           process_set_id=int(process_set_id),
-                                          compression=_compression(compression))
+                                          compression=_compression(compression),
+                                          plannable=_plannable(gradients))
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set_id=0):

@@ -96,8 +96,9 @@ def run_gradients_bench(extra, tmp_path, dtype_mode):
     assert float(rows[0][5]) > 0 and float(rows[0][8]) > 0  # busbw of ours and raw
     assert float(row["ratio"]) > 0, row
     assert int(row["iters"]) == 2
-    # Two ranks negotiate, so the runtime counted control traffic and buckets.
-    assert float(row["ctrl_B"]) > 0 and float(row["buckets"]) >= 1 and float(row["cycles"]) >= 1
+    # Every step runs at least one bucket; control traffic and cycles drop to
+    # zero once the step runs from an offline plan.
+    assert float(row["ctrl_B"]) >= 0 and float(row["buckets"]) >= 1 and float(row["cycles"]) >= 0
     check = next(line for line in lines if line.startswith("# result check"))
     # 1: float32 end to end; 0 (the default): float16 on the wire.
     assert ("exact: float32" if dtype_mode == "1" else "not exact: compressed") in check, check

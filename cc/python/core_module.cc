@@ -106,7 +106,7 @@ class Handle {
 
 Handle Submit(int op, py::array input, const std::string& name, int dtype, int reduce_op,
               int root, double prescale, double postscale, std::vector<int64_t> splits,
-              py::object output, int process_set, int compression) {
+              py::object output, int process_set, int compression, bool plannable) {
   Runtime* rt = Runtime::Find(process_set);
   if (rt == nullptr) {
     throw InvalidError("this rank is not a member of process set " + std::to_string(process_set) +
@@ -127,6 +127,7 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
   req->meta.postscale = postscale;
   req->meta.splits = std::move(splits);
   req->meta.compression = compression;
+  if (plannable) req->meta.flags |= kMetaPlannable;
   req->input = input.data();
   if (!output.is_none()) {
     py::array out = output.cast<py::array>();
@@ -160,16 +161,22 @@ py::dict StatsDict(int process_set) {
   d["requests"] = st.requests;
   d["responses"] = st.responses;
   d["fused_responses"] = st.fused_responses;
-  py::list streams;
-  for (const StreamStats& s : st.streams) {
+  d["plans"] = st.plans;
+  d["plan_exits"] = st.plan_exits;
+  d["offline_steps"] = st.offline_steps;
+  auto stream_dict = [](const StreamStats& s) {
     py::dict sd;
     sd["responses"] = s.responses;
     sd["tensors"] = s.tensors;
     sd["bytes"] = s.bytes;
     sd["busy_seconds"] = s.busy_seconds;
-    streams.append(sd);
-  }
+    return sd;
+  };
+  // The last stream only carries online work while a plan runs offline.
+  py::list streams;
+  for (size_t i = 0; i + 1 < st.streams.size(); ++i) streams.append(stream_dict(st.streams[i]));
   d["streams"] = streams;
+  if (!st.streams.empty()) d["online_stream"] = stream_dict(st.streams.back());
   return d;
 }
 
@@ -267,7 +274,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("reduce_op") = 0, py::arg("root") = 0, py::arg("prescale") = 1.0,
         py::arg("postscale") = 1.0, py::arg("splits") = std::vector<int64_t>(),
         py::arg("output") = py::none(), py::arg("process_set") = 0,
-        py::arg("compression") = 0);
+        py::arg("compression") = 0, py::arg("plannable") = false);
   m.def("raw_allreduce", [](py::array data, int dtype) {
     Status s;
     void* p = data.mutable_data();

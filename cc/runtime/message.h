@@ -24,12 +24,14 @@ struct TensorMeta {
   double prescale = 1.0;           // allreduce / reducescatter
   double postscale = 1.0;
   std::vector<int64_t> splits;     // alltoall: rows sent to each rank
-  int32_t group = 0;               // >0: members of one grouped request fuse together
+  int32_t group = 0;               // >0: size of the grouped call this request came in
   int32_t compression = 0;         // allreduce of float32: 0 none, 1 float16 on the wire
   int32_t flags = 0;               // kMetaNonFinite: the input held NaN/Inf (nancheck)
 };
 
 constexpr int32_t kMetaNonFinite = 1;
+// The request may run from an offline plan (a training step's gradients).
+constexpr int32_t kMetaPlannable = 2;
 
 // One rank's message for one negotiation cycle.
 struct CycleMessage {

@@ -284,6 +284,92 @@ std::vector<Response> Negotiator::TakeStalled(uint64_t cycles) {
   return out;
 }
 
+bool MatchesPlan(const TensorMeta& a, const TensorMeta& b) {
+  return a.op == b.op && a.dtype == b.dtype && a.reduce_op == b.reduce_op && a.group == b.group &&
+         a.shape == b.shape && a.prescale == b.prescale && a.postscale == b.postscale &&
+         a.compression == b.compression && (a.flags & kMetaPlannable) &&
+         !(a.flags & kMetaNonFinite);
+}
+
+bool Negotiator::PlannableInTable() const {
+  for (const auto& kv : table_) {
+    for (int r = 0; r < size_; ++r) {
+      if (kv.second.have[r] && (kv.second.metas[r].flags & kMetaPlannable)) return true;
+    }
+  }
+  return false;
+}
+
+void Negotiator::ResetPlanning() {
+  plan_state_ = PlanState::kWait;
+  step_order_.clear();
+  step_.clear();
+  seen_.clear();
+  verified_steps_ = 0;
+}
+
+void Negotiator::WatchForPlan(const Response& r) {
+  bool plannable = r.error.ok() && r.op == OpType::kAllreduce;
+  for (const TensorMeta& m : r.metas) {
+    plannable = plannable && (m.flags & kMetaPlannable) &&
+                (m.reduce_op == ReduceOp::kSum || m.reduce_op == ReduceOp::kAverage);
+  }
+  if (!plannable) return;  // other collectives neither join nor break a plan
+  for (size_t i = 0; i < r.names.size(); ++i) {
+    const std::string& name = r.names[i];
+    const TensorMeta& meta = r.metas[i];
+    if (plan_state_ == PlanState::kWait) return;
+    if (plan_state_ == PlanState::kRecord) {
+      if (!step_.count(name)) {
+        step_order_.push_back(name);
+        step_[name] = meta;
+        continue;
+      }
+      plan_state_ = PlanState::kVerify;  // a name came back: the step ended
+      seen_.clear();
+    }
+    // Verifying (or ready, which keeps verifying every later step).
+    auto it = step_.find(name);
+    if (it == step_.end() || seen_.count(name) || !MatchesPlan(meta, it->second)) {
+      ResetPlanning();  // the step changed: learn it again from the next boundary
+      return;
+    }
+    seen_[name] = true;
+    if (seen_.size() == step_.size()) {
+      seen_.clear();
+      ++verified_steps_;
+      plan_state_ = PlanState::kReady;
+    }
+  }
+}
+
+Plan Negotiator::TakePlan() {
+  Plan plan;
+  std::vector<Response> single;
+  for (const std::string& name : step_order_) {
+    Response r;
+    r.op = OpType::kAllreduce;
+    r.names.push_back(name);
+    r.metas.push_back(step_[name]);
+    single.push_back(std::move(r));
+  }
+  plan.buckets = Fuse(std::move(single));
+  plan.metas = step_;
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    for (const std::string& name : plan.buckets[b].names) plan.bucket_of[name] = b;
+  }
+  // Plannable entries still being negotiated are dropped on every rank alike.
+  for (auto it = table_.begin(); it != table_.end();) {
+    bool plannable = false;
+    for (int r = 0; r < size_; ++r) {
+      plannable |= it->second.have[r] && (it->second.metas[r].flags & kMetaPlannable);
+    }
+    it = plannable ? table_.erase(it) : std::next(it);
+  }
+  ResetPlanning();
+  return plan;
+}
+
 std::vector<Response> Negotiator::TakeReady() {
   ++cycle_;
   std::vector<Response> ready;
@@ -304,6 +390,14 @@ std::vector<Response> Negotiator::TakeReady() {
     ready.push_back(std::move(r));
   }
   complete_.clear();
+  // A step boundary is only "clean" if no later name completed after it in
+  // this same cycle; WatchForPlan leaves kReady set only then.
+  for (const Response& r : ready) {
+    if (plan_state_ == PlanState::kReady && !seen_.empty()) plan_state_ = PlanState::kVerify;
+    WatchForPlan(r);
+  }
+  if (plan_state_ == PlanState::kReady && !seen_.empty()) plan_state_ = PlanState::kVerify;
+  if (plan_state_ == PlanState::kWait && !PlannableInTable()) plan_state_ = PlanState::kRecord;
   return Fuse(std::move(ready));
 }
 

@@ -35,7 +35,22 @@ struct Response {
   std::vector<std::vector<int64_t>> splits;
   // Non-OK: every rank completes these names with this error.
   Status error;
+  // Offline plan bucket: >= 0 is this rank's vote, carried as one extra
+  // summed element (1 = this rank's data does not fit: abort and leave).
+  int carrier_vote = -1;
 };
+
+// A training step's communication, learned online and then replayed with no
+// control messages: allreduce buckets in a fixed order. Every rank builds the
+// same plan from the same negotiation results.
+struct Plan {
+  std::vector<Response> buckets;
+  std::unordered_map<std::string, TensorMeta> metas;  // every planned name
+  std::unordered_map<std::string, size_t> bucket_of;  // name -> bucket index
+};
+
+// True when a locally enqueued request can run as the planned `planned`.
+bool MatchesPlan(const TensorMeta& local, const TensorMeta& planned);
 
 class Negotiator {
  public:
@@ -56,6 +71,18 @@ class Negotiator {
   // are counted identically everywhere). Ranks that never asked ignore them.
   std::vector<Response> TakeStalled(uint64_t cycles);
 
+  // Offline planning. Plannable allreduces (kMetaPlannable, every rank) are
+  // watched as they complete: the names between two repetitions form a step;
+  // once the next step has exactly the same names and metas, and a cycle ends
+  // exactly at a step boundary, PlanReady() turns true.
+  bool PlanReady() const { return plan_state_ == PlanState::kReady; }
+  // Builds the plan (buckets in the first step's order, fused up to the
+  // threshold) and forgets plannable requests still being negotiated: the
+  // ranks that sent them have them pending and will run them from the plan.
+  Plan TakePlan();
+  // Starts learning again (after the ranks left a plan).
+  void ResetPlanning();
+
  private:
   struct Entry {
     uint64_t seq = 0;
@@ -68,6 +95,8 @@ class Negotiator {
   // Every rank either asked for it or has joined (and at least one asked).
   bool Complete(const Entry& e) const;
   Status Validate(const std::string& name, const Entry& e) const;
+  void WatchForPlan(const Response& r);
+  bool PlannableInTable() const;
   Response MakeResponse(const std::string& name, Entry&& e) const;
   std::vector<Response> Fuse(std::vector<Response> ready) const;
 
@@ -80,6 +109,15 @@ class Negotiator {
   std::vector<uint64_t> join_cycle_;
   std::unordered_map<std::string, Entry> table_;
   std::map<uint64_t, std::string> complete_;  // seq -> name, this cycle
+
+  // kWait: after a change, wait for a quiet moment (no plannable request
+  // half-negotiated) so that recording starts at a step boundary.
+  enum class PlanState { kWait, kRecord, kVerify, kReady };
+  PlanState plan_state_ = PlanState::kRecord;
+  std::vector<std::string> step_order_;               // first recorded step
+  std::unordered_map<std::string, TensorMeta> step_;  // its names
+  std::unordered_map<std::string, bool> seen_;        // names of the step being checked
+  int verified_steps_ = 0;
 };
 
 }  // namespace perseus

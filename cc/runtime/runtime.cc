@@ -144,7 +144,8 @@ Status Runtime::Init(const InitOptions& options) {
   GlooBackendOptions bo;
   bo.rank = options.rank;
   bo.size = options.size;
-  bo.streams = options.streams;
+  // One more stream than asked: it runs online work while a plan runs offline.
+  bo.streams = options.streams + 1;
   bo.host_addr = options.host_addr;
   bo.iface = options.gloo_iface;
   bo.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000));
@@ -184,14 +185,19 @@ Status Runtime::Init(const InitOptions& options) {
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_ = Stats();
-    stats_.streams.resize(options.streams);
+    stats_.streams.resize(options.streams + 1);
   }
   dispatched_ = 0;
   streams_.clear();
-  for (int s = 0; s < options.streams; ++s) streams_.emplace_back(new Stream());
+  for (int s = 0; s <= options.streams; ++s) streams_.emplace_back(new Stream());
   state_ = State::kRunning;
   last_cycle_ = Clock::now();
-  for (int s = 0; s < options.streams; ++s) {
+  offline_ = false;
+  plan_ = Plan();
+  plan_pos_ = 0;
+  leave_vote_ = aborting_ = step_started_ = false;
+  plan_in_flight_ = 0;
+  for (int s = 0; s <= options.streams; ++s) {
     streams_[s]->thread = std::thread(&Runtime::StreamLoop, this, s);
   }
   background_ = std::thread(&Runtime::BackgroundLoop, this);
@@ -315,7 +321,12 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
       joined_ = true;
     }
     pending_.emplace(m.name, request);
-    queue_.push_back(m);
+    if (offline_ && (m.flags & kMetaPlannable)) {
+      // Runs from the plan; one that does not fit it votes to leave the plan.
+      if (!FitsPlanLocked(m)) leave_vote_ = true;
+    } else {
+      queue_.push_back(m);
+    }
   }
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
@@ -330,7 +341,11 @@ void Runtime::BackgroundLoop() {
   while (!stop) {
     if (state_.load() != State::kRunning) return;
     try {
-      RunCycle(&stop);
+      if (offline_) {
+        RunOffline(&stop);
+      } else {
+        RunCycle(&stop);
+      }
     } catch (const std::exception& e) {
       Fail(std::string("negotiation failed: ") + e.what());
       return;
@@ -468,6 +483,166 @@ void Runtime::RunCycle(bool* stop) {
     }
   }
   for (Response& r : ready) Dispatch(std::move(r));
+  if (!offline_ && !*stop && negotiator_->PlanReady()) EnterOffline();
+}
+
+// ---- Offline plans -------------------------------------------------------
+//
+// Online negotiation watches plannable allreduces (a training step's
+// gradients, sums or averages). Once a step has repeated with the same names
+// and metas and a cycle ends exactly between two steps, every rank (deciding
+// identically) takes the plan and stops sending control messages for those
+// tensors: each rank runs the plan's buckets in order as soon as their
+// tensors are pending locally. Other collectives still negotiate online, on
+// demand (no idle cycles while a plan runs), on the extra stream.
+//
+// Leaving is agreed in-band. Every plan bucket carries one extra element,
+// this rank's vote, summed with the data. A rank votes 1 when its data does
+// not fit the plan: a plannable request whose name, meta or grouped call
+// differs, or that arrives for a bucket already run this step, or when it
+// is shutting down. A voting rank runs the rest of the step's buckets at once
+// with zeros for what it lacks; a bucket with votes is delivered nowhere (its
+// requests go back to pending), and once the step's buckets are done every
+// rank leaves the plan and sends its pending requests online, where a real
+// mismatch is reported by name and a changed step is learned again. Every
+// rank runs every bucket of the step exactly once, so no rank waits forever.
+
+void Runtime::EnterOffline() {
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_ = negotiator_->TakePlan();
+  plan_pos_ = 0;
+  plan_in_flight_ = 0;
+  leave_vote_ = aborting_ = step_started_ = false;
+  // Plannable requests not yet sent run from the plan instead.
+  std::deque<TensorMeta> keep;
+  for (TensorMeta& m : queue_) {
+    if (!(m.flags & kMetaPlannable)) {
+      keep.push_back(std::move(m));
+    } else if (!FitsPlanLocked(m)) {
+      leave_vote_ = true;
+    }
+  }
+  queue_.swap(keep);
+  offline_ = true;
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plans;
+}
+
+void Runtime::LeaveOfflineLocked() {
+  offline_ = false;
+  leave_vote_ = aborting_ = step_started_ = false;
+  // Pending plannable requests were never sent: negotiate them now.
+  std::vector<const TensorMeta*> resend;
+  for (const auto& kv : pending_) {
+    if (kv.second->meta.flags & kMetaPlannable) resend.push_back(&kv.second->meta);
+  }
+  std::sort(resend.begin(), resend.end(),
+            [](const TensorMeta* a, const TensorMeta* b) { return a->name < b->name; });
+  for (const TensorMeta* m : resend) queue_.push_back(*m);
+  negotiator_->ResetPlanning();
+  dispatched_ = 0;
+  last_cycle_ = Clock::now() - std::chrono::hours(1);  // next cycle at once
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plan_exits;
+}
+
+bool Runtime::FitsPlanLocked(const TensorMeta& m) const {
+  auto it = plan_.metas.find(m.name);
+  if (it == plan_.metas.end() || !MatchesPlan(m, it->second)) return false;
+  // A name of a bucket already run this step means the step changed.
+  return !(step_started_ && plan_.bucket_of.at(m.name) < plan_pos_);
+}
+
+bool Runtime::PlanBucketReadyLocked() const {
+  for (const std::string& name : plan_.buckets[plan_pos_].names) {
+    auto it = pending_.find(name);
+    if (it == pending_.end() || !MatchesPlan(it->second->meta, plan_.metas.at(name))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool Runtime::CanDispatchPlanLocked() const {
+  if (plan_.buckets.empty()) return false;
+  const bool voting = leave_vote_ || aborting_ || shutdown_requested_;
+  if (step_started_) return voting || PlanBucketReadyLocked();
+  // A new step starts with real data, or with a vote once the previous
+  // step's buckets are all finished (then it is the step that leaves).
+  if (voting) return plan_in_flight_ == 0 && !aborting_;
+  return PlanBucketReadyLocked();
+}
+
+bool Runtime::PlanBucketFinished(int64_t votes,
+                                 std::vector<std::shared_ptr<Request>>& requests) {
+  bool deliver = votes == 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --plan_in_flight_;
+    if (!deliver) {
+      aborting_ = true;
+      for (auto& q : requests) {
+        if (q->scratch.empty()) pending_.emplace(q->meta.name, q);  // real ones only
+      }
+    }
+  }
+  queue_cv_.notify_all();
+  return deliver;
+}
+
+void Runtime::RunOffline(bool* stop) {
+  std::vector<std::pair<size_t, Response>> buckets;
+  std::vector<std::vector<std::shared_ptr<Request>>> work;
+  bool online = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto done_leaving = [&] { return aborting_ && !step_started_ && plan_in_flight_ == 0; };
+    queue_cv_.wait(lock, [&] {
+      return state_.load() != State::kRunning || !queue_.empty() ||
+             negotiator_->HasPending() || CanDispatchPlanLocked() || done_leaving();
+    });
+    if (state_.load() != State::kRunning) return;
+    while (CanDispatchPlanLocked()) {
+      Response r = plan_.buckets[plan_pos_];
+      std::vector<std::shared_ptr<Request>> requests;
+      bool stand_in = false;
+      for (size_t i = 0; i < r.names.size(); ++i) {
+        auto it = pending_.find(r.names[i]);
+        if (it != pending_.end() && MatchesPlan(it->second->meta, r.metas[i])) {
+          requests.push_back(it->second);
+          pending_.erase(it);
+        } else {
+          requests.push_back(StandIn(r, i));  // zeros; this bucket is voted down
+          stand_in = true;
+        }
+      }
+      const bool vote = stand_in || leave_vote_ || aborting_ || shutdown_requested_;
+      r.carrier_vote = vote ? 1 : 0;
+      buckets.emplace_back(plan_pos_, std::move(r));
+      work.push_back(std::move(requests));
+      ++plan_in_flight_;
+      step_started_ = true;
+      plan_pos_ = (plan_pos_ + 1) % plan_.buckets.size();
+      std::lock_guard<std::mutex> stats_lock(stats_mu_);
+      ++stats_.responses;
+      if (buckets.back().second.names.size() > 1) ++stats_.fused_responses;
+      if (plan_pos_ == 0) {
+        step_started_ = false;
+        if (!vote) ++stats_.offline_steps;
+      }
+    }
+    if (buckets.empty() && done_leaving()) {
+      LeaveOfflineLocked();
+      return;
+    }
+    online = !queue_.empty() || negotiator_->HasPending();
+  }
+  const int plan_streams = options_.streams;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    DispatchTo(static_cast<int>(buckets[i].first % plan_streams), std::move(buckets[i].second),
+               std::move(work[i]));
+  }
+  if (online) RunCycle(stop);
 }
 
 void Runtime::Dispatch(Response response) {
@@ -493,7 +668,16 @@ void Runtime::Dispatch(Response response) {
     for (auto& q : requests) q->done(response.error);
     return;
   }
-  Stream& s = *streams_[dispatched_++ % streams_.size()];
+  // Online work uses the first `streams` streams in turn; while a plan runs
+  // offline, it goes to the extra stream so that the two orders never mix.
+  int stream = offline_ ? options_.streams
+                        : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
+  DispatchTo(stream, std::move(response), std::move(requests));
+}
+
+void Runtime::DispatchTo(int stream, Response response,
+                         std::vector<std::shared_ptr<Request>> requests) {
+  Stream& s = *streams_[stream];
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.queue.push_back(std::move(response));
@@ -556,8 +740,9 @@ void Runtime::StreamLoop(int index) {
     }
     auto start = Clock::now();
     Status status;
+    bool complete = true;
     try {
-      Execute(index, response, requests);
+      complete = Execute(index, response, requests);
     } catch (const std::exception& e) {
       Fail(std::string("stream ") + std::to_string(index) + " " + OpTypeName(response.op) +
            " of '" + response.names[0] + "' failed: " + e.what());
@@ -577,19 +762,20 @@ void Runtime::StreamLoop(int index) {
       }
       st.busy_seconds += secs;
     }
-    for (auto& q : requests) q->done(status);
+    if (complete) {
+      for (auto& q : requests) q->done(status);
+    }
   }
 }
 
-void Runtime::Execute(int stream, const Response& r,
+bool Runtime::Execute(int stream, const Response& r,
                       std::vector<std::shared_ptr<Request>>& requests) {
   if (requests.size() != r.names.size()) {
     throw std::runtime_error("internal error: response and local requests disagree");
   }
   switch (r.op) {
     case OpType::kAllreduce:
-      ExecuteAllreduce(stream, r, requests);
-      break;
+      return ExecuteAllreduce(stream, r, requests);
     case OpType::kBroadcast: {
       Request& q = *requests[0];
       size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
@@ -612,9 +798,45 @@ void Runtime::Execute(int stream, const Response& r,
     case OpType::kJoin:
       break;
   }
+  return true;
 }
 
-void Runtime::ExecuteAllreduce(int stream, const Response& r,
+namespace {
+// The carrier's vote element: 1 or 0 in the bucket's dtype, and back.
+void WriteVote(void* p, DataType dtype, int vote) {
+  switch (dtype) {
+    case DataType::kFloat16: *static_cast<uint16_t*>(p) = vote ? 0x3C00 : 0; break;
+    case DataType::kBFloat16: *static_cast<uint16_t*>(p) = vote ? 0x3F80 : 0; break;
+    case DataType::kFloat32: *static_cast<float*>(p) = static_cast<float>(vote); break;
+    case DataType::kFloat64: *static_cast<double*>(p) = vote; break;
+    case DataType::kInt32: *static_cast<int32_t*>(p) = vote; break;
+    case DataType::kInt64: *static_cast<int64_t*>(p) = vote; break;
+    default: *static_cast<uint8_t*>(p) = static_cast<uint8_t>(vote); break;
+  }
+}
+int64_t ReadVotes(const void* p, DataType dtype) {
+  switch (dtype) {
+    case DataType::kFloat16: {
+      float f;
+      HalfToFloat(static_cast<const uint16_t*>(p), &f, 1);
+      return static_cast<int64_t>(f + 0.5f);
+    }
+    case DataType::kBFloat16: {
+      uint32_t bits = static_cast<uint32_t>(*static_cast<const uint16_t*>(p)) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return static_cast<int64_t>(f + 0.5f);
+    }
+    case DataType::kFloat32: return static_cast<int64_t>(*static_cast<const float*>(p) + 0.5f);
+    case DataType::kFloat64: return static_cast<int64_t>(*static_cast<const double*>(p) + 0.5);
+    case DataType::kInt32: return *static_cast<const int32_t*>(p);
+    case DataType::kInt64: return *static_cast<const int64_t*>(p);
+    default: return *static_cast<const uint8_t*>(p);
+  }
+}
+}  // namespace
+
+bool Runtime::ExecuteAllreduce(int stream, const Response& r,
                                std::vector<std::shared_ptr<Request>>& requests) {
   const TensorMeta& m0 = r.metas[0];
   if (m0.compression == 1) return ExecuteCompressedAllreduce(stream, r, requests);
@@ -623,20 +845,22 @@ void Runtime::ExecuteAllreduce(int stream, const Response& r,
   ReduceFn fn = GetReduceFn(dtype, m0.reduce_op);
   const double post =
       m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
-  if (requests.size() == 1) {
+  const bool carrier = r.carrier_vote >= 0;
+  if (requests.size() == 1 && !carrier) {
     Request& q = *requests[0];
     size_t n = static_cast<size_t>(NumElements(q.meta.shape));
     if (q.output != q.input && n) std::memcpy(q.output, q.input, n * esize);
     ScaleBuffer(q.output, dtype, n, m0.prescale);
     backend_->Allreduce(stream, q.output, n, dtype, fn);
     ScaleBuffer(q.output, dtype, n, post);
-    return;
+    return true;
   }
   // Fused bucket: pack, reduce once, unpack.
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
   std::vector<char>& buf = streams_[stream]->fusion_buffer;
-  if (buf.size() < total * esize) buf.resize(total * esize);
+  const size_t slots = total + (carrier ? 1 : 0);
+  if (buf.size() < slots * esize) buf.resize(slots * esize);
   size_t offset = 0;
   for (auto& q : requests) {
     size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
@@ -644,7 +868,11 @@ void Runtime::ExecuteAllreduce(int stream, const Response& r,
     offset += bytes;
   }
   ScaleBuffer(buf.data(), dtype, total, m0.prescale);
-  backend_->Allreduce(stream, buf.data(), total, dtype, fn);
+  if (carrier) WriteVote(buf.data() + total * esize, dtype, r.carrier_vote);
+  backend_->Allreduce(stream, buf.data(), slots, dtype, fn);
+  if (carrier && !PlanBucketFinished(ReadVotes(buf.data() + total * esize, dtype), requests)) {
+    return false;  // voted down: outputs untouched, requests back to pending
+  }
   ScaleBuffer(buf.data(), dtype, total, post);
   offset = 0;
   for (auto& q : requests) {
@@ -652,6 +880,7 @@ void Runtime::ExecuteAllreduce(int stream, const Response& r,
     if (bytes) std::memcpy(q->output, buf.data() + offset, bytes);
     offset += bytes;
   }
+  return true;
 }
 
 // float32 in, float16 on the wire: each input is multiplied by prescale *
@@ -659,13 +888,14 @@ void Runtime::ExecuteAllreduce(int stream, const Response& r,
 // in float16 (F16C), and the sum is converted back multiplied by
 // postscale / gradient_scale (and 1/size for an average). The scale keeps
 // small gradients out of float16's subnormal range.
-void Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
+bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
                                          std::vector<std::shared_ptr<Request>>& requests) {
   const TensorMeta& m0 = r.metas[0];
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
+  const bool carrier = r.carrier_vote >= 0;
   std::vector<uint16_t>& half = streams_[stream]->half_buffer;
-  if (half.size() < total) half.resize(total);
+  if (half.size() < total + 1) half.resize(total + 1);
   const float in_scale = static_cast<float>(m0.prescale * options_.gradient_scale);
   size_t offset = 0;
   for (auto& q : requests) {
@@ -673,8 +903,13 @@ void Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
     FloatToHalfScaled(static_cast<const float*>(q->input), half.data() + offset, n, in_scale);
     offset += n;
   }
-  backend_->Allreduce(stream, half.data(), total, DataType::kFloat16,
+  if (carrier) WriteVote(half.data() + total, DataType::kFloat16, r.carrier_vote);
+  backend_->Allreduce(stream, half.data(), total + (carrier ? 1 : 0), DataType::kFloat16,
                       GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+  if (carrier && !PlanBucketFinished(ReadVotes(half.data() + total, DataType::kFloat16),
+                                      requests)) {
+    return false;
+  }
   const double post =
       m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
   const float out_scale = static_cast<float>(post / options_.gradient_scale);
@@ -684,6 +919,7 @@ void Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
     HalfToFloatScaled(half.data() + offset, static_cast<float*>(q->output), n, out_scale);
     offset += n;
   }
+  return true;
 }
 
 void Runtime::ExecuteAllgather(int stream, const Response& r, Request& q) {

@@ -84,6 +84,9 @@ struct StreamStats {
 };
 
 struct Stats {
+  int64_t plans = 0;          // offline plans entered
+  int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
+  int64_t offline_steps = 0;  // steps run from a plan, without control messages
   int64_t cycles = 0;
   int64_t control_bytes_sent = 0;
   int64_t requests = 0;
@@ -134,12 +137,26 @@ class Runtime {
   void BackgroundLoop();
   void RunCycle(bool* stop);
   void Dispatch(Response response);
+  void DispatchTo(int stream, Response response,
+                  std::vector<std::shared_ptr<Request>> requests);
+  // Offline mode (see runtime.cc, "Offline plans").
+  void RunOffline(bool* stop);
+  bool FitsPlanLocked(const TensorMeta& m) const;
+  bool PlanBucketReadyLocked() const;
+  bool CanDispatchPlanLocked() const;
+  void EnterOffline();
+  void LeaveOfflineLocked();
+  // A plan bucket's collective finished with `votes`; false: do not deliver
+  // (the real requests go back to pending, to be negotiated online).
+  bool PlanBucketFinished(int64_t votes, std::vector<std::shared_ptr<Request>>& requests);
   void StreamLoop(int stream);
-  void Execute(int stream, const Response& response,
+  // These return false when the requests must not be completed (an aborted
+  // plan bucket).
+  bool Execute(int stream, const Response& response,
                std::vector<std::shared_ptr<Request>>& requests);
-  void ExecuteAllreduce(int stream, const Response& r,
+  bool ExecuteAllreduce(int stream, const Response& r,
                         std::vector<std::shared_ptr<Request>>& requests);
-  void ExecuteCompressedAllreduce(int stream, const Response& r,
+  bool ExecuteCompressedAllreduce(int stream, const Response& r,
                                   std::vector<std::shared_ptr<Request>>& requests);
   void ExecuteAllgather(int stream, const Response& r, Request& req);
   void ExecuteAlltoall(int stream, const Response& r, Request& req);
@@ -170,6 +187,18 @@ class Runtime {
   int idle_cycles_ = 0;
   uint64_t dispatched_ = 0;
   bool joined_ = false;  // this rank called join() and it has not completed
+
+  // Offline plan state. offline_, leave_vote_ and the carrier fields are
+  // guarded by mu_; plan_ and plan_pos_ belong to the background thread
+  // (Enqueue reads plan_.metas under mu_ only while offline_, when it is
+  // not being changed).
+  bool offline_ = false;
+  Plan plan_;
+  size_t plan_pos_ = 0;
+  bool leave_vote_ = false;     // a plannable request does not fit the plan
+  bool aborting_ = false;       // a bucket of this step was voted down
+  bool step_started_ = false;   // a bucket of the current step was dispatched
+  int plan_in_flight_ = 0;      // plan buckets dispatched, not finished
 
   struct Stream {
     std::thread thread;

@@ -58,6 +58,7 @@ struct ReduceAttrs {
   perseus::ReduceOp op = perseus::ReduceOp::kSum;
   float prescale = 1.0f, postscale = 1.0f;
   int64 compression = 0;  // allreduce of float32 only: 1 = float16 on the wire
+  bool plannable = false;  // may run from an offline plan
 
   Status Read(OpKernelConstruction* c) {
     int reduce_op;
@@ -68,10 +69,12 @@ struct ReduceAttrs {
     op = static_cast<perseus::ReduceOp>(reduce_op);
     TF_RETURN_IF_ERROR(c->GetAttr("prescale", &prescale));
     if (c->HasAttr("compression")) TF_RETURN_IF_ERROR(c->GetAttr("compression", &compression));
+    if (c->HasAttr("plannable")) TF_RETURN_IF_ERROR(c->GetAttr("plannable", &plannable));
     return c->GetAttr("postscale", &postscale);
   }
   void Apply(Request* req) const {
     req->meta.compression = static_cast<int32_t>(compression);
+    if (plannable) req->meta.flags |= perseus::kMetaPlannable;
     req->meta.reduce_op = op;
     req->meta.prescale = prescale;
     req->meta.postscale = postscale;
@@ -206,7 +209,7 @@ class GroupedAllreduceKernel : public CollectiveKernel {
       if (!Prepare(ctx, i, OpType::kAllreduce, req.get())) return done();
       req->meta.name = tensor_name_ + "." + std::to_string(i);
       reduce_.Apply(req.get());
-      req->meta.group = 1;
+      req->meta.group = n;  // the call's size: plans match whole calls
       Tensor* out = nullptr;
       OP_REQUIRES_OK_ASYNC(
           ctx, ctx->forward_input_or_allocate_output({i}, i, ctx->input(i).shape(), &out),

@@ -140,10 +140,12 @@ class GradientReducer:
                 compressed, ctx = self.compression.compress(tf.convert_to_tensor(g))
                 contexts[i] = ctx
                 by_dtype.setdefault(compressed.dtype, []).append((i, compressed))
+            native = _native_compression(self.compression)
             for members in by_dtype.values():
                 reduced = ops.grouped_allreduce([t for _, t in members], op=self.op,
                                                 prescale_factor=self.prescale,
                                                 postscale_factor=self.postscale,
+                                                compression=native, gradients=True,
                                                 **op_kwargs(self.process_set))
                 for (i, _), r in zip(members, reduced):
                     results[i] = self.compression.decompress(r, contexts[i])
@@ -153,6 +155,27 @@ class GradientReducer:
                     results[i] = _sparse_allreduce(g, self.op, self.prescale, self.postscale,
                                                    self.process_set)
         return results
+
+
+def _native_compression(compression):
+    """Perseus's own gradient compression, on top of Horovod's compressors.
+
+    Horovod's semantics come first: with `Compression.none` gradients are
+    exact, as a Horovod script expects. Only when the user sets
+    PERSEUS_ALLREDUCE_DTYPE explicitly (0: float16 with the gradient scale;
+    2: float16 when the job spans hosts) do float32 gradients travel
+    compressed by the runtime.
+    """
+    import os
+
+    from perseus_tf import _native
+
+    if compression is not Compression.none or "PERSEUS_ALLREDUCE_DTYPE" not in os.environ:
+        return "none"
+    mode = _native.config().allreduce_dtype
+    if mode == 0 or (mode == 2 and ops.cross_size() > 1):
+        return "fp16"
+    return "none"
 
 
 class LocalAccumulator:

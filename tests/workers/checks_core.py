@@ -90,3 +90,67 @@ def check_allgather_and_broadcast_numpy():
     x = np.full(3, R, np.float64)
     got = _core.submit(OP_BROADCAST, x, "bc", 3, root=N - 1, output=np.empty_like(x)).wait()[0]
     np.testing.assert_array_equal(got, [N - 1] * 3)
+
+
+def _step(names, k, plannable=True, shapes=None):
+    """One training-like step: every name submitted (last first), then waited."""
+    arrays = [np.full((shapes or {}).get(n, 3 + i % 4), float(R + 1 + k), np.float32)
+              for i, n in enumerate(names)]
+    handles = [_core.submit(OP_ALLREDUCE, a, n, DTYPE_CODES["float32"], output=a,
+                            plannable=plannable) for n, a in zip(names, arrays)][::-1]
+    errors = {}
+    for n, h in zip(names[::-1], handles):
+        try:
+            h.wait()
+        except _core.MismatchError as e:
+            errors[n] = str(e)
+    expected = sum(r + 1 + k for r in range(N))
+    for n, a in zip(names, arrays):
+        if n not in errors:
+            np.testing.assert_array_equal(a, np.full(a.shape, expected), err_msg=n)
+    return errors
+
+
+def _delta(fn):
+    before = _core.stats()
+    out = fn()
+    after = _core.stats()
+    return out, {k: after[k] - before[k] for k in ("control_bytes_sent", "cycles", "plans",
+                                                    "plan_exits", "offline_steps", "responses")}
+
+
+def check_offline_plan_zero_control_bytes_replan_and_divergence():
+    names = [f"plan.g{i}" for i in range(40)]
+    deltas = [_delta(lambda k=k: _step(names, k))[1] for k in range(6)]
+    plans = sum(d["plans"] for d in deltas)
+    assert plans == 1, deltas
+    # Steady state: no control messages at all, every step from the plan.
+    for d in deltas[3:]:
+        assert d["control_bytes_sent"] == 0 and d["cycles"] == 0, deltas
+        assert d["offline_steps"] == 1 and d["responses"] >= 1, deltas
+    # A collective outside the plan still runs (online, on demand).
+    x = np.ones(3, np.float32)
+    _core.submit(OP_ALLREDUCE, x, "plan.adhoc", DTYPE_CODES["float32"], output=x).wait()
+    np.testing.assert_array_equal(x, [N] * 3)
+    # The step changes (names dropped and added): leave the plan once, re-plan.
+    changed = names[5:] + [f"plan.h{i}" for i in range(3)]
+    deltas = [_delta(lambda k=k: _step(changed, k))[1] for k in range(5)]
+    assert sum(d["plan_exits"] for d in deltas) == 1, deltas
+    assert sum(d["plans"] for d in deltas) == 1, deltas
+    assert deltas[-1]["control_bytes_sent"] == 0 and deltas[-1]["offline_steps"] == 1, deltas
+    # A rank that diverges (a planned name with another shape) is caught:
+    # every rank leaves the plan and online negotiation names the tensor.
+    bad = {"plan.g9": 7} if R == N - 1 else {}
+    errors, d = _delta(lambda: _step(changed, 9, shapes=bad))
+    assert list(errors) == ["plan.g9"], errors
+    assert "plan.g9" in errors["plan.g9"] and "shape" in errors["plan.g9"], errors
+    assert d["plan_exits"] == 1, d
+    # And training goes on, re-planning again.
+    deltas = [_delta(lambda k=k: _step(changed, k))[1] for k in range(4)]
+    assert deltas[-1]["control_bytes_sent"] == 0, deltas
+
+
+def check_requests_not_marked_plannable_stay_online():
+    names = [f"online.g{i}" for i in range(10)]
+    deltas = [_delta(lambda k=k: _step(names, k, plannable=False))[1] for k in range(4)]
+    assert all(d["plans"] == 0 and d["control_bytes_sent"] > 0 for d in deltas), deltas
