@@ -56,3 +56,34 @@ def test_queries_before_init_raise_as_in_horovod():
     proc = subprocess.run([sys.executable, "-c", code], env=rank_env(), capture_output=True,
                           text=True, timeout=120, cwd=ROOT)
     assert "BEFORE INIT OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+COMPRESSION_SCRIPT = r"""
+import numpy as np, tensorflow as tf
+import perseus_tf.horovod as hvd
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+x = np.random.default_rng(r).normal(0, 1e-3, 64).astype(np.float32)
+w = tf.Variable(tf.zeros([64]))
+with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(w * x)
+g = hvd.DistributedGradientTape(tape).gradient(loss, [w])[0].numpy()
+exact = np.mean([np.random.default_rng(q).normal(0, 1e-3, 64).astype(np.float32)
+                 for q in range(n)], 0)
+print("EXACT" if np.allclose(g, exact, rtol=1e-6, atol=0) else "CLOSE"
+      if np.allclose(g, exact, rtol=0, atol=1e-5) else "WRONG", flush=True)
+"""
+
+
+@pytest.mark.parametrize("setting,expected", [(None, "EXACT"), ("1", "EXACT"), ("0", "CLOSE")])
+def test_tape_follows_explicit_perseus_allreduce_dtype_only(setting, expected, tmp_path):
+    # Horovod's semantics by default (Compression.none is exact); float16 on
+    # the wire only when PERSEUS_ALLREDUCE_DTYPE=0 is set explicitly.
+    script = tmp_path / "tape.py"
+    script.write_text(COMPRESSION_SCRIPT)
+    env = rank_env({"PERSEUS_ALLREDUCE_DTYPE": setting})
+    proc = subprocess.run([sys.executable, "-m", "perseus_tf.runner", "-np", "2", "--",
+                           sys.executable, str(script)], env=env, capture_output=True, text=True,
+                          timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(expected) == 2, proc.stdout
