@@ -40,6 +40,7 @@ setup(
     version="0.1.0",
     description="Fast data-parallel TensorFlow training across processes (AIACC/Perseus ideas)",
     packages=find_packages(include=["perseus_tf", "perseus_tf.*"]),
+    package_data={"perseus_tf": ["profiles/*.json"]},
     ext_modules=[Extension("perseus_tf._core", sources=[])],
     cmdclass={"build_ext": BuildNative},
     entry_points={"console_scripts": ["perseusrun=perseus_tf.runner:main"]},

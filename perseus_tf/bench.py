@@ -14,7 +14,7 @@ raw contiguous Gloo allreduce of the same size on a dedicated context (the
 ceiling). Rank 0 prints an nccl-tests style table.
 
 ``gradients`` replays one training step's gradient communication: every
-tensor of a model profile (../shared/profiles, e.g. resnet50) submitted in
+tensor of a model profile (perseus_tf/profiles, e.g. resnet50) submitted in
 backprop (reverse) order as an in-place float32 average, then all waited on,
 against one raw contiguous Gloo allreduce of the same number of elements.
 It also reports the runtime's own counters (control bytes, buckets, cycles)
@@ -180,9 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="size of each synthetic tensor, a multiple of 4 bytes "
                          "(default 1K; only with --tensors)")
     gr.add_argument("--profile-dir", default=None, metavar="DIR",
-                    help="folder of the profile JSON files (default: the shared/profiles "
-                         "folder found walking up from the source tree, i.e. "
-                         "../shared/profiles beside the repository)")
+                    help="folder of the profile JSON files (default: perseus_tf/profiles, "
+                         "shipped with the package)")
     gr.add_argument("--iters", type=_positive_int, default=GRADIENTS_ITERS, metavar="K",
                     help=f"timed steps of each path (default {GRADIENTS_ITERS}); fewer, down "
                          f"to {MIN_ITERS} (or K if smaller), when a step is slow, to keep the "
@@ -537,19 +536,9 @@ GRADIENTS_CSV_FIELDS = [
 
 
 def default_profile_dir() -> str:
-    """shared/profiles in the nearest folder, from the source tree up, that has one."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    folder = root
-    while True:
-        candidate = os.path.join(folder, "shared", "profiles")
-        if os.path.isdir(candidate):
-            return candidate
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            expected = os.path.normpath(os.path.join(root, os.pardir, "shared", "profiles"))
-            raise ValueError(f"no shared/profiles folder in {root} or any folder above it "
-                             f"(expected {expected}): pass --profile-dir DIR")
-        folder = parent
+    """The profiles shipped in the package (perseus_tf/profiles: gradient names
+    and sizes of ResNet-50, VGG-16 and BERT-base, in forward order)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
 def load_profile(name: str, profile_dir=None) -> dict:
@@ -688,10 +677,14 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     # Gradients may run from an offline plan unless PERSEUS_OFFLINE_NEG=0.
     plannable = cfg is None or cfg.offline_neg != 0
 
+    names = [name for name, _ in backprop]
+    arrays = [array for _, array in backprop]
+
     def ours():
-        handles = [core.submit(native.OP_ALLREDUCE, array, name, code, reduce_op=AVERAGE,
-                               output=array, compression=compression, plannable=plannable)
-                   for name, array in backprop]
+        # One grouped call enqueued from C++, as the TF grouped-allreduce
+        # kernel does for a step's gradients (PerseusStrategy, the shim).
+        handles = core.submit_group(arrays, names, code, reduce_op=AVERAGE,
+                                    compression=compression, plannable=plannable)
         for handle in handles:
             handle.wait()
 
@@ -793,8 +786,8 @@ def run_gradients(args) -> int:
         print(f"# Perseus-TF gradients benchmark: one training step of {grads['model']}{about}"
               f"{source}")
         print(f"# {len(tensors)} float32 tensors, {nbytes} bytes ({nbytes / 1e6:.3f} MB) per "
-              f"rank per step; ours = every tensor through _core.submit(OP_ALLREDUCE, average, "
-              f"in place) in backprop (reverse) order, then wait on all; raw = _core.raw_allreduce "
+              f"rank per step; ours = every tensor through _core.submit_group (one grouped "
+              f"call enqueued from C++, like the TF grouped op; average, in place) in backprop (reverse) order, then wait on all; raw = _core.raw_allreduce "
               f"of one contiguous float32 buffer of as many elements (no negotiation, no fusion, "
               f"no per-tensor overhead)")
         print(f"# ranks {coll.size}, streams {cfg.streams}, fusion threshold "

@@ -29,7 +29,7 @@ def test_allreduce_bench_quick(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "perseus_tf.bench", "allreduce", "--np", "2",
          "--max-bytes", "64K", "--iters", "3", "--warmup", "1", "--csv", str(csv_path)],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30)
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     lines = [line[len("[0] "):] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
@@ -79,7 +79,7 @@ def run_gradients_bench(extra, tmp_path, dtype_mode):
         [sys.executable, "-m", "perseus_tf.bench", "gradients", "--np", "2", *extra,
          "--iters", "2", "--warmup", "1", "--csv", str(csv_path)],
         cwd=REPO, env=dict(ENV, PERSEUS_ALLREDUCE_DTYPE=dtype_mode), capture_output=True,
-        text=True, timeout=60)
+        text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not [line for line in proc.stdout.splitlines() if line.startswith("[1] ")], proc.stdout
     lines = [line[len("[0] "):] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
@@ -132,7 +132,7 @@ def test_gradients_bench_names_a_missing_profile(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "perseus_tf.bench", "gradients", "--profile", "resnet51",
          "--profile-dir", str(tmp_path)],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=30)
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert str(tmp_path / "resnet51.json") in proc.stderr, proc.stderr
 

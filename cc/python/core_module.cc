@@ -151,6 +151,51 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
   return Handle(state, req, input, output, input.attr("dtype"));
 }
 
+// What the TF grouped-allreduce kernel does, from numpy: every array reduced
+// in place, all enqueued from C++ in one call (one grouped call of n).
+std::vector<Handle> SubmitGroup(std::vector<py::array> arrays, std::vector<std::string> names,
+                                int dtype, int reduce_op, int compression, bool plannable,
+                                int process_set) {
+  if (arrays.size() != names.size()) {
+    throw InvalidError("submit_group needs one name per array (" + std::to_string(arrays.size()) +
+                       " arrays, " + std::to_string(names.size()) + " names)");
+  }
+  Runtime* rt = Runtime::Find(process_set);
+  if (rt == nullptr) {
+    throw InvalidError("this rank is not a member of process set " + std::to_string(process_set));
+  }
+  std::vector<Handle> handles;
+  handles.reserve(arrays.size());
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    py::array& a = arrays[i];
+    if (!(a.flags() & py::array::c_style) || !a.writeable()) {
+      throw InvalidError("submit_group arrays must be C-contiguous and writeable");
+    }
+    auto state = std::make_shared<HandleState>();
+    auto req = std::make_shared<Request>();
+    req->meta.name = names[i];
+    req->meta.op = OpType::kAllreduce;
+    req->meta.dtype = static_cast<DataType>(dtype);
+    req->meta.reduce_op = static_cast<ReduceOp>(reduce_op);
+    for (py::ssize_t d = 0; d < a.ndim(); ++d) req->meta.shape.push_back(a.shape(d));
+    req->meta.compression = compression;
+    req->meta.group = static_cast<int32_t>(arrays.size());
+    if (plannable) req->meta.flags |= kMetaPlannable;
+    req->input = a.data();
+    req->output = a.mutable_data();
+    req->done = [state](const Status& st) {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->status = st;
+      state->finished = true;
+      state->cv.notify_all();
+    };
+    Status st = rt->Enqueue(req);
+    if (!st.ok()) Raise(st);
+    handles.emplace_back(state, req, a, a, a.attr("dtype"));
+  }
+  return handles;
+}
+
 py::dict StatsDict(int process_set) {
   Runtime* rt = Runtime::Find(process_set);
   if (rt == nullptr) throw InvalidError("no process set " + std::to_string(process_set) + " here");
@@ -236,6 +281,9 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("stats", &StatsDict, py::arg("process_set") = 0);
+  m.def("submit_group", &SubmitGroup, py::arg("arrays"), py::arg("names"), py::arg("dtype"),
+        py::arg("reduce_op") = 0, py::arg("compression") = 0, py::arg("plannable") = false,
+        py::arg("process_set") = 0);
   m.def("add_process_set", [](int id, std::vector<int> ranks) {
     Status s;
     {

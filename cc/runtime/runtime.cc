@@ -309,6 +309,7 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
       }
     }
   }
+  bool wake = true;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (pending_.count(m.name)) {
@@ -323,7 +324,14 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
     pending_.emplace(m.name, request);
     if (offline_ && (m.flags & kMetaPlannable)) {
       // Runs from the plan; one that does not fit it votes to leave the plan.
-      if (!FitsPlanLocked(m)) leave_vote_ = true;
+      // The background thread is woken only when this completes a bucket.
+      wake = false;
+      if (!FitsPlanLocked(m)) {
+        leave_vote_ = wake = true;
+      } else {
+        size_t b = plan_.bucket_of.at(m.name);
+        wake = ++plan_have_[b] == plan_.buckets[b].names.size();
+      }
     } else {
       queue_.push_back(m);
     }
@@ -332,7 +340,7 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     ++stats_.requests;
   }
-  queue_cv_.notify_one();
+  if (wake) queue_cv_.notify_one();
   return Status::OK();
 }
 
@@ -523,6 +531,12 @@ void Runtime::EnterOffline() {
     }
   }
   queue_.swap(keep);
+  plan_have_.assign(plan_.buckets.size(), 0);
+  for (const auto& kv : pending_) {
+    if ((kv.second->meta.flags & kMetaPlannable) && FitsPlanLocked(kv.second->meta)) {
+      ++plan_have_[plan_.bucket_of.at(kv.first)];
+    }
+  }
   offline_ = true;
   std::lock_guard<std::mutex> stats_lock(stats_mu_);
   ++stats_.plans;
@@ -554,13 +568,8 @@ bool Runtime::FitsPlanLocked(const TensorMeta& m) const {
 }
 
 bool Runtime::PlanBucketReadyLocked() const {
-  for (const std::string& name : plan_.buckets[plan_pos_].names) {
-    auto it = pending_.find(name);
-    if (it == pending_.end() || !MatchesPlan(it->second->meta, plan_.metas.at(name))) {
-      return false;
-    }
-  }
-  return true;
+  // plan_have_ counts the bucket's fitting requests pending on this rank.
+  return plan_have_[plan_pos_] == plan_.buckets[plan_pos_].names.size();
 }
 
 bool Runtime::CanDispatchPlanLocked() const {
@@ -616,6 +625,7 @@ void Runtime::RunOffline(bool* stop) {
           stand_in = true;
         }
       }
+      plan_have_[plan_pos_] = 0;
       const bool vote = stand_in || leave_vote_ || aborting_ || shutdown_requested_;
       r.carrier_vote = vote ? 1 : 0;
       buckets.emplace_back(plan_pos_, std::move(r));

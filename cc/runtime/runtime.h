@@ -199,6 +199,7 @@ class Runtime {
   bool aborting_ = false;       // a bucket of this step was voted down
   bool step_started_ = false;   // a bucket of the current step was dispatched
   int plan_in_flight_ = 0;      // plan buckets dispatched, not finished
+  std::vector<size_t> plan_have_;  // per bucket: fitting requests pending here
 
   struct Stream {
     std::thread thread;
