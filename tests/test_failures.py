@@ -20,11 +20,9 @@ def _survivor_reports(proc, np_):
     return reports
 
 
-@pytest.mark.parametrize("np_,api", [(4, "core"), (2, "tf")])
-def test_killed_rank_is_named_by_every_survivor(np_, api):
-    start = time.time()
-    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "failure_worker.py"), "kill", api],
-                  env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=180)
+def _assert_last_rank_killed_and_named(proc, np_):
+    """The launcher names the SIGKILLed last rank; every survivor reported it
+    by name within GLOO_TIMEOUT_SECONDS (20 in these tests)."""
     victim = np_ - 1
     assert proc.returncode != 0
     assert f"rank {victim}" in proc.stderr and "signal SIGKILL" in proc.stderr, proc.stderr[-2000:]
@@ -33,6 +31,14 @@ def test_killed_rank_is_named_by_every_survivor(np_, api):
     for rank, (seconds, message) in reports.items():
         assert f"rank {victim} exited or lost its connection" in message, message
         assert seconds < 20, f"rank {rank} took {seconds}s to notice"
+
+
+@pytest.mark.parametrize("np_,api", [(4, "core"), (2, "tf")])
+def test_killed_rank_is_named_by_every_survivor(np_, api):
+    start = time.time()
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "failure_worker.py"), "kill", api],
+                  env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=180)
+    _assert_last_rank_killed_and_named(proc, np_)
     assert time.time() - start < 120
 
 
@@ -159,11 +165,4 @@ def test_mpirun_style_environment_without_perseusrun(tmp_path):
 def test_rank_dying_during_fit_fails_every_survivor(np_):
     proc = launch(np_, [sys.executable, os.path.join(WORKERS, "fit_failure_worker.py")],
                   env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
-    victim = np_ - 1
-    assert proc.returncode != 0
-    assert f"rank {victim}" in proc.stderr and "SIGKILL" in proc.stderr, proc.stderr[-2000:]
-    reports = _survivor_reports(proc, np_)
-    assert sorted(reports) == list(range(np_ - 1)), proc.stdout[-3000:] + proc.stderr[-3000:]
-    for rank, (seconds, message) in reports.items():
-        assert f"rank {victim} exited or lost its connection" in message, message
-        assert seconds < 20, f"rank {rank} took {seconds}s to notice"
+    _assert_last_rank_killed_and_named(proc, np_)
