@@ -142,10 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--dtype", default="float32",
                     choices=[d for d in DTYPE_CODES if d not in ("bool", "bfloat16")],
                     help="element type (default float32)")
-    ar.add_argument("--in-place", action="store_true",
-                    help="submit with output = input (what the TF kernel gets when it can "
-                         "forward its input buffer), so the runtime skips its input-to-output "
-                         "copy; default: a separate output array")
+    place = ar.add_mutually_exclusive_group()
+    place.add_argument("--in-place", dest="in_place", action="store_true", default=True,
+                       help="(default) submit with output = input: what the TF kernel gets "
+                            "when it can forward its input buffer, as it can for a step's "
+                            "gradients, so the runtime has no input-to-output copy")
+    place.add_argument("--separate-output", dest="in_place", action="store_false",
+                       help="submit with a separate output array (what the TF kernel gets when "
+                            "the input is still referenced elsewhere): adds one memcpy per call")
     ar.add_argument("--csv", default=None, metavar="PATH",
                     help="also write the table's rows to PATH (rank 0)")
     ar.set_defaults(run=run_allreduce, check=check_allreduce)

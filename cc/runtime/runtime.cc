@@ -490,7 +490,8 @@ void Runtime::RunCycle(bool* stop) {
       if (r.names.size() > 1) ++stats_.fused_responses;
     }
   }
-  for (Response& r : ready) Dispatch(std::move(r));
+  const bool lone = ready.size() == 1;
+  for (Response& r : ready) Dispatch(std::move(r), lone);
   if (!offline_ && !*stop && negotiator_->PlanReady()) EnterOffline();
 }
 
@@ -655,7 +656,7 @@ void Runtime::RunOffline(bool* stop) {
   if (online) RunCycle(stop);
 }
 
-void Runtime::Dispatch(Response response) {
+void Runtime::Dispatch(Response response, bool lone) {
   std::vector<std::shared_ptr<Request>> requests;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -682,6 +683,26 @@ void Runtime::Dispatch(Response response) {
   // offline, it goes to the extra stream so that the two orders never mix.
   int stream = offline_ ? options_.streams
                         : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
+  if (lone) {
+    // The only work of this cycle, and its stream is idle: run it here and
+    // save a thread hand-off (the stream's order is unchanged: nothing else
+    // can be dispatched to it while this thread is busy).
+    Stream& s = *streams_[stream];
+    bool here = false;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (s.queue.empty() && !s.busy) here = s.busy = true;
+    }
+    if (here) {
+      RunOnStream(stream, response, requests);
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        s.busy = false;
+      }
+      s.cv.notify_one();
+      return;
+    }
+  }
   DispatchTo(stream, std::move(response), std::move(requests));
 }
 
@@ -732,13 +753,25 @@ void Runtime::StreamLoop(int index) {
     std::vector<std::shared_ptr<Request>> requests;
     {
       std::unique_lock<std::mutex> lock(s.mu);
-      s.cv.wait(lock, [&] { return !s.queue.empty() || s.stop; });
+      s.cv.wait(lock, [&] { return (!s.queue.empty() && !s.busy) || s.stop; });
       if (s.queue.empty()) return;
       response = std::move(s.queue.front());
       s.queue.pop_front();
       requests = std::move(s.work.front());
       s.work.pop_front();
+      s.busy = true;
     }
+    RunOnStream(index, response, requests);
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.busy = false;
+    }
+  }
+}
+
+void Runtime::RunOnStream(int index, Response& response,
+                          std::vector<std::shared_ptr<Request>>& requests) {
+  {
     if (state_.load() == State::kFailed) {
       Status failure;
       {
@@ -746,7 +779,7 @@ void Runtime::StreamLoop(int index) {
         failure = failure_;
       }
       for (auto& q : requests) q->done(failure);
-      continue;
+      return;
     }
     auto start = Clock::now();
     Status status;

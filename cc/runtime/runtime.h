@@ -136,7 +136,10 @@ class Runtime {
   std::shared_ptr<Request> StandIn(const Response& response, size_t index);
   void BackgroundLoop();
   void RunCycle(bool* stop);
-  void Dispatch(Response response);
+  // lone: the cycle's only response, which may run on this thread.
+  void Dispatch(Response response, bool lone = false);
+  void RunOnStream(int index, Response& response,
+                   std::vector<std::shared_ptr<Request>>& requests);
   void DispatchTo(int stream, Response response,
                   std::vector<std::shared_ptr<Request>> requests);
   // Offline mode (see runtime.cc, "Offline plans").
@@ -208,6 +211,7 @@ class Runtime {
     std::deque<Response> queue;
     std::deque<std::vector<std::shared_ptr<Request>>> work;
     bool stop = false;
+    bool busy = false;  // a response of this stream is running (here or inline)
     std::vector<char> fusion_buffer;
     std::vector<uint16_t> half_buffer;  // compressed buckets
     StreamStats stats;
