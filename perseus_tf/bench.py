@@ -687,10 +687,8 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     def ours():
         # One grouped call enqueued from C++, as the TF grouped-allreduce
         # kernel does for a step's gradients (PerseusStrategy, the shim).
-        handles = core.submit_group(arrays, names, code, reduce_op=AVERAGE,
-                                    compression=compression, plannable=plannable)
-        for handle in handles:
-            handle.wait()
+        core.submit_group(arrays, names, code, reduce_op=AVERAGE, compression=compression,
+                          plannable=plannable).wait()
 
     def raw_gloo():
         core.raw_allreduce(raw, code)

@@ -152,10 +152,43 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
 }
 
 // What the TF grouped-allreduce kernel does, from numpy: every array reduced
-// in place, all enqueued from C++ in one call (one grouped call of n).
-std::vector<Handle> SubmitGroup(std::vector<py::array> arrays, std::vector<std::string> names,
-                                int dtype, int reduce_op, int compression, bool plannable,
-                                int process_set) {
+// in place, all enqueued from C++ in one call (one grouped call of n), and
+// one handle that completes when all have.
+struct GroupState {
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t remaining = 0;
+  Status status;
+};
+
+class GroupHandle {
+ public:
+  GroupHandle(std::shared_ptr<GroupState> state, py::list arrays)
+      : state_(std::move(state)), arrays_(std::move(arrays)) {}
+  GroupHandle(GroupHandle&&) = default;
+  GroupHandle(const GroupHandle&) = delete;
+  ~GroupHandle() {
+    if (!state_) return;
+    py::gil_scoped_release release;
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait(lock, [&] { return state_->remaining == 0; });
+  }
+  void Wait() {
+    {
+      py::gil_scoped_release release;
+      std::unique_lock<std::mutex> lock(state_->mu);
+      state_->cv.wait(lock, [&] { return state_->remaining == 0; });
+    }
+    if (!state_->status.ok()) Raise(state_->status);
+  }
+
+ private:
+  std::shared_ptr<GroupState> state_;
+  py::list arrays_;  // kept alive while the runtime writes into them
+};
+
+GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dtype,
+                        int reduce_op, int compression, bool plannable, int process_set) {
   if (arrays.size() != names.size()) {
     throw InvalidError("submit_group needs one name per array (" + std::to_string(arrays.size()) +
                        " arrays, " + std::to_string(names.size()) + " names)");
@@ -164,14 +197,13 @@ std::vector<Handle> SubmitGroup(std::vector<py::array> arrays, std::vector<std::
   if (rt == nullptr) {
     throw InvalidError("this rank is not a member of process set " + std::to_string(process_set));
   }
-  std::vector<Handle> handles;
-  handles.reserve(arrays.size());
-  for (size_t i = 0; i < arrays.size(); ++i) {
-    py::array& a = arrays[i];
+  std::vector<std::shared_ptr<Request>> requests;
+  auto state = std::make_shared<GroupState>();
+  for (size_t i = 0; i < names.size(); ++i) {
+    py::array a = arrays[i].cast<py::array>();
     if (!(a.flags() & py::array::c_style) || !a.writeable()) {
       throw InvalidError("submit_group arrays must be C-contiguous and writeable");
     }
-    auto state = std::make_shared<HandleState>();
     auto req = std::make_shared<Request>();
     req->meta.name = names[i];
     req->meta.op = OpType::kAllreduce;
@@ -179,21 +211,30 @@ std::vector<Handle> SubmitGroup(std::vector<py::array> arrays, std::vector<std::
     req->meta.reduce_op = static_cast<ReduceOp>(reduce_op);
     for (py::ssize_t d = 0; d < a.ndim(); ++d) req->meta.shape.push_back(a.shape(d));
     req->meta.compression = compression;
-    req->meta.group = static_cast<int32_t>(arrays.size());
+    req->meta.group = static_cast<int32_t>(names.size());
     if (plannable) req->meta.flags |= kMetaPlannable;
     req->input = a.data();
     req->output = a.mutable_data();
     req->done = [state](const Status& st) {
       std::lock_guard<std::mutex> lock(state->mu);
-      state->status = st;
-      state->finished = true;
-      state->cv.notify_all();
+      if (!st.ok() && state->status.ok()) state->status = st;
+      if (--state->remaining == 0) state->cv.notify_all();
     };
-    Status st = rt->Enqueue(req);
-    if (!st.ok()) Raise(st);
-    handles.emplace_back(state, req, a, a, a.attr("dtype"));
+    requests.push_back(std::move(req));
   }
-  return handles;
+  // Checked before anything is enqueued, so a bad call leaves nothing in flight.
+  state->remaining = requests.size();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Status st = rt->Enqueue(requests[i]);
+    if (!st.ok()) {
+      // The ones already enqueued will complete; the rest never will.
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->remaining -= requests.size() - i;
+      if (state->status.ok()) state->status = st;
+      break;
+    }
+  }
+  return GroupHandle(state, arrays);
 }
 
 py::dict StatsDict(int process_set) {
@@ -281,6 +322,7 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("stats", &StatsDict, py::arg("process_set") = 0);
+  py::class_<GroupHandle>(m, "GroupHandle").def("wait", &GroupHandle::Wait);
   m.def("submit_group", &SubmitGroup, py::arg("arrays"), py::arg("names"), py::arg("dtype"),
         py::arg("reduce_op") = 0, py::arg("compression") = 0, py::arg("plannable") = false,
         py::arg("process_set") = 0);
