@@ -52,8 +52,21 @@ def init(**overrides):
             fusion_threshold_bytes=cfg.fusion_threshold_bytes,
             cycle_time_ms=cfg.cycle_time_ms,
             stall_timeout_seconds=cfg.stall_timeout_seconds,
-            gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck)))
+            gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck),
+            timeline=timeline_path(cfg.timeline, topo.rank)))
         _config_in_use, _topology = cfg, topo
+
+
+def timeline_path(template, rank):
+    """This rank's PERSEUS_TIMELINE file: "{rank}" in the name is replaced,
+    otherwise ".rank<R>" goes before the extension (trace.json ->
+    trace.rank0.json). Empty: no timeline."""
+    if not template:
+        return ""
+    if "{rank}" in template:
+        return template.replace("{rank}", str(rank))
+    root, ext = os.path.splitext(template)
+    return f"{root}.rank{rank}{ext or '.json'}"
 
 
 def ensure_initialized():

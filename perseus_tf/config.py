@@ -52,6 +52,7 @@ class Config:
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     cycle_time_ms: float = 1.0
     stall_timeout_seconds: float = 0.0
+    timeline: str = ""
 
 
 # field -> (variable, parser, description of the valid range)
@@ -104,6 +105,7 @@ VARIABLES = {
     "fusion_threshold_bytes": ("PERSEUS_FUSION_THRESHOLD", *_int_range(0, 2**40)),
     "cycle_time_ms": ("PERSEUS_CYCLE_TIME_MS", *_float_range(0.05, 1000)),
     "stall_timeout_seconds": ("PERSEUS_STALL_TIMEOUT_SECONDS", *_float_range(0, 86400)),
+    "timeline": ("PERSEUS_TIMELINE", *_string()),
 }
 
 

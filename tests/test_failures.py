@@ -166,3 +166,4 @@ def test_rank_dying_during_fit_fails_every_survivor(np_):
     proc = launch(np_, [sys.executable, os.path.join(WORKERS, "fit_failure_worker.py")],
                   env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
     _assert_last_rank_killed_and_named(proc, np_)
+

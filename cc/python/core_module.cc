@@ -297,6 +297,7 @@ PYBIND11_MODULE(_core, m) {
     opts.stall_timeout_seconds = o["stall_timeout_seconds"].cast<double>();
     if (o.contains("gradient_scale")) opts.gradient_scale = o["gradient_scale"].cast<double>();
     if (o.contains("nancheck")) opts.nancheck = o["nancheck"].cast<bool>();
+    if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();
     Status s;
     {
       py::gil_scoped_release release;

@@ -1,6 +1,7 @@
 #include "cc/runtime/runtime.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <sstream>
@@ -30,6 +31,16 @@ std::string RankList(const std::vector<int>& ranks) {
   out << (ranks.size() == 1 ? "rank " : "ranks ");
   for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
   return out.str();
+}
+
+std::string JsonEscape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    out += c;
+  }
+  return out;
 }
 
 std::vector<int64_t> Trailing(const std::vector<int64_t>& shape) {
@@ -192,6 +203,8 @@ Status Runtime::Init(const InitOptions& options) {
   for (int s = 0; s <= options.streams; ++s) streams_.emplace_back(new Stream());
   state_ = State::kRunning;
   last_cycle_ = Clock::now();
+  timeline_.Start(options.process_set_id == 0 ? options.timeline_path : std::string(),
+                  WorldRank(options.rank), "rank " + std::to_string(WorldRank(options.rank)));
   offline_ = false;
   plan_ = Plan();
   plan_pos_ = 0;
@@ -216,6 +229,8 @@ void Runtime::Shutdown() {
                                "Perseus was shut down before this collective ran"));
   backend_.reset();
   store_.reset();
+  std::string timeline_error;
+  if (!timeline_.Write(&timeline_error)) std::fprintf(stderr, "Perseus: %s\n", timeline_error.c_str());
   if (state_.load() == State::kRunning) state_ = State::kShutdown;
   ++generation_;
 }
@@ -401,6 +416,8 @@ void Runtime::RunCycle(bool* stop) {
   const int size = options_.size;
   std::vector<CycleMessage> all(size);
   int64_t sent = 0;
+  const auto exchange_start = Clock::now();
+  const size_t my_requests = mine.requests.size();
   if (size == 1) {
     all[0] = std::move(mine);
   } else {
@@ -455,6 +472,11 @@ void Runtime::RunCycle(bool* stop) {
     }
   }
 
+  if (timeline_.enabled() && (my_requests > 0 || size == 1)) {
+    timeline_.Record(0, "negotiate", "negotiation", exchange_start, Clock::now(),
+                     "\"requests\": " + std::to_string(my_requests) +
+                         ", \"control_bytes\": " + std::to_string(sent));
+  }
   bool any_requests = false;
   for (int r = 0; r < size; ++r) {
     for (const TensorMeta& m : all[r].requests) {
@@ -782,6 +804,18 @@ void Runtime::RunOnStream(int index, Response& response,
       return;
     }
     auto start = Clock::now();
+    std::string span_args;
+    if (timeline_.enabled()) {
+      int64_t bytes = 0;
+      for (const TensorMeta& m : response.metas) {
+        bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
+      }
+      span_args = "\"tensors\": " + std::to_string(response.names.size()) +
+                  ", \"bytes\": " + std::to_string(bytes) + ", \"first\": \"" +
+                  JsonEscape(response.names[0]) + "\", \"plan\": " +
+                  (response.carrier_vote >= 0 ? "true" : "false");
+    }
+    TimelineSpan span(timeline_, 1 + index, OpTypeName(response.op), "bucket", span_args);
     Status status;
     bool complete = true;
     try {
@@ -894,6 +928,7 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
     size_t n = static_cast<size_t>(NumElements(q.meta.shape));
     if (q.output != q.input && n) std::memcpy(q.output, q.input, n * esize);
     ScaleBuffer(q.output, dtype, n, m0.prescale);
+    TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce", "communication");
     backend_->Allreduce(stream, q.output, n, dtype, fn);
     ScaleBuffer(q.output, dtype, n, post);
     return true;
@@ -905,14 +940,20 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
   const size_t slots = total + (carrier ? 1 : 0);
   if (buf.size() < slots * esize) buf.resize(slots * esize);
   size_t offset = 0;
-  for (auto& q : requests) {
-    size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
-    if (bytes) std::memcpy(buf.data() + offset, q->input, bytes);
-    offset += bytes;
+  {
+    TimelineSpan pack(timeline_, 1 + stream, "pack", "memory");
+    for (auto& q : requests) {
+      size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
+      if (bytes) std::memcpy(buf.data() + offset, q->input, bytes);
+      offset += bytes;
+    }
+    ScaleBuffer(buf.data(), dtype, total, m0.prescale);
   }
-  ScaleBuffer(buf.data(), dtype, total, m0.prescale);
   if (carrier) WriteVote(buf.data() + total * esize, dtype, r.carrier_vote);
-  backend_->Allreduce(stream, buf.data(), slots, dtype, fn);
+  {
+    TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce", "communication");
+    backend_->Allreduce(stream, buf.data(), slots, dtype, fn);
+  }
   if (carrier && !PlanBucketFinished(ReadVotes(buf.data() + total * esize, dtype), requests)) {
     return false;  // voted down: outputs untouched, requests back to pending
   }
@@ -941,14 +982,20 @@ bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
   if (half.size() < total + 1) half.resize(total + 1);
   const float in_scale = static_cast<float>(m0.prescale * options_.gradient_scale);
   size_t offset = 0;
-  for (auto& q : requests) {
-    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
-    FloatToHalfScaled(static_cast<const float*>(q->input), half.data() + offset, n, in_scale);
-    offset += n;
+  {
+    TimelineSpan pack(timeline_, 1 + stream, "fp16 compress", "compression");
+    for (auto& q : requests) {
+      size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+      FloatToHalfScaled(static_cast<const float*>(q->input), half.data() + offset, n, in_scale);
+      offset += n;
+    }
   }
   if (carrier) WriteVote(half.data() + total, DataType::kFloat16, r.carrier_vote);
-  backend_->Allreduce(stream, half.data(), total + (carrier ? 1 : 0), DataType::kFloat16,
-                      GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+  {
+    TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce (fp16)", "communication");
+    backend_->Allreduce(stream, half.data(), total + (carrier ? 1 : 0), DataType::kFloat16,
+                        GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+  }
   if (carrier && !PlanBucketFinished(ReadVotes(half.data() + total, DataType::kFloat16),
                                       requests)) {
     return false;
@@ -957,6 +1004,7 @@ bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
       m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
   const float out_scale = static_cast<float>(post / options_.gradient_scale);
   offset = 0;
+  TimelineSpan unpack(timeline_, 1 + stream, "fp16 decompress", "compression");
   for (auto& q : requests) {
     size_t n = static_cast<size_t>(NumElements(q->meta.shape));
     HalfToFloatScaled(half.data() + offset, static_cast<float*>(q->output), n, out_scale);

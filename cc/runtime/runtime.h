@@ -25,6 +25,7 @@
 #include "cc/runtime/common.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
+#include "cc/runtime/timeline.h"
 
 namespace perseus {
 
@@ -54,6 +55,7 @@ struct InitOptions {
   // Compressed allreduces send x * gradient_scale as float16 and divide after.
   double gradient_scale = 10.0;
   bool nancheck = false;  // reject reductions whose input holds NaN/Inf
+  std::string timeline_path;  // PERSEUS_TIMELINE (this rank's file); empty: off
   // A process set (sub-group) runtime: its id and the world ranks of its
   // members, in order (this process is member `rank`). Empty: the world.
   int process_set_id = 0;
@@ -220,6 +222,7 @@ class Runtime {
 
   std::mutex stats_mu_;
   Stats stats_;
+  Timeline timeline_;
   std::mutex raw_mu_;
 };
 
