@@ -53,7 +53,8 @@ def init(**overrides):
             cycle_time_ms=cfg.cycle_time_ms,
             stall_timeout_seconds=cfg.stall_timeout_seconds,
             gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck),
-            timeline=timeline_path(cfg.timeline, topo.rank)))
+            timeline=timeline_path(cfg.timeline, topo.rank),
+            perf_check_n_steps=cfg.perf_check_n_steps))
         _config_in_use, _topology = cfg, topo
 
 

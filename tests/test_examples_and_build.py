@@ -25,7 +25,7 @@ def test_examples_train_on_two_ranks(script, metric):
 
 def _digits(dtype_mode):
     proc = launch(2, [sys.executable, os.path.join(ROOT, "examples", "keras_digits.py"),
-                      "--epochs", "4"], env={"PERSEUS_ALLREDUCE_DTYPE": dtype_mode}, timeout=300)
+                      "--epochs", "12"], env={"PERSEUS_ALLREDUCE_DTYPE": dtype_mode}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = [float(m) for m in re.findall(r"\[0\] epoch .* val_accuracy ([\d.]+)", proc.stdout)]
     mib = float(re.search(r"\[0\] perseus: \d+ collectives, ([\d.]+) MiB", proc.stdout).group(1))

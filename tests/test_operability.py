@@ -1,7 +1,10 @@
 """Operability: PERSEUS_TIMELINE traces and PERSEUS_PERF_CHECK_N_STEPS reports."""
 
 import json
+import re
 import sys
+
+import pytest
 
 from harness import launch
 
@@ -34,3 +37,40 @@ def test_timeline_written_per_rank_as_chrome_trace(tmp_path):
         assert f"rank {rank}" in meta and "negotiation" in meta and "stream 0" in meta, meta
         # The repeated gradient step ran from an offline plan at least once.
         assert any(e["name"] == "allreduce" and e["args"].get("plan") for e in events), events
+
+
+PERF_SCRIPT = r"""
+import time, numpy as np
+from perseus_tf import _native
+from perseus_tf._native import _core, DTYPE_CODES
+_native.init()
+t = _native.topology(); R, N = t["rank"], t["size"]
+arrays = [np.ones(1000, np.float32) for _ in range(8)]
+names = [f"perf.g{i}" for i in range(8)]
+for step in range(40):
+    if R == N - 1:
+        time.sleep(0.03)  # this rank's "forward and backward pass" is slow
+    for a in arrays:
+        a[:] = 1
+    _core.submit_group(arrays, names, DTYPE_CODES["float32"], reduce_op=0, plannable=True).wait()
+    assert np.all(arrays[0] == N)
+s = _core.stats()
+print("STATS", s["perf_reports"], s["slow_ranks"], s["offline_steps"], flush=True)
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_perf_check_names_the_slow_rank(np_, tmp_path):
+    script = tmp_path / "perf.py"
+    script.write_text(PERF_SCRIPT)
+    proc = launch(np_, [sys.executable, str(script)],
+                  env={"PERSEUS_PERF_CHECK_N_STEPS": "10"}, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = re.findall(r"\[(\d)\] STATS (\d+) \[([\d, ]*)\] (\d+)", proc.stdout)
+    assert len(stats) == np_, proc.stdout
+    for _, reports, slow, offline in stats:
+        assert int(offline) >= 30 and int(reports) >= 2, stats
+        assert str(np_ - 1) in slow.split(", "), stats  # every rank knows
+    # Rank 0 reports it, naming the rank and its time.
+    assert re.search(rf"Perseus perf check \(last 10 steps\): .*rank {np_ - 1} \d", proc.stderr), \
+        proc.stderr[-2000:]

@@ -248,6 +248,8 @@ py::dict StatsDict(int process_set) {
   d["responses"] = st.responses;
   d["fused_responses"] = st.fused_responses;
   d["plans"] = st.plans;
+  d["perf_reports"] = st.perf_reports;
+  d["slow_ranks"] = st.slow_ranks;
   d["plan_exits"] = st.plan_exits;
   d["offline_steps"] = st.offline_steps;
   auto stream_dict = [](const StreamStats& s) {
@@ -298,6 +300,7 @@ PYBIND11_MODULE(_core, m) {
     if (o.contains("gradient_scale")) opts.gradient_scale = o["gradient_scale"].cast<double>();
     if (o.contains("nancheck")) opts.nancheck = o["nancheck"].cast<bool>();
     if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();
+    if (o.contains("perf_check_n_steps")) opts.perf_check_n_steps = o["perf_check_n_steps"].cast<int>();
     Status s;
     {
       py::gil_scoped_release release;

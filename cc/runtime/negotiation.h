@@ -38,6 +38,12 @@ struct Response {
   // Offline plan bucket: >= 0 is this rank's vote, carried as one extra
   // summed element (1 = this rank's data does not fit: abort and leave).
   int carrier_vote = -1;
+  // Offline plan bucket: its index in the plan, and (first bucket of a step,
+  // with PERSEUS_PERF_CHECK_N_STEPS) one more summed slot per rank carrying
+  // each rank's time outside communication (ms); this rank fills its own.
+  int plan_index = -1;
+  int perf_slots = 0;
+  double perf_value = 0;
 };
 
 // A training step's communication, learned online and then replayed with no

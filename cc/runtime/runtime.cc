@@ -205,6 +205,9 @@ Status Runtime::Init(const InitOptions& options) {
   last_cycle_ = Clock::now();
   timeline_.Start(options.process_set_id == 0 ? options.timeline_path : std::string(),
                   WorldRank(options.rank), "rank " + std::to_string(WorldRank(options.rank)));
+  last_step_done_ = Clock::time_point{};
+  perf_sum_.clear();
+  perf_steps_ = 0;
   offline_ = false;
   plan_ = Plan();
   plan_pos_ = 0;
@@ -606,11 +609,13 @@ bool Runtime::CanDispatchPlanLocked() const {
 }
 
 bool Runtime::PlanBucketFinished(int64_t votes,
-                                 std::vector<std::shared_ptr<Request>>& requests) {
+                                 std::vector<std::shared_ptr<Request>>& requests,
+                                 const Response& r) {
   bool deliver = votes == 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --plan_in_flight_;
+    if (r.plan_index + 1 == static_cast<int>(plan_.buckets.size())) last_step_done_ = Clock::now();
     if (!deliver) {
       aborting_ = true;
       for (auto& q : requests) {
@@ -620,6 +625,49 @@ bool Runtime::PlanBucketFinished(int64_t votes,
   }
   queue_cv_.notify_all();
   return deliver;
+}
+
+void Runtime::PerfCheckStep(const std::vector<double>& ms_by_rank) {
+  double total = 0;
+  for (double v : ms_by_rank) total += v;
+  if (total <= 0) return;  // the first step after a plan: nothing measured yet
+  std::vector<int> slow;
+  std::vector<double> mean;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (perf_sum_.size() != ms_by_rank.size()) perf_sum_.assign(ms_by_rank.size(), 0.0);
+    for (size_t i = 0; i < ms_by_rank.size(); ++i) perf_sum_[i] += ms_by_rank[i];
+    if (++perf_steps_ < options_.perf_check_n_steps) return;
+    for (double v : perf_sum_) mean.push_back(v / perf_steps_);
+    perf_sum_.assign(ms_by_rank.size(), 0.0);
+    perf_steps_ = 0;
+  }
+  // Abnormally slow: more than 1.5x the median time outside communication,
+  // and by more than a millisecond (noise on tiny steps).
+  std::vector<double> sorted = mean;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[(sorted.size() - 1) / 2];  // the lower median
+  std::ostringstream msg;
+  for (size_t i = 0; i < mean.size(); ++i) {
+    if (mean[i] > 1.5 * median && mean[i] - median > 1.0) {
+      slow.push_back(WorldRank(static_cast<int>(i)));
+      msg << (slow.size() > 1 ? "; " : "") << "rank " << WorldRank(static_cast<int>(i)) << " "
+          << static_cast<int64_t>(mean[i] * 10) / 10.0 << " ms ("
+          << static_cast<int64_t>(mean[i] / std::max(median, 1e-9) * 10) / 10.0 << "x)";
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.perf_reports;
+    stats_.slow_ranks = slow;
+  }
+  if (!slow.empty() && WorldRank(options_.rank) == 0) {
+    std::fprintf(stderr,
+                 "Perseus perf check (last %d steps): slow rank(s), time per step outside "
+                 "communication against the median of %.1f ms: %s\n",
+                 options_.perf_check_n_steps, median, msg.str().c_str());
+    std::fflush(stderr);
+  }
 }
 
 void Runtime::RunOffline(bool* stop) {
@@ -651,6 +699,15 @@ void Runtime::RunOffline(bool* stop) {
       plan_have_[plan_pos_] = 0;
       const bool vote = stand_in || leave_vote_ || aborting_ || shutdown_requested_;
       r.carrier_vote = vote ? 1 : 0;
+      r.plan_index = static_cast<int>(plan_pos_);
+      if (plan_pos_ == 0 && options_.perf_check_n_steps > 0) {
+        // This rank's time outside communication since its last step ended.
+        r.perf_slots = options_.size;
+        if (last_step_done_ != Clock::time_point{}) {
+          r.perf_value =
+              std::chrono::duration<double, std::milli>(Clock::now() - last_step_done_).count();
+        }
+      }
       buckets.emplace_back(plan_pos_, std::move(r));
       work.push_back(std::move(requests));
       ++plan_in_flight_;
@@ -879,37 +936,62 @@ bool Runtime::Execute(int stream, const Response& r,
 }
 
 namespace {
-// The carrier's vote element: 1 or 0 in the bucket's dtype, and back.
-void WriteVote(void* p, DataType dtype, int vote) {
+// Extra elements of a plan bucket (the vote, perf-check times): a value in
+// the bucket's dtype, and back.
+void WriteValue(void* p, DataType dtype, double v) {
   switch (dtype) {
-    case DataType::kFloat16: *static_cast<uint16_t*>(p) = vote ? 0x3C00 : 0; break;
-    case DataType::kBFloat16: *static_cast<uint16_t*>(p) = vote ? 0x3F80 : 0; break;
-    case DataType::kFloat32: *static_cast<float*>(p) = static_cast<float>(vote); break;
-    case DataType::kFloat64: *static_cast<double*>(p) = vote; break;
-    case DataType::kInt32: *static_cast<int32_t*>(p) = vote; break;
-    case DataType::kInt64: *static_cast<int64_t*>(p) = vote; break;
-    default: *static_cast<uint8_t*>(p) = static_cast<uint8_t>(vote); break;
+    case DataType::kFloat16: {
+      float f = static_cast<float>(v);
+      FloatToHalf(&f, static_cast<uint16_t*>(p), 1);
+      break;
+    }
+    case DataType::kBFloat16: {
+      float f = static_cast<float>(v);
+      uint32_t bits;
+      std::memcpy(&bits, &f, 4);
+      *static_cast<uint16_t*>(p) = static_cast<uint16_t>(bits >> 16);
+      break;
+    }
+    case DataType::kFloat32: *static_cast<float*>(p) = static_cast<float>(v); break;
+    case DataType::kFloat64: *static_cast<double*>(p) = v; break;
+    case DataType::kInt32: *static_cast<int32_t*>(p) = static_cast<int32_t>(v + 0.5); break;
+    case DataType::kInt64: *static_cast<int64_t*>(p) = static_cast<int64_t>(v + 0.5); break;
+    default: *static_cast<uint8_t*>(p) = static_cast<uint8_t>(v + 0.5); break;
   }
 }
-int64_t ReadVotes(const void* p, DataType dtype) {
+double ReadValue(const void* p, DataType dtype) {
   switch (dtype) {
     case DataType::kFloat16: {
       float f;
       HalfToFloat(static_cast<const uint16_t*>(p), &f, 1);
-      return static_cast<int64_t>(f + 0.5f);
+      return f;
     }
     case DataType::kBFloat16: {
       uint32_t bits = static_cast<uint32_t>(*static_cast<const uint16_t*>(p)) << 16;
       float f;
       std::memcpy(&f, &bits, 4);
-      return static_cast<int64_t>(f + 0.5f);
+      return f;
     }
-    case DataType::kFloat32: return static_cast<int64_t>(*static_cast<const float*>(p) + 0.5f);
-    case DataType::kFloat64: return static_cast<int64_t>(*static_cast<const double*>(p) + 0.5);
+    case DataType::kFloat32: return *static_cast<const float*>(p);
+    case DataType::kFloat64: return *static_cast<const double*>(p);
     case DataType::kInt32: return *static_cast<const int32_t*>(p);
-    case DataType::kInt64: return *static_cast<const int64_t*>(p);
+    case DataType::kInt64: return static_cast<double>(*static_cast<const int64_t*>(p));
     default: return *static_cast<const uint8_t*>(p);
   }
+}
+// Writes the vote and this rank's perf slot after `at`; zeros the others.
+void WriteExtras(char* at, DataType dtype, const Response& r, int rank) {
+  const size_t esize = DataTypeSize(dtype);
+  WriteValue(at, dtype, r.carrier_vote);
+  for (int i = 0; i < r.perf_slots; ++i) {
+    WriteValue(at + (1 + i) * esize, dtype, i == rank ? r.perf_value : 0.0);
+  }
+}
+std::vector<double> ReadPerf(const char* at, DataType dtype, const Response& r) {
+  const size_t esize = DataTypeSize(dtype);
+  std::vector<double> out;
+  for (int i = 0; i < r.perf_slots; ++i) out.push_back(ReadValue(at + (1 + i) * esize, dtype));
+  return out;
 }
 }  // namespace
 
@@ -937,7 +1019,7 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
   std::vector<char>& buf = streams_[stream]->fusion_buffer;
-  const size_t slots = total + (carrier ? 1 : 0);
+  const size_t slots = total + (carrier ? 1 + r.perf_slots : 0);
   if (buf.size() < slots * esize) buf.resize(slots * esize);
   size_t offset = 0;
   {
@@ -949,12 +1031,15 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
     }
     ScaleBuffer(buf.data(), dtype, total, m0.prescale);
   }
-  if (carrier) WriteVote(buf.data() + total * esize, dtype, r.carrier_vote);
+  if (carrier) WriteExtras(buf.data() + total * esize, dtype, r, options_.rank);
   {
     TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce", "communication");
     backend_->Allreduce(stream, buf.data(), slots, dtype, fn);
   }
-  if (carrier && !PlanBucketFinished(ReadVotes(buf.data() + total * esize, dtype), requests)) {
+  if (carrier && r.perf_slots) PerfCheckStep(ReadPerf(buf.data() + total * esize, dtype, r));
+  if (carrier && !PlanBucketFinished(static_cast<int64_t>(
+                                         ReadValue(buf.data() + total * esize, dtype) + 0.5),
+                                     requests, r)) {
     return false;  // voted down: outputs untouched, requests back to pending
   }
   ScaleBuffer(buf.data(), dtype, total, post);
@@ -979,7 +1064,8 @@ bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
   const bool carrier = r.carrier_vote >= 0;
   std::vector<uint16_t>& half = streams_[stream]->half_buffer;
-  if (half.size() < total + 1) half.resize(total + 1);
+  const size_t extras = carrier ? 1 + r.perf_slots : 0;
+  if (half.size() < total + extras) half.resize(total + extras);
   const float in_scale = static_cast<float>(m0.prescale * options_.gradient_scale);
   size_t offset = 0;
   {
@@ -990,14 +1076,19 @@ bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
       offset += n;
     }
   }
-  if (carrier) WriteVote(half.data() + total, DataType::kFloat16, r.carrier_vote);
+  if (carrier) {
+    WriteExtras(reinterpret_cast<char*>(half.data() + total), DataType::kFloat16, r, options_.rank);
+  }
   {
     TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce (fp16)", "communication");
-    backend_->Allreduce(stream, half.data(), total + (carrier ? 1 : 0), DataType::kFloat16,
+    backend_->Allreduce(stream, half.data(), total + extras, DataType::kFloat16,
                         GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
   }
-  if (carrier && !PlanBucketFinished(ReadVotes(half.data() + total, DataType::kFloat16),
-                                      requests)) {
+  const char* extra_at = reinterpret_cast<const char*>(half.data() + total);
+  if (carrier && r.perf_slots) PerfCheckStep(ReadPerf(extra_at, DataType::kFloat16, r));
+  if (carrier && !PlanBucketFinished(
+                     static_cast<int64_t>(ReadValue(extra_at, DataType::kFloat16) + 0.5), requests,
+                     r)) {
     return false;
   }
   const double post =

@@ -56,6 +56,7 @@ struct InitOptions {
   double gradient_scale = 10.0;
   bool nancheck = false;  // reject reductions whose input holds NaN/Inf
   std::string timeline_path;  // PERSEUS_TIMELINE (this rank's file); empty: off
+  int perf_check_n_steps = 0;  // report slow ranks every N offline steps (0: off)
   // A process set (sub-group) runtime: its id and the world ranks of its
   // members, in order (this process is member `rank`). Empty: the world.
   int process_set_id = 0;
@@ -86,6 +87,8 @@ struct StreamStats {
 };
 
 struct Stats {
+  int64_t perf_reports = 0;      // slow-rank checks made (PERSEUS_PERF_CHECK_N_STEPS)
+  std::vector<int> slow_ranks;   // flagged by the latest check (world ranks)
   int64_t plans = 0;          // offline plans entered
   int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
   int64_t offline_steps = 0;  // steps run from a plan, without control messages
@@ -153,7 +156,10 @@ class Runtime {
   void LeaveOfflineLocked();
   // A plan bucket's collective finished with `votes`; false: do not deliver
   // (the real requests go back to pending, to be negotiated online).
-  bool PlanBucketFinished(int64_t votes, std::vector<std::shared_ptr<Request>>& requests);
+  bool PlanBucketFinished(int64_t votes, std::vector<std::shared_ptr<Request>>& requests,
+                          const Response& r);
+  // Perf check: a step's per-rank times (from the first bucket's slots).
+  void PerfCheckStep(const std::vector<double>& ms_by_rank);
   void StreamLoop(int stream);
   // These return false when the requests must not be completed (an aborted
   // plan bucket).
@@ -205,6 +211,11 @@ class Runtime {
   bool step_started_ = false;   // a bucket of the current step was dispatched
   int plan_in_flight_ = 0;      // plan buckets dispatched, not finished
   std::vector<size_t> plan_have_;  // per bucket: fitting requests pending here
+  // Perf check: when this rank's previous step finished its last bucket, and
+  // the window of per-rank times being summed.
+  std::chrono::steady_clock::time_point last_step_done_{};
+  std::vector<double> perf_sum_;
+  int perf_steps_ = 0;
 
   struct Stream {
     std::thread thread;
