@@ -74,3 +74,27 @@ def test_perf_check_names_the_slow_rank(np_, tmp_path):
     # Rank 0 reports it, naming the rank and its time.
     assert re.search(rf"Perseus perf check \(last 10 steps\): .*rank {np_ - 1} \d", proc.stderr), \
         proc.stderr[-2000:]
+
+
+HVD_TIMELINE_SCRIPT = r"""
+import sys, tensorflow as tf
+import perseus_tf.horovod as hvd
+hvd.init()
+hvd.allreduce(tf.ones([4]), name="before")          # not recorded
+hvd.start_timeline(sys.argv[1])
+hvd.allreduce(tf.ones([4]), name="during")
+hvd.stop_timeline()
+hvd.allreduce(tf.ones([4]), name="after")           # not recorded
+print("RAN", flush=True)
+"""
+
+
+def test_horovod_start_and_stop_timeline(tmp_path):
+    script = tmp_path / "hvd_tl.py"
+    script.write_text(HVD_TIMELINE_SCRIPT)
+    proc = launch(2, [sys.executable, str(script), str(tmp_path / "hvd.json")], timeout=180)
+    assert proc.returncode == 0 and proc.stdout.count("RAN") == 2, proc.stderr[-3000:]
+    for rank in range(2):
+        events = json.loads((tmp_path / f"hvd.rank{rank}.json").read_text())["traceEvents"]
+        firsts = [e["args"]["first"] for e in events if e["ph"] == "X" and "first" in e["args"]]
+        assert firsts == ["during"], firsts

@@ -347,6 +347,11 @@ PYBIND11_MODULE(_core, m) {
     if (!s.ok()) Raise(s);
   });
   m.def("process_set_ids", &Runtime::ProcessSetIds);
+  m.def("start_timeline", [](const std::string& path) { Runtime::Get().StartTimeline(path); });
+  m.def("stop_timeline", [] {
+    std::string error;
+    if (!Runtime::Get().StopTimeline(&error)) throw CommunicationError(error);
+  });
   m.def("process_set_topology", [](int id) -> py::object {
     Runtime* rt = Runtime::Find(id);
     if (rt == nullptr || !rt->initialized()) return py::none();

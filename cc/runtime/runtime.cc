@@ -1246,6 +1246,12 @@ void Runtime::FailAllPending(const Status& status) {
   for (auto& kv : pending) kv.second->done(status);
 }
 
+void Runtime::StartTimeline(const std::string& path) {
+  timeline_.Start(path, WorldRank(options_.rank), "rank " + std::to_string(WorldRank(options_.rank)));
+}
+
+bool Runtime::StopTimeline(std::string* error) { return timeline_.Write(error); }
+
 Stats Runtime::GetStats() {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;

@@ -128,6 +128,12 @@ class Runtime {
 
   Stats GetStats();
 
+  // Starts (or restarts) this rank's timeline into `path`, or writes and
+  // stops it (Horovod's start_timeline/stop_timeline; PERSEUS_TIMELINE
+  // starts it at Init). Returns false with `error` when the file fails.
+  void StartTimeline(const std::string& path);
+  bool StopTimeline(std::string* error);
+
   // Benchmark baseline: a raw contiguous Gloo allreduce on a dedicated
   // context, bypassing negotiation and fusion. Collective.
   Status RawAllreduce(void* data, size_t count, DataType dtype);

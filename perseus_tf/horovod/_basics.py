@@ -166,9 +166,17 @@ def rocm_built():
 
 
 def start_timeline(file_path, mark_cycles=False):
-    raise NotImplementedError("Perseus-TF has no timeline yet; use perseus_tf.stats() for "
-                              "negotiation and transfer counters.")
+    """Starts recording this rank's timeline (a Chrome trace) into a file
+    derived from `file_path`: trace.json becomes trace.rank<R>.json ("{rank}"
+    in the name is replaced instead). Negotiation cycles are always marked."""
+    from perseus_tf import _native
+
+    _native.ensure_initialized()
+    _native._core.start_timeline(_native.timeline_path(str(file_path), rank()))
 
 
 def stop_timeline():
-    raise NotImplementedError("Perseus-TF has no timeline yet.")
+    """Writes the timeline started by start_timeline (or PERSEUS_TIMELINE) and stops it."""
+    from perseus_tf import _native
+
+    _native._core.stop_timeline()
