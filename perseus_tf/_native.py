@@ -70,6 +70,18 @@ def timeline_path(template, rank):
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
+def gradient_compression():
+    """1 when gradient reductions travel as float16 under PERSEUS_ALLREDUCE_DTYPE
+    (0: always; 2, mixed: only when the job spans hosts, on the flat ring), else 0."""
+    cfg = _config_in_use
+    mode = 1 if cfg is None else cfg.allreduce_dtype
+    if mode == 0:
+        return 1
+    if mode == 2 and _core.state() == "running" and _core.topology()["cross_size"] > 1:
+        return 1
+    return 0
+
+
 def ensure_initialized():
     """Starts the runtime on first use only: after a failure or an explicit
     shutdown, collectives must report that, not silently reconnect."""

@@ -676,8 +676,7 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     # Gradients follow PERSEUS_ALLREDUCE_DTYPE as the training paths do: 0
     # float16 on the wire, 1 none, 2 float16 only across hosts.
     cfg = native.config()
-    mode = cfg.allreduce_dtype if cfg is not None else 1
-    compression = 1 if mode == 0 or (mode == 2 and native.topology()["cross_size"] > 1) else 0
+    compression = native.gradient_compression()
     # Gradients may run from an offline plan unless PERSEUS_OFFLINE_NEG=0.
     plannable = cfg is None or cfg.offline_neg != 0
 

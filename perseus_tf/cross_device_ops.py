@@ -44,17 +44,6 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
         super().__init__()
         _native.ensure_initialized()
 
-    @staticmethod
-    def _compression():
-        """Gradient compression from PERSEUS_ALLREDUCE_DTYPE: 0 float16, 1 none,
-        2 mixed (float16 only when the job spans several hosts: without
-        hierarchical allreduce the whole ring then uses it)."""
-        cfg = _native.config()
-        mode = 1 if cfg is None else cfg.allreduce_dtype
-        if mode == 0 or (mode == 2 and perseus_ops.cross_size() > 1):
-            return "fp16"
-        return "none"
-
     @property
     def _num_between_graph_workers(self):
         # The base class skips reductions of a single local value unless it
@@ -82,7 +71,7 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
                 by_dtype.setdefault(t.dtype, []).append(i)
             reduced = list(locals_)
             gradients = _gradients.active()
-            compression = self._compression() if gradients else "none"
+            compression = "fp16" if gradients and _native.gradient_compression() else "none"
             for dtype, idx in by_dtype.items():
                 with tf.device("/cpu:0"):
                     outs = perseus_ops.grouped_allreduce(

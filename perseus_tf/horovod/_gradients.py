@@ -172,10 +172,7 @@ def _native_compression(compression):
 
     if compression is not Compression.none or "PERSEUS_ALLREDUCE_DTYPE" not in os.environ:
         return "none"
-    mode = _native.config().allreduce_dtype
-    if mode == 0 or (mode == 2 and ops.cross_size() > 1):
-        return "fp16"
-    return "none"
+    return "fp16" if _native.gradient_compression() else "none"
 
 
 class LocalAccumulator:
