@@ -104,31 +104,43 @@ class Handle {
   py::object dtype_;
 };
 
-Handle Submit(int op, py::array input, const std::string& name, int dtype, int reduce_op,
-              int root, double prescale, double postscale, std::vector<int64_t> splits,
-              py::object output, int process_set, int compression, bool plannable) {
+Runtime& RuntimeOf(int process_set) {
   Runtime* rt = Runtime::Find(process_set);
   if (rt == nullptr) {
     throw InvalidError("this rank is not a member of process set " + std::to_string(process_set) +
                        " (or the set was removed)");
   }
+  return *rt;
+}
+
+// A request for `input` with the fields every submit sets.
+std::shared_ptr<Request> NewRequest(const py::array& input, const std::string& name, int op,
+                                    int dtype, int reduce_op, int compression, bool plannable) {
   if (!(input.flags() & py::array::c_style)) {
-    throw InvalidError("input array must be C-contiguous");
+    throw InvalidError("input array '" + name + "' must be C-contiguous");
   }
-  auto state = std::make_shared<HandleState>();
   auto req = std::make_shared<Request>();
   req->meta.name = name;
   req->meta.op = static_cast<OpType>(op);
   req->meta.dtype = static_cast<DataType>(dtype);
   req->meta.reduce_op = static_cast<ReduceOp>(reduce_op);
   for (py::ssize_t i = 0; i < input.ndim(); ++i) req->meta.shape.push_back(input.shape(i));
+  req->meta.compression = compression;
+  if (plannable) req->meta.flags |= kMetaPlannable;
+  req->input = input.data();
+  return req;
+}
+
+Handle Submit(int op, py::array input, const std::string& name, int dtype, int reduce_op,
+              int root, double prescale, double postscale, std::vector<int64_t> splits,
+              py::object output, int process_set, int compression, bool plannable) {
+  Runtime& rt = RuntimeOf(process_set);
+  auto state = std::make_shared<HandleState>();
+  auto req = NewRequest(input, name, op, dtype, reduce_op, compression, plannable);
   req->meta.root = root;
   req->meta.prescale = prescale;
   req->meta.postscale = postscale;
   req->meta.splits = std::move(splits);
-  req->meta.compression = compression;
-  if (plannable) req->meta.flags |= kMetaPlannable;
-  req->input = input.data();
   if (!output.is_none()) {
     py::array out = output.cast<py::array>();
     req->output = out.mutable_data();
@@ -146,7 +158,7 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
     state->finished = true;
     state->cv.notify_all();
   };
-  Status s = rt->Enqueue(req);
+  Status s = rt.Enqueue(req);
   if (!s.ok()) Raise(s);
   return Handle(state, req, input, output, input.attr("dtype"));
 }
@@ -193,27 +205,15 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
     throw InvalidError("submit_group needs one name per array (" + std::to_string(arrays.size()) +
                        " arrays, " + std::to_string(names.size()) + " names)");
   }
-  Runtime* rt = Runtime::Find(process_set);
-  if (rt == nullptr) {
-    throw InvalidError("this rank is not a member of process set " + std::to_string(process_set));
-  }
+  Runtime& rt = RuntimeOf(process_set);
   std::vector<std::shared_ptr<Request>> requests;
   auto state = std::make_shared<GroupState>();
   for (size_t i = 0; i < names.size(); ++i) {
     py::array a = arrays[i].cast<py::array>();
-    if (!(a.flags() & py::array::c_style) || !a.writeable()) {
-      throw InvalidError("submit_group arrays must be C-contiguous and writeable");
-    }
-    auto req = std::make_shared<Request>();
-    req->meta.name = names[i];
-    req->meta.op = OpType::kAllreduce;
-    req->meta.dtype = static_cast<DataType>(dtype);
-    req->meta.reduce_op = static_cast<ReduceOp>(reduce_op);
-    for (py::ssize_t d = 0; d < a.ndim(); ++d) req->meta.shape.push_back(a.shape(d));
-    req->meta.compression = compression;
+    if (!a.writeable()) throw InvalidError("submit_group arrays must be writeable");
+    auto req = NewRequest(a, names[i], static_cast<int>(OpType::kAllreduce), dtype, reduce_op,
+                          compression, plannable);
     req->meta.group = static_cast<int32_t>(names.size());
-    if (plannable) req->meta.flags |= kMetaPlannable;
-    req->input = a.data();
     req->output = a.mutable_data();
     req->done = [state](const Status& st) {
       std::lock_guard<std::mutex> lock(state->mu);
@@ -225,7 +225,7 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
   // Checked before anything is enqueued, so a bad call leaves nothing in flight.
   state->remaining = requests.size();
   for (size_t i = 0; i < requests.size(); ++i) {
-    Status st = rt->Enqueue(requests[i]);
+    Status st = rt.Enqueue(requests[i]);
     if (!st.ok()) {
       // The ones already enqueued will complete; the rest never will.
       std::lock_guard<std::mutex> lock(state->mu);

@@ -872,7 +872,6 @@ void Runtime::RunOnStream(int index, Response& response,
                   JsonEscape(response.names[0]) + "\", \"plan\": " +
                   (response.carrier_vote >= 0 ? "true" : "false");
     }
-    TimelineSpan span(timeline_, 1 + index, OpTypeName(response.op), "bucket", span_args);
     Status status;
     bool complete = true;
     try {
@@ -883,7 +882,11 @@ void Runtime::RunOnStream(int index, Response& response,
       std::lock_guard<std::mutex> lock(mu_);
       status = failure_;
     }
-    double secs = std::chrono::duration<double>(Clock::now() - start).count();
+    const auto end = Clock::now();
+    // Recorded before the requests complete, so a caller that stops the
+    // timeline right after its collective returns finds it there.
+    timeline_.Record(1 + index, OpTypeName(response.op), "bucket", start, end, span_args);
+    double secs = std::chrono::duration<double>(end - start).count();
     {
       std::lock_guard<std::mutex> lock(stats_mu_);
       StreamStats& st = stats_.streams[index];
