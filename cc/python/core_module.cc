@@ -238,9 +238,7 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
 }
 
 py::dict StatsDict(int process_set) {
-  Runtime* rt = Runtime::Find(process_set);
-  if (rt == nullptr) throw InvalidError("no process set " + std::to_string(process_set) + " here");
-  Stats st = rt->GetStats();
+  Stats st = RuntimeOf(process_set).GetStats();
   py::dict d;
   d["cycles"] = st.cycles;
   d["control_bytes_sent"] = st.control_bytes_sent;

@@ -850,58 +850,56 @@ void Runtime::StreamLoop(int index) {
 
 void Runtime::RunOnStream(int index, Response& response,
                           std::vector<std::shared_ptr<Request>>& requests) {
-  {
-    if (state_.load() == State::kFailed) {
-      Status failure;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        failure = failure_;
-      }
-      for (auto& q : requests) q->done(failure);
-      return;
-    }
-    auto start = Clock::now();
-    std::string span_args;
-    if (timeline_.enabled()) {
-      int64_t bytes = 0;
-      for (const TensorMeta& m : response.metas) {
-        bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
-      }
-      span_args = "\"tensors\": " + std::to_string(response.names.size()) +
-                  ", \"bytes\": " + std::to_string(bytes) + ", \"first\": \"" +
-                  JsonEscape(response.names[0]) + "\", \"plan\": " +
-                  (response.carrier_vote >= 0 ? "true" : "false");
-    }
-    Status status;
-    bool complete = true;
-    try {
-      complete = Execute(index, response, requests);
-    } catch (const std::exception& e) {
-      Fail(std::string("stream ") + std::to_string(index) + " " + OpTypeName(response.op) +
-           " of '" + response.names[0] + "' failed: " + e.what());
-      std::lock_guard<std::mutex> lock(mu_);
-      status = failure_;
-    }
-    const auto end = Clock::now();
-    // Recorded before the requests complete, so a caller that stops the
-    // timeline right after its collective returns finds it there.
-    timeline_.Record(1 + index, OpTypeName(response.op), "bucket", start, end, span_args);
-    double secs = std::chrono::duration<double>(end - start).count();
+  if (state_.load() == State::kFailed) {
+    Status failure;
     {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      StreamStats& st = stats_.streams[index];
-      ++st.responses;
-      st.tensors += static_cast<int64_t>(response.names.size());
-      for (const TensorMeta& m : response.metas) {
-        // Payload as sent: compressed float32 travels as 2-byte float16.
-        st.bytes += NumElements(m.shape) *
-                    static_cast<int64_t>(m.compression ? 2 : DataTypeSize(m.dtype));
-      }
-      st.busy_seconds += secs;
+      std::lock_guard<std::mutex> lock(mu_);
+      failure = failure_;
     }
-    if (complete) {
-      for (auto& q : requests) q->done(status);
+    for (auto& q : requests) q->done(failure);
+    return;
+  }
+  auto start = Clock::now();
+  std::string span_args;
+  if (timeline_.enabled()) {
+    int64_t bytes = 0;
+    for (const TensorMeta& m : response.metas) {
+      bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
     }
+    span_args = "\"tensors\": " + std::to_string(response.names.size()) +
+                ", \"bytes\": " + std::to_string(bytes) + ", \"first\": \"" +
+                JsonEscape(response.names[0]) + "\", \"plan\": " +
+                (response.carrier_vote >= 0 ? "true" : "false");
+  }
+  Status status;
+  bool complete = true;
+  try {
+    complete = Execute(index, response, requests);
+  } catch (const std::exception& e) {
+    Fail(std::string("stream ") + std::to_string(index) + " " + OpTypeName(response.op) +
+         " of '" + response.names[0] + "' failed: " + e.what());
+    std::lock_guard<std::mutex> lock(mu_);
+    status = failure_;
+  }
+  const auto end = Clock::now();
+  // Recorded before the requests complete, so a caller that stops the
+  // timeline right after its collective returns finds it there.
+  timeline_.Record(1 + index, OpTypeName(response.op), "bucket", start, end, span_args);
+  double secs = std::chrono::duration<double>(end - start).count();
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    StreamStats& st = stats_.streams[index];
+    ++st.responses;
+    st.tensors += static_cast<int64_t>(response.names.size());
+    for (const TensorMeta& m : response.metas) {
+      // Payload as sent: compressed float32 travels as 2-byte float16.
+      st.bytes += NumElements(m.shape) *
+                  static_cast<int64_t>(m.compression ? 2 : DataTypeSize(m.dtype));
+    }
+    st.busy_seconds += secs;
+  }
+  if (complete) {
+    for (auto& q : requests) q->done(status);
   }
 }
 

@@ -302,33 +302,16 @@ class ReducescatterKernel : public ShapeFromPeersKernel {
       : ShapeFromPeersKernel(c, OpType::kReducescatter) {}
 };
 
-class BarrierKernel : public CollectiveKernel {
+// Barrier and join: no input, a scalar int32 out (0 for a barrier, the rank
+// that joined last for a join).
+class ScalarResultKernel : public CollectiveKernel {
  public:
-  explicit BarrierKernel(OpKernelConstruction* c) : CollectiveKernel(c) {}
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, TensorShape({}), &out), done);
-    out->scalar<int32>()() = 0;
-    auto req = std::make_shared<Request>();
-    req->meta.op = OpType::kBarrier;
-    req->meta.name = tensor_name_;
-    req->meta.dtype = DataType::kUint8;
-    req->done = [ctx, done](const perseus::Status& s) {
-      ctx->SetStatus(ToTf(s));
-      done();
-    };
-    Submit(ctx, std::move(req), std::move(done));
-  }
-};
-
-class JoinKernel : public CollectiveKernel {
- public:
-  explicit JoinKernel(OpKernelConstruction* c) : CollectiveKernel(c) {}
+  ScalarResultKernel(OpKernelConstruction* c, OpType op) : CollectiveKernel(c), op_(op) {}
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     Tensor* out = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, TensorShape({}), &out), done);
     auto req = std::make_shared<Request>();
-    req->meta.op = OpType::kJoin;
+    req->meta.op = op_;
     req->meta.name = tensor_name_;
     req->meta.dtype = DataType::kInt32;
     Request* raw = req.get();
@@ -339,6 +322,18 @@ class JoinKernel : public CollectiveKernel {
     };
     Submit(ctx, std::move(req), std::move(done));
   }
+
+ private:
+  OpType op_;
+};
+
+class BarrierKernel : public ScalarResultKernel {
+ public:
+  explicit BarrierKernel(OpKernelConstruction* c) : ScalarResultKernel(c, OpType::kBarrier) {}
+};
+class JoinKernel : public ScalarResultKernel {
+ public:
+  explicit JoinKernel(OpKernelConstruction* c) : ScalarResultKernel(c, OpType::kJoin) {}
 };
 
 REGISTER_KERNEL_BUILDER(Name("PerseusAllreduce").Device(DEVICE_CPU), AllreduceKernel);
