@@ -29,7 +29,10 @@ def _digits(dtype_mode):
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracy = [float(m) for m in re.findall(r"\[0\] epoch .* val_accuracy ([\d.]+)", proc.stdout)]
     mib = float(re.search(r"\[0\] perseus: \d+ collectives, ([\d.]+) MiB", proc.stdout).group(1))
-    return accuracy[-1], mib
+    # Mean of the last four epochs: one epoch's validation accuracy moves by
+    # about 1% between identical runs (thread scheduling changes the order
+    # of float additions), which would hide or fake a 1% difference.
+    return sum(accuracy[-4:]) / 4, mib
 
 
 def test_fp16_gradient_compression_trains_to_the_same_accuracy():
