@@ -27,7 +27,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the initial weights (rank 0's are broadcast)")
     args = parser.parse_args()
+    keras.utils.set_random_seed(args.seed)
 
     strategy = perseus_tf.PerseusStrategy()
     x, y = load_digits(return_X_y=True)
