@@ -54,7 +54,11 @@ def init(**overrides):
             stall_timeout_seconds=cfg.stall_timeout_seconds,
             gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck),
             timeline=timeline_path(cfg.timeline, topo.rank),
-            perf_check_n_steps=cfg.perf_check_n_steps))
+            perf_check_n_steps=cfg.perf_check_n_steps,
+            allreduce_mode=-1 if cfg.allreduce_mode is None else cfg.allreduce_mode,
+            topk_ratio=cfg.topk_ratio, topk_threshold_bytes=cfg.topk_threshold,
+            topk_fp16=bool(cfg.topk_fp16), topk_fallback=_DTYPE_COMPRESSION[cfg.allreduce_dtype],
+            downsample_n=cfg.downsample_n_elements, gradient_momentum=cfg.gradient_momentum))
         _config_in_use, _topology = cfg, topo
 
 
@@ -70,16 +74,27 @@ def timeline_path(template, rank):
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
+# How gradient reductions travel (codes of cc/runtime/message.h).
+COMPRESS_NONE, COMPRESS_FP16, COMPRESS_MIXED, COMPRESS_TOPK, COMPRESS_DOWNSAMPLE = range(5)
+# PERSEUS_ALLREDUCE_DTYPE -> code: 0 float16, 1 none, 2 mixed (float32 inside
+# a host, float16 between hosts).
+_DTYPE_COMPRESSION = {0: COMPRESS_FP16, 1: COMPRESS_NONE, 2: COMPRESS_MIXED}
+
+
 def gradient_compression():
-    """1 when gradient reductions travel as float16 under PERSEUS_ALLREDUCE_DTYPE
-    (0: always; 2, mixed: only when the job spans hosts, on the flat ring), else 0."""
+    """The compression code for gradient reductions of float32 tensors:
+    downsampling when PERSEUS_DOWNSAMPLE_N_ELEMENTS > 1, else top-k when
+    PERSEUS_TOPK_ALLREDUCE=1 (the runtime sends tensors under
+    PERSEUS_TOPK_THRESHOLD bytes by PERSEUS_ALLREDUCE_DTYPE instead), else
+    PERSEUS_ALLREDUCE_DTYPE's."""
     cfg = _config_in_use
-    mode = 1 if cfg is None else cfg.allreduce_dtype
-    if mode == 0:
-        return 1
-    if mode == 2 and _core.state() == "running" and _core.topology()["cross_size"] > 1:
-        return 1
-    return 0
+    if cfg is None:
+        return COMPRESS_NONE
+    if cfg.downsample_n_elements > 1:
+        return COMPRESS_DOWNSAMPLE
+    if cfg.topk:
+        return COMPRESS_TOPK
+    return _DTYPE_COMPRESSION[cfg.allreduce_dtype]
 
 
 def ensure_initialized():

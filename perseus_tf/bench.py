@@ -769,8 +769,16 @@ def gradients_target_line(model: str, size: int, exact: bool, ratio: float) -> s
 
 
 def compression_setting(cfg) -> str:
-    return (f"PERSEUS_ALLREDUCE_DTYPE={cfg.allreduce_dtype} "
+    text = (f"PERSEUS_ALLREDUCE_DTYPE={cfg.allreduce_dtype} "
             f"({COMPRESSION_NAMES.get(cfg.allreduce_dtype, '?')})")
+    if cfg.downsample_n_elements > 1:
+        text += (f", PERSEUS_DOWNSAMPLE_N_ELEMENTS={cfg.downsample_n_elements} "
+                 f"(momentum {cfg.gradient_momentum:g})")
+    elif cfg.topk:
+        text += (f", top-k {cfg.topk_ratio:g} of tensors >= {cfg.topk_threshold} bytes"
+                 f"{' (float16 values)' if cfg.topk_fp16 else ''}")
+    mode = {None: "auto", 0: "flat", 1: "hierarchical"}[cfg.allreduce_mode]
+    return text + f", PERSEUS_ALLREDUCE_MODE={mode}"
 
 
 def run_gradients(args) -> int:
@@ -806,7 +814,7 @@ def run_gradients(args) -> int:
     result = bench_gradients(coll, tensors, args.warmup, args.iters, args.size_budget)
     error = result["max_rel_err"]
     exact = error <= EXACT_REL_ERR
-    if error == float("inf") or (cfg.allreduce_dtype == 1 and not exact):
+    if error == float("inf") or (coll.native.gradient_compression() == 0 and not exact):
         coll.shutdown()
         raise RuntimeError(
             f"the gradients' average is wrong: largest relative error {error:.3g} against the "

@@ -44,6 +44,10 @@ class Config:
     accumulate_n_steps: int = 1
     downsample_n_elements: int = 1
     gradient_momentum: float = 1.0
+    topk: int = 0
+    topk_ratio: float = 0.01
+    topk_threshold: int = 1048576
+    topk_fp16: int = 0
     nancheck: int = 0
     perf_check_n_steps: int = 0
     gloo_iface: str = ""
@@ -97,6 +101,10 @@ VARIABLES = {
     "accumulate_n_steps": ("PERSEUS_ACCUMULATE_N_STEPS", *_int_range(1, 1024)),
     "downsample_n_elements": ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", *_int_range(1, 1024)),
     "gradient_momentum": ("PERSEUS_GRADIENT_MOMENTUM", *_float_range(0, 1, lo_open=True)),
+    "topk": ("PERSEUS_TOPK_ALLREDUCE", *_choice(0, 1)),
+    "topk_ratio": ("PERSEUS_TOPK_RATIO", *_float_range(0, 1, lo_open=True)),
+    "topk_threshold": ("PERSEUS_TOPK_THRESHOLD", *_int_range(0, 2**40)),
+    "topk_fp16": ("PERSEUS_TOPK_FP16", *_choice(0, 1)),
     "nancheck": ("PERSEUS_ALLREDUCE_NANCHECK", *_choice(0, 1)),
     "perf_check_n_steps": ("PERSEUS_PERF_CHECK_N_STEPS", *_int_range(0, 10**9)),
     "gloo_iface": ("PERSEUS_GLOO_NETWORK_INTERFACE", *_string()),

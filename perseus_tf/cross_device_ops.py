@@ -71,12 +71,12 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
                 by_dtype.setdefault(t.dtype, []).append(i)
             reduced = list(locals_)
             gradients = _gradients.active()
-            compression = "fp16" if gradients and _native.gradient_compression() else "none"
+            compression = _native.gradient_compression() if gradients else 0
             for dtype, idx in by_dtype.items():
                 with tf.device("/cpu:0"):
                     outs = perseus_ops.grouped_allreduce(
                         [locals_[i] for i in idx], op=perseus_ops.Sum,
-                        compression=compression if dtype == tf.float32 else "none",
+                        compression=compression if dtype == tf.float32 else 0,
                         gradients=gradients)
                 for i, o in zip(idx, outs):
                     reduced[i] = o

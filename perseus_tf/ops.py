@@ -48,16 +48,24 @@ Max = 4
 Product = 5
 
 _NATIVE_REDUCE = {Sum: 0, Average: 1, Min: 2, Max: 3, Product: 4}
-_COMPRESSION = {None: 0, "none": 0, "fp16": 1, "float16": 1}
+_COMPRESSION = {None: 0, "none": 0, "fp16": 1, "float16": 1, "mixed": 2}
 
 
 def _compression(compression):
+    """A compression name ("none", "fp16", "mixed") or a runtime code (int,
+    as _native.gradient_compression() returns) -> the code."""
+    if isinstance(compression, int) and not isinstance(compression, bool) and \
+            0 <= compression <= _native.COMPRESS_DOWNSAMPLE:
+        return compression
     key = compression.lower() if isinstance(compression, str) else compression
     if key not in _COMPRESSION:
-        raise ValueError(f"compression={compression!r} is not supported; use 'none' or 'fp16' "
+        raise ValueError(f"compression={compression!r} is not supported; use 'none', 'fp16' "
                          "(float32 sums and averages travel as float16 times "
-                         "PERSEUS_ALLREDUCE_GRADIENT_SCALE; other tensors as they are)")
+                         "PERSEUS_ALLREDUCE_GRADIENT_SCALE; other tensors as they are) or "
+                         "'mixed' (float32 inside a host, float16 between hosts)")
     return _COMPRESSION[key]
+
+
 _NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
           Product: "Product"}
 
@@ -146,9 +154,10 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
       name: pairs this call across ranks (defaults to the op's node name).
       process_set_id: reduce among a process set's members only (see
         add_process_set); 0, the default, is every rank.
-      compression: "none" or "fp16": a float32 Sum/Average then travels as
-        float16 of (x * PERSEUS_ALLREDUCE_GRADIENT_SCALE), summed in float16
-        and divided by the scale after; other dtypes and ops ignore it.
+      compression: "none", "fp16" or "mixed": with "fp16" a float32
+        Sum/Average travels as float16 of (x * PERSEUS_ALLREDUCE_GRADIENT_SCALE),
+        summed in float16 and divided by the scale after; "mixed" does that
+        only between hosts (float32 inside one). Other dtypes and ops ignore it.
       gradients: marks a training step's gradient reduction: with
         PERSEUS_OFFLINE_NEG unset it may then run from an offline plan.
     """

@@ -7,6 +7,7 @@
 #include <gloo/allreduce.h>
 #include <gloo/alltoallv.h>
 #include <gloo/broadcast.h>
+#include <gloo/reduce.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
@@ -30,22 +31,75 @@ void RunAllreduce(const std::shared_ptr<gloo::Context>& ctx, void* data,
   gloo::allreduce(opts);
 }
 
+template <typename T>
+void RunReduce(const std::shared_ptr<gloo::Context>& ctx, void* data, size_t count,
+               ReduceFn fn) {
+  gloo::ReduceOptions opts(ctx);
+  opts.setOutput(static_cast<T*>(data), count);
+  opts.setRoot(0);
+  opts.setReduceFunction(gloo::ReduceOptions::Func(fn));
+  opts.setTag(5);
+  gloo::reduce(opts);
+}
+
+template <template <typename> class Run>
+void BySize(DataType dtype, const std::shared_ptr<gloo::Context>& ctx, void* data,
+            size_t count, ReduceFn fn) {
+  switch (DataTypeSize(dtype)) {
+    case 1: Run<Bytes<1>>::Go(ctx, data, count, fn); break;
+    case 2: Run<Bytes<2>>::Go(ctx, data, count, fn); break;
+    case 4: Run<Bytes<4>>::Go(ctx, data, count, fn); break;
+    case 8: Run<Bytes<8>>::Go(ctx, data, count, fn); break;
+    default: throw std::runtime_error("unsupported element size");
+  }
+}
+
+template <typename T>
+struct AllreduceRun {
+  static void Go(const std::shared_ptr<gloo::Context>& c, void* d, size_t n, ReduceFn f) {
+    RunAllreduce<T>(c, d, n, f);
+  }
+};
+
+template <typename T>
+struct ReduceRun {
+  static void Go(const std::shared_ptr<gloo::Context>& c, void* d, size_t n, ReduceFn f) {
+    RunReduce<T>(c, d, n, f);
+  }
+};
+
 }  // namespace
 
 GlooBackend::GlooBackend(const GlooBackendOptions& options,
                          gloo::rendezvous::Store* store)
     : options_(options) {
   if (options_.size <= 1) return;
-  control_ = Connect(*store, "control");
+  control_ = Connect(*store, "control", options_.rank, options_.size);
   for (int s = 0; s < options_.streams; ++s) {
-    streams_.push_back(Connect(*store, "stream" + std::to_string(s)));
+    streams_.push_back(Connect(*store, "stream" + std::to_string(s), options_.rank,
+                               options_.size));
+  }
+  const GlooBackendOptions& o = options_;
+  if (o.hierarchy && o.local_size > 1 && o.cross_size > 1 &&
+      o.local_size * o.cross_size == o.size &&
+      o.rank == o.cross_rank * o.local_size + o.local_rank) {
+    for (int s = 0; s < o.streams; ++s) {
+      const std::string tag = "/stream" + std::to_string(s);
+      local_.push_back(Connect(*store, "host" + std::to_string(o.cross_rank) + tag,
+                               o.local_rank, o.local_size));
+      // Only the leaders talk across hosts.
+      if (o.local_rank == 0) {
+        cross_.push_back(Connect(*store, "leaders" + tag, o.cross_rank, o.cross_size));
+      }
+    }
   }
 }
 
 GlooBackend::~GlooBackend() = default;
 
 std::shared_ptr<gloo::Context> GlooBackend::Connect(gloo::rendezvous::Store& store,
-                                                    const std::string& name) {
+                                                    const std::string& name, int rank,
+                                                    int size) {
   gloo::transport::tcp::attr attr;
   if (!options_.iface.empty()) {
     attr.iface = options_.iface;
@@ -53,7 +107,7 @@ std::shared_ptr<gloo::Context> GlooBackend::Connect(gloo::rendezvous::Store& sto
     attr.hostname = options_.host_addr.empty() ? "127.0.0.1" : options_.host_addr;
   }
   auto device = gloo::transport::tcp::CreateDevice(attr);
-  auto ctx = std::make_shared<gloo::rendezvous::Context>(options_.rank, options_.size);
+  auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
   ctx->setTimeout(options_.timeout);
   gloo::rendezvous::PrefixStore prefixed(options_.key_prefix + "/" + name, store);
   ctx->connectFullMesh(prefixed, device);
@@ -61,7 +115,7 @@ std::shared_ptr<gloo::Context> GlooBackend::Connect(gloo::rendezvous::Store& sto
 }
 
 void GlooBackend::CreateRawChannel(gloo::rendezvous::Store& store) {
-  if (options_.size > 1 && !raw_) raw_ = Connect(store, "raw");
+  if (options_.size > 1 && !raw_) raw_ = Connect(store, "raw", options_.rank, options_.size);
 }
 
 const std::shared_ptr<gloo::Context>& GlooBackend::Channel(int channel) {
@@ -76,14 +130,28 @@ const std::shared_ptr<gloo::Context>& GlooBackend::Channel(int channel) {
 void GlooBackend::Allreduce(int channel, void* data, size_t count, DataType dtype,
                             ReduceFn fn) {
   if (options_.size <= 1 || count == 0) return;
-  const auto& ctx = Channel(channel);
-  switch (DataTypeSize(dtype)) {
-    case 1: RunAllreduce<Bytes<1>>(ctx, data, count, fn); break;
-    case 2: RunAllreduce<Bytes<2>>(ctx, data, count, fn); break;
-    case 4: RunAllreduce<Bytes<4>>(ctx, data, count, fn); break;
-    case 8: RunAllreduce<Bytes<8>>(ctx, data, count, fn); break;
-    default: throw std::runtime_error("unsupported element size");
-  }
+  BySize<AllreduceRun>(dtype, Channel(channel), data, count, fn);
+}
+
+void GlooBackend::LocalReduce(int channel, void* data, size_t count, DataType dtype,
+                              ReduceFn fn) {
+  if (count == 0) return;
+  BySize<ReduceRun>(dtype, local_.at(static_cast<size_t>(channel)), data, count, fn);
+}
+
+void GlooBackend::LocalBroadcast(int channel, void* data, size_t bytes) {
+  if (bytes == 0) return;
+  gloo::BroadcastOptions opts(local_.at(static_cast<size_t>(channel)));
+  opts.setOutput(static_cast<uint8_t*>(data), bytes);
+  opts.setRoot(0);
+  opts.setTag(6);
+  gloo::broadcast(opts);
+}
+
+void GlooBackend::CrossAllreduce(int channel, void* data, size_t count, DataType dtype,
+                                 ReduceFn fn) {
+  if (count == 0) return;
+  BySize<AllreduceRun>(dtype, cross_.at(static_cast<size_t>(channel)), data, count, fn);
 }
 
 void GlooBackend::Broadcast(int channel, void* data, size_t bytes, int root) {

@@ -34,6 +34,16 @@ struct GlooBackendOptions {
   std::string iface;      // PERSEUS_GLOO_NETWORK_INTERFACE; wins over host_addr
   std::chrono::milliseconds timeout{60000};
   std::string key_prefix;  // unique per job and per runtime generation
+  // Two-level topology (world only): ranks are placed host by host, so rank
+  // = cross_rank * local_size + local_rank. With `hierarchy` set and several
+  // hosts of several ranks each, every stream also gets a context among the
+  // ranks of its host ("local"), and each host's leader (local rank 0) one
+  // among the leaders ("cross").
+  int local_rank = 0;
+  int local_size = 1;
+  int cross_rank = 0;
+  int cross_size = 1;
+  bool hierarchy = false;
 };
 
 class GlooBackend {
@@ -63,14 +73,25 @@ class GlooBackend {
   void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,
                  void* out, const std::vector<int64_t>& recv_bytes);
 
+  // Two-level collectives (only when hierarchical() is true). Local rank 0
+  // of each host is its leader.
+  bool hierarchical() const { return !local_.empty(); }
+  bool is_local_leader() const { return options_.local_rank == 0; }
+  // Sums (with fn) the host's buffers into the leader's.
+  void LocalReduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn);
+  void LocalBroadcast(int channel, void* data, size_t bytes);
+  // Allreduce among the hosts' leaders (called on leaders only).
+  void CrossAllreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn);
+
  private:
   std::shared_ptr<gloo::Context> Connect(gloo::rendezvous::Store& store,
-                                         const std::string& name);
+                                         const std::string& name, int rank, int size);
   const std::shared_ptr<gloo::Context>& Channel(int channel);
 
   GlooBackendOptions options_;
   std::shared_ptr<gloo::Context> control_;
   std::vector<std::shared_ptr<gloo::Context>> streams_;
+  std::vector<std::shared_ptr<gloo::Context>> local_, cross_;  // per stream
   std::shared_ptr<gloo::Context> raw_;
 };
 

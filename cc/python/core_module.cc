@@ -250,6 +250,7 @@ py::dict StatsDict(int process_set) {
   d["slow_ranks"] = st.slow_ranks;
   d["plan_exits"] = st.plan_exits;
   d["offline_steps"] = st.offline_steps;
+  d["hierarchical"] = st.hierarchical;
   auto stream_dict = [](const StreamStats& s) {
     py::dict sd;
     sd["responses"] = s.responses;
@@ -299,6 +300,17 @@ PYBIND11_MODULE(_core, m) {
     if (o.contains("nancheck")) opts.nancheck = o["nancheck"].cast<bool>();
     if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();
     if (o.contains("perf_check_n_steps")) opts.perf_check_n_steps = o["perf_check_n_steps"].cast<int>();
+    if (o.contains("allreduce_mode")) opts.allreduce_mode = o["allreduce_mode"].cast<int>();
+    if (o.contains("topk_ratio")) opts.topk_ratio = o["topk_ratio"].cast<double>();
+    if (o.contains("topk_threshold_bytes")) {
+      opts.topk_threshold_bytes = o["topk_threshold_bytes"].cast<int64_t>();
+    }
+    if (o.contains("topk_fp16")) opts.topk_fp16 = o["topk_fp16"].cast<bool>();
+    if (o.contains("topk_fallback")) opts.topk_fallback = o["topk_fallback"].cast<int>();
+    if (o.contains("downsample_n")) opts.downsample_n = o["downsample_n"].cast<int>();
+    if (o.contains("gradient_momentum")) {
+      opts.gradient_momentum = o["gradient_momentum"].cast<double>();
+    }
     Status s;
     {
       py::gil_scoped_release release;

@@ -112,4 +112,15 @@ CycleMessage DecodeCycle(const char* data, size_t size) {
   return msg;
 }
 
+const char* CompressionName(int32_t code) {
+  switch (code) {
+    case kCompressNone: return "none";
+    case kCompressFp16: return "float16";
+    case kCompressMixed: return "mixed";
+    case kCompressTopk: return "top-k";
+    case kCompressDownsample: return "downsample";
+    default: return "unknown";
+  }
+}
+
 }  // namespace perseus

@@ -25,9 +25,17 @@ struct TensorMeta {
   double postscale = 1.0;
   std::vector<int64_t> splits;     // alltoall: rows sent to each rank
   int32_t group = 0;               // >0: size of the grouped call this request came in
-  int32_t compression = 0;         // allreduce of float32: 0 none, 1 float16 on the wire
+  int32_t compression = 0;         // allreduce of float32: a kCompress* code
   int32_t flags = 0;               // kMetaNonFinite: the input held NaN/Inf (nancheck)
 };
+
+// How a float32 sum or average travels (TensorMeta::compression).
+constexpr int32_t kCompressNone = 0;
+constexpr int32_t kCompressFp16 = 1;        // float16 times the gradient scale
+constexpr int32_t kCompressMixed = 2;       // float32 inside a host, float16 across hosts
+constexpr int32_t kCompressTopk = 3;        // top-k with error feedback (gradients only)
+constexpr int32_t kCompressDownsample = 4;  // 1/N of the elements per step, rotating
+const char* CompressionName(int32_t code);
 
 constexpr int32_t kMetaNonFinite = 1;
 // The request may run from an offline plan (a training step's gradients).

@@ -184,7 +184,7 @@ Status Negotiator::Validate(const std::string& name, const Entry& e) const {
   if (op == OpType::kAllreduce &&
       !AllSame(m, [](const TensorMeta& t) { return t.compression; })) {
     return fail("compression", Column(m, [](const TensorMeta& t) {
-                  return std::string(t.compression ? "float16" : "none");
+                  return std::string(CompressionName(t.compression));
                 }));
   }
   {
@@ -409,8 +409,9 @@ std::vector<Response> Negotiator::Fuse(std::vector<Response> ready) const {
   std::map<std::tuple<int, int, double, double, int>, size_t> open;  // key -> index in out
   std::vector<int64_t> bucket_bytes;
   for (Response& r : ready) {
-    bool fusable = r.op == OpType::kAllreduce && r.error.ok() &&
-                   fusion_threshold_ > 0;
+    // Top-k runs tensor by tensor (each has its own selection).
+    bool fusable = r.op == OpType::kAllreduce && r.error.ok() && fusion_threshold_ > 0 &&
+                   r.metas[0].compression != kCompressTopk;
     if (!fusable) {
       out.push_back(std::move(r));
       bucket_bytes.push_back(0);

@@ -1,6 +1,7 @@
 #include "cc/runtime/runtime.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -164,6 +165,13 @@ Status Runtime::Init(const InitOptions& options) {
   const std::string group =
       options.process_set_id ? "/ps" + std::to_string(options.process_set_id) : "";
   bo.key_prefix = options.job_id + group + "/gen" + std::to_string(generation_);
+  bo.local_rank = options.local_rank;
+  bo.local_size = options.local_size;
+  bo.cross_rank = options.cross_rank;
+  bo.cross_size = options.cross_size;
+  // Two-level contexts for the world when the job spans hosts: hierarchical
+  // allreduce, and mixed compression (which needs to know what crosses hosts).
+  bo.hierarchy = options.process_set_id == 0;
   try {
     if (options.size > 1) {
       auto wait = std::max(bo.timeout, std::chrono::milliseconds(300000));
@@ -197,6 +205,11 @@ Status Runtime::Init(const InitOptions& options) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_ = Stats();
     stats_.streams.resize(options.streams + 1);
+    stats_.hierarchical = backend_->hierarchical() && options.allreduce_mode != 0;
+  }
+  {
+    std::lock_guard<std::mutex> lock(sparse_mu_);
+    sparse_.clear();
   }
   dispatched_ = 0;
   streams_.clear();
@@ -292,9 +305,19 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
   if (m.op != OpType::kAllreduce || m.dtype != DataType::kFloat32 ||
       (m.reduce_op != ReduceOp::kSum && m.reduce_op != ReduceOp::kAverage)) {
     request->meta.compression = 0;
-  } else if (m.compression < 0 || m.compression > 1) {
-    return invalid("compression must be 0 (none) or 1 (float16), got " +
-                   std::to_string(m.compression));
+  } else if (m.compression < kCompressNone || m.compression > kCompressDownsample) {
+    return invalid("compression must be from 0 to 4 (none, float16, mixed, top-k, "
+                   "downsample), got " + std::to_string(m.compression));
+  } else if (m.compression == kCompressTopk) {
+    if (NumElements(m.shape) * 4 < options_.topk_threshold_bytes) {
+      request->meta.compression = options_.topk_fallback;  // too small to sparsify
+    } else {
+      // Its residual changes with every run, so it is never voted down and
+      // re-run: top-k tensors are negotiated online, step by step.
+      request->meta.flags &= ~kMetaPlannable;
+    }
+  } else if (m.compression == kCompressDownsample && options_.downsample_n <= 1) {
+    request->meta.compression = kCompressNone;
   }
   if (m.op == OpType::kBroadcast && (m.root < 0 || m.root >= size)) {
     return invalid("root_rank " + std::to_string(m.root) + " is out of range: valid ranks are 0 to " +
@@ -892,9 +915,7 @@ void Runtime::RunOnStream(int index, Response& response,
     ++st.responses;
     st.tensors += static_cast<int64_t>(response.names.size());
     for (const TensorMeta& m : response.metas) {
-      // Payload as sent: compressed float32 travels as 2-byte float16.
-      st.bytes += NumElements(m.shape) *
-                  static_cast<int64_t>(m.compression ? 2 : DataTypeSize(m.dtype));
+      st.bytes += PayloadBytes(m);
     }
     st.busy_seconds += secs;
   }
@@ -999,57 +1020,265 @@ std::vector<double> ReadPerf(const char* at, DataType dtype, const Response& r) 
 bool Runtime::ExecuteAllreduce(int stream, const Response& r,
                                std::vector<std::shared_ptr<Request>>& requests) {
   const TensorMeta& m0 = r.metas[0];
-  if (m0.compression == 1) return ExecuteCompressedAllreduce(stream, r, requests);
+  if (m0.compression == kCompressFp16) return ExecuteCompressedAllreduce(stream, r, requests);
+  if (m0.compression == kCompressTopk) return ExecuteTopk(stream, r, *requests[0]);
   const DataType dtype = m0.dtype;
   const size_t esize = DataTypeSize(dtype);
   ReduceFn fn = GetReduceFn(dtype, m0.reduce_op);
   const double post =
       m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
   const bool carrier = r.carrier_vote >= 0;
-  if (requests.size() == 1 && !carrier) {
+  const bool mixed = m0.compression == kCompressMixed;
+  const bool down = m0.compression == kCompressDownsample;
+  if (requests.size() == 1 && !carrier && !down) {
     Request& q = *requests[0];
     size_t n = static_cast<size_t>(NumElements(q.meta.shape));
     if (q.output != q.input && n) std::memcpy(q.output, q.input, n * esize);
     ScaleBuffer(q.output, dtype, n, m0.prescale);
-    TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce", "communication");
-    backend_->Allreduce(stream, q.output, n, dtype, fn);
+    AllreduceBuffer(stream, q.output, n, dtype, fn, mixed ? n : 0);
     ScaleBuffer(q.output, dtype, n, post);
     return true;
   }
-  // Fused bucket: pack, reduce once, unpack.
+  // Fused bucket: pack, reduce once, unpack. Downsampling packs only this
+  // step's elements of each tensor (every N-th, from a rotating phase), with
+  // the residual of the steps that did not send them.
+  const size_t N = down ? static_cast<size_t>(options_.downsample_n) : 1;
+  const float momentum = static_cast<float>(options_.gradient_momentum);
+  std::vector<SparseState*> states;
+  std::vector<size_t> phases;
+  auto sent_count = [N](size_t n, size_t phase) { return n > phase ? (n - phase + N - 1) / N : 0; };
   size_t total = 0;
-  for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
+  for (auto& q : requests) {
+    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+    if (down) {
+      states.push_back(&SparseFor(q->meta));
+      phases.push_back(static_cast<size_t>(states.back()->steps % static_cast<int64_t>(N)));
+      n = sent_count(n, phases.back());
+    }
+    total += n;
+  }
   std::vector<char>& buf = streams_[stream]->fusion_buffer;
   const size_t slots = total + (carrier ? 1 + r.perf_slots : 0);
   if (buf.size() < slots * esize) buf.resize(slots * esize);
   size_t offset = 0;
   {
-    TimelineSpan pack(timeline_, 1 + stream, "pack", "memory");
-    for (auto& q : requests) {
-      size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
+    TimelineSpan pack(timeline_, 1 + stream, down ? "downsample pack" : "pack", "memory");
+    for (size_t i = 0; i < requests.size(); ++i) {
+      auto& q = requests[i];
+      size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+      if (down) {
+        const float* in = static_cast<const float*>(q->input);
+        const float* res = states[i]->residual.data();
+        float* out = reinterpret_cast<float*>(buf.data()) + offset / esize;
+        const float pre = static_cast<float>(m0.prescale);
+        size_t j = 0;
+        for (size_t e = phases[i]; e < n; e += N) out[j++] = in[e] * pre + momentum * res[e];
+        offset += j * esize;
+        continue;
+      }
+      size_t bytes = n * esize;
       if (bytes) std::memcpy(buf.data() + offset, q->input, bytes);
       offset += bytes;
     }
-    ScaleBuffer(buf.data(), dtype, total, m0.prescale);
+    if (!down) ScaleBuffer(buf.data(), dtype, total, m0.prescale);
   }
   if (carrier) WriteExtras(buf.data() + total * esize, dtype, r, options_.rank);
-  {
-    TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce", "communication");
-    backend_->Allreduce(stream, buf.data(), slots, dtype, fn);
-  }
+  AllreduceBuffer(stream, buf.data(), slots, dtype, fn, mixed ? total : 0);
   if (carrier && r.perf_slots) PerfCheckStep(ReadPerf(buf.data() + total * esize, dtype, r));
   if (carrier && !PlanBucketFinished(static_cast<int64_t>(
                                          ReadValue(buf.data() + total * esize, dtype) + 0.5),
                                      requests, r)) {
-    return false;  // voted down: outputs untouched, requests back to pending
+    return false;  // voted down: outputs and residuals untouched, requests back to pending
   }
   ScaleBuffer(buf.data(), dtype, total, post);
   offset = 0;
-  for (auto& q : requests) {
-    size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto& q = requests[i];
+    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+    if (down) {
+      // Everything not sent this step stays in the residual (decayed by the
+      // momentum); what was sent leaves it. Unsent outputs are zero.
+      const float* in = static_cast<const float*>(q->input);
+      float* out = static_cast<float*>(q->output);
+      float* res = states[i]->residual.data();
+      const float pre = static_cast<float>(m0.prescale);
+      for (size_t e = 0; e < n; ++e) res[e] = in[e] * pre + momentum * res[e];
+      if (n) std::memset(out, 0, n * sizeof(float));
+      const float* got = reinterpret_cast<const float*>(buf.data()) + offset / esize;
+      size_t j = 0;
+      for (size_t e = phases[i]; e < n; e += N) {
+        out[e] = got[j++];
+        res[e] = 0;
+      }
+      offset += j * esize;
+      ++states[i]->steps;
+      continue;
+    }
+    size_t bytes = n * esize;
     if (bytes) std::memcpy(q->output, buf.data() + offset, bytes);
     offset += bytes;
   }
+  return true;
+}
+
+Runtime::SparseState& Runtime::SparseFor(const TensorMeta& m) {
+  std::lock_guard<std::mutex> lock(sparse_mu_);
+  SparseState& st = sparse_[m.name];
+  const size_t n = static_cast<size_t>(NumElements(m.shape));
+  if (st.residual.size() != n) {  // first use, or the tensor changed shape
+    st.residual.assign(n, 0.0f);
+    st.steps = 0;
+  }
+  return st;
+}
+
+void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
+                              size_t half_across) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  // Chosen automatically: two levels for buckets large enough that bandwidth,
+  // not the extra latency of three steps, decides.
+  const bool two_level =
+      backend_ && backend_->hierarchical() &&
+      (half_across > 0 || options_.allreduce_mode == 1 ||
+       (options_.allreduce_mode < 0 && bytes >= (256u << 10)));
+  if (!two_level) {
+    TimelineSpan ring(timeline_, 1 + stream,
+                      dtype == DataType::kFloat16 ? "gloo allreduce (fp16)" : "gloo allreduce",
+                      "communication");
+    backend_->Allreduce(stream, buf, count, dtype, fn);
+    return;
+  }
+  {
+    TimelineSpan span(timeline_, 1 + stream, "host reduce", "communication");
+    backend_->LocalReduce(stream, buf, count, dtype, fn);
+  }
+  if (backend_->is_local_leader()) {
+    if (half_across > 0) {
+      std::vector<uint16_t>& half = streams_[stream]->half_buffer;
+      if (half.size() < count) half.resize(count);
+      float* f = static_cast<float*>(buf);
+      const float scale = static_cast<float>(options_.gradient_scale);
+      {
+        TimelineSpan pack(timeline_, 1 + stream, "fp16 compress", "compression");
+        FloatToHalfScaled(f, half.data(), half_across, scale);
+        FloatToHalfScaled(f + half_across, half.data() + half_across, count - half_across, 1.0f);
+      }
+      {
+        TimelineSpan ring(timeline_, 1 + stream, "cross-host allreduce (fp16)", "communication");
+        backend_->CrossAllreduce(stream, half.data(), count, DataType::kFloat16,
+                                 GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+      }
+      TimelineSpan unpack(timeline_, 1 + stream, "fp16 decompress", "compression");
+      HalfToFloatScaled(half.data(), f, half_across, 1.0f / scale);
+      HalfToFloatScaled(half.data() + half_across, f + half_across, count - half_across, 1.0f);
+    } else {
+      TimelineSpan ring(timeline_, 1 + stream, "cross-host allreduce", "communication");
+      backend_->CrossAllreduce(stream, buf, count, dtype, fn);
+    }
+  }
+  TimelineSpan span(timeline_, 1 + stream, "host broadcast", "communication");
+  backend_->LocalBroadcast(stream, buf, bytes);
+}
+
+int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
+  const int64_t n = NumElements(m.shape);
+  switch (m.compression) {
+    case kCompressFp16:
+      return 2 * n;
+    case kCompressMixed:  // what crosses hosts
+      return (backend_ && backend_->hierarchical() ? 2 : 4) * n;
+    case kCompressTopk: {
+      const int64_t k = std::max<int64_t>(
+          1, std::min<int64_t>(n, static_cast<int64_t>(std::ceil(options_.topk_ratio * n))));
+      return k * (4 + (options_.topk_fp16 ? 2 : 4));
+    }
+    case kCompressDownsample:
+      return 4 * ((n + options_.downsample_n - 1) / options_.downsample_n);
+    default:
+      return n * static_cast<int64_t>(DataTypeSize(m.dtype));
+  }
+}
+
+// Top-k with error feedback, one tensor: acc = gradient * prescale +
+// residual; this rank sends the k entries of acc largest in magnitude
+// (index, value; the value optionally float16 times the gradient scale),
+// keeps everything it did not send (including float16 rounding) as the next
+// residual, and sums what every rank sent into a dense output.
+bool Runtime::ExecuteTopk(int stream, const Response& r, Request& q) {
+  const TensorMeta& m = r.metas[0];
+  const size_t n = static_cast<size_t>(NumElements(m.shape));
+  const size_t k = static_cast<size_t>(PayloadBytes(m) / (4 + (options_.topk_fp16 ? 2 : 4)));
+  SparseState& st = SparseFor(m);
+  Stream& s = *streams_[stream];
+  std::vector<float>& acc = s.scratch;
+  std::vector<int32_t>& idx = s.index;
+  acc.resize(n);
+  idx.resize(n);
+  const float pre = static_cast<float>(m.prescale);
+  const float* in = static_cast<const float*>(q.input);
+  const bool half = options_.topk_fp16;
+  const float scale = static_cast<float>(options_.gradient_scale);
+  const size_t value_bytes = half ? 2 : 4;
+  const size_t record = k * (4 + value_bytes);
+  std::vector<char> send(record);
+  {
+    TimelineSpan span(timeline_, 1 + stream, "top-k select", "compression");
+    float* res = st.residual.data();
+    for (size_t e = 0; e < n; ++e) {
+      acc[e] = in[e] * pre + res[e];
+      idx[e] = static_cast<int32_t>(e);
+    }
+    std::nth_element(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k - 1), idx.end(),
+                     [&acc](int32_t a, int32_t b) {
+                       const float fa = std::fabs(acc[a]), fb = std::fabs(acc[b]);
+                       return fa > fb || (fa == fb && a < b);
+                     });
+    std::sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k));
+    std::memcpy(res, acc.data(), n * sizeof(float));
+    int32_t* send_idx = reinterpret_cast<int32_t*>(send.data());
+    char* values = send.data() + k * 4;
+    for (size_t j = 0; j < k; ++j) {
+      const int32_t e = idx[j];
+      send_idx[j] = e;
+      float sent = acc[e];
+      if (half) {
+        uint16_t h;
+        FloatToHalfScaled(&acc[e], &h, 1, scale);
+        HalfToFloatScaled(&h, &sent, 1, 1.0f / scale);
+        std::memcpy(values + 2 * j, &h, 2);
+      } else {
+        std::memcpy(values + 4 * j, &sent, 4);
+      }
+      res[e] = acc[e] - sent;
+    }
+  }
+  std::vector<char> all(record * static_cast<size_t>(options_.size));
+  {
+    TimelineSpan ring(timeline_, 1 + stream, "gloo allgather (top-k)", "communication");
+    backend_->Allgatherv(stream, send.data(), all.data(),
+                         std::vector<size_t>(static_cast<size_t>(options_.size), record));
+  }
+  const double post =
+      m.postscale * (m.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+  float* out = static_cast<float*>(q.output);
+  if (n) std::memset(out, 0, n * sizeof(float));
+  for (int rank = 0; rank < options_.size; ++rank) {
+    const char* at = all.data() + record * static_cast<size_t>(rank);
+    const int32_t* got_idx = reinterpret_cast<const int32_t*>(at);
+    const char* values = at + k * 4;
+    for (size_t j = 0; j < k; ++j) {
+      float v;
+      if (half) {
+        uint16_t h;
+        std::memcpy(&h, values + 2 * j, 2);
+        HalfToFloatScaled(&h, &v, 1, 1.0f / scale);
+      } else {
+        std::memcpy(&v, values + 4 * j, 4);
+      }
+      out[got_idx[j]] += v;
+    }
+  }
+  ScaleBuffer(out, DataType::kFloat32, n, post);
   return true;
 }
 
@@ -1081,9 +1310,8 @@ bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
     WriteExtras(reinterpret_cast<char*>(half.data() + total), DataType::kFloat16, r, options_.rank);
   }
   {
-    TimelineSpan ring(timeline_, 1 + stream, "gloo allreduce (fp16)", "communication");
-    backend_->Allreduce(stream, half.data(), total + extras, DataType::kFloat16,
-                        GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+    AllreduceBuffer(stream, half.data(), total + extras, DataType::kFloat16,
+                    GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
   }
   const char* extra_at = reinterpret_cast<const char*>(half.data() + total);
   if (carrier && r.perf_slots) PerfCheckStep(ReadPerf(extra_at, DataType::kFloat16, r));

@@ -25,6 +25,7 @@
 #include "cc/runtime/common.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
+#include "cc/runtime/reduce.h"
 #include "cc/runtime/timeline.h"
 
 namespace perseus {
@@ -57,6 +58,20 @@ struct InitOptions {
   bool nancheck = false;  // reject reductions whose input holds NaN/Inf
   std::string timeline_path;  // PERSEUS_TIMELINE (this rank's file); empty: off
   int perf_check_n_steps = 0;  // report slow ranks every N offline steps (0: off)
+  // PERSEUS_ALLREDUCE_MODE: 0 flat ring, 1 hierarchical (reduce in the host,
+  // allreduce among hosts' leaders, broadcast in the host), -1 choose.
+  // Hierarchy needs several hosts of several ranks each (launcher topology).
+  int allreduce_mode = -1;
+  // Top-k (kCompressTopk): each rank sends its ceil(ratio * n) largest
+  // |gradient + residual| elements; tensors under threshold bytes use
+  // `topk_fallback` (the PERSEUS_ALLREDUCE_DTYPE code) instead.
+  double topk_ratio = 0.01;
+  int64_t topk_threshold_bytes = 1 << 20;
+  bool topk_fp16 = false;
+  int topk_fallback = 0;
+  // Downsampling (kCompressDownsample): 1/N of each tensor per step.
+  int downsample_n = 1;
+  double gradient_momentum = 1.0;
   // A process set (sub-group) runtime: its id and the world ranks of its
   // members, in order (this process is member `rank`). Empty: the world.
   int process_set_id = 0;
@@ -89,6 +104,7 @@ struct StreamStats {
 struct Stats {
   int64_t perf_reports = 0;      // slow-rank checks made (PERSEUS_PERF_CHECK_N_STEPS)
   std::vector<int> slow_ranks;   // flagged by the latest check (world ranks)
+  bool hierarchical = false;  // two-level allreduce is available (and not turned off)
   int64_t plans = 0;          // offline plans entered
   int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
   int64_t offline_steps = 0;  // steps run from a plan, without control messages
@@ -175,6 +191,15 @@ class Runtime {
                         std::vector<std::shared_ptr<Request>>& requests);
   bool ExecuteCompressedAllreduce(int stream, const Response& r,
                                   std::vector<std::shared_ptr<Request>>& requests);
+  bool ExecuteTopk(int stream, const Response& r, Request& req);
+  // Allreduces count elements of buf on the stream: the flat ring, or in two
+  // levels when the topology has hosts. half_across > 0 (mixed compression,
+  // float32 only): between hosts, the first half_across elements travel as
+  // float16 times the gradient scale and the rest as plain float16.
+  void AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
+                       size_t half_across = 0);
+  // Bytes one rank puts on the wire for a tensor (statistics).
+  int64_t PayloadBytes(const TensorMeta& m) const;
   void ExecuteAllgather(int stream, const Response& r, Request& req);
   void ExecuteAlltoall(int stream, const Response& r, Request& req);
   void ExecuteReducescatter(int stream, const Response& r, Request& req);
@@ -233,6 +258,8 @@ class Runtime {
     bool busy = false;  // a response of this stream is running (here or inline)
     std::vector<char> fusion_buffer;
     std::vector<uint16_t> half_buffer;  // compressed buckets
+    std::vector<float> scratch;         // top-k accumulation
+    std::vector<int32_t> index;         // top-k selection
     StreamStats stats;
   };
   std::vector<std::unique_ptr<Stream>> streams_;
@@ -241,6 +268,15 @@ class Runtime {
   Stats stats_;
   Timeline timeline_;
   std::mutex raw_mu_;
+
+  // Per-tensor state of top-k and downsampling (keyed by tensor name).
+  struct SparseState {
+    std::vector<float> residual;
+    int64_t steps = 0;
+  };
+  std::mutex sparse_mu_;
+  std::unordered_map<std::string, SparseState> sparse_;
+  SparseState& SparseFor(const TensorMeta& m);
 };
 
 }  // namespace perseus

@@ -162,17 +162,18 @@ def _native_compression(compression):
 
     Horovod's semantics come first: with `Compression.none` gradients are
     exact, as a Horovod script expects. Only when the user sets
-    PERSEUS_ALLREDUCE_DTYPE explicitly (0: float16 with the gradient scale;
-    2: float16 when the job spans hosts) do float32 gradients travel
-    compressed by the runtime.
+    PERSEUS_ALLREDUCE_DTYPE (0: float16 with the gradient scale; 2: float16
+    between hosts), PERSEUS_TOPK_ALLREDUCE or PERSEUS_DOWNSAMPLE_N_ELEMENTS
+    explicitly do float32 gradients travel compressed by the runtime.
     """
     import os
 
     from perseus_tf import _native
 
-    if compression is not Compression.none or "PERSEUS_ALLREDUCE_DTYPE" not in os.environ:
+    chosen = ("PERSEUS_ALLREDUCE_DTYPE", "PERSEUS_TOPK_ALLREDUCE", "PERSEUS_DOWNSAMPLE_N_ELEMENTS")
+    if compression is not Compression.none or not any(v in os.environ for v in chosen):
         return "none"
-    return "fp16" if _native.gradient_compression() else "none"
+    return _native.gradient_compression()
 
 
 class LocalAccumulator:
