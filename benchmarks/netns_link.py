@@ -9,8 +9,8 @@ several settings, one job each, in this one invocation. Ranks on one host
 talk over its loopback (not shaped); only traffic between hosts crosses the
 shaped link, as between two machines.
 
-Prints per setting the time per step (rank 0's median), the payload each rank
-put on the wire, and the speed-up against the uncompressed flat ring, with
+Prints per setting the time per step (rank 0's median), the payload of one
+rank's collectives per step (float16 halves it; for mixed, what crosses hosts), and the speed-up against the uncompressed flat ring, with
 the targets of issue 5:
   fp16 >= 1.7x, hierarchical >= 1.4x, top-k (1%) >= 5x faster than none/flat.
 
@@ -116,18 +116,18 @@ def main():
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per job")
     parser.add_argument("--only", default=None,
-                        help="comma-separated setting names to run (the baseline always runs)")
+                        help="setting names to run, separated by ';' (the baseline always runs)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("netns_link.py needs root (network namespaces, veth, tc)")
     chosen = SETTINGS if not args.only else [
-        s for s in SETTINGS if s[0] == SETTINGS[0][0] or s[0] in args.only.split(",")]
+        s for s in SETTINGS if s[0] == SETTINGS[0][0] or s[0] in args.only.split(";")]
     setup(args.rate)
     try:
         print(f"# {args.profile}: 2 hosts (network namespaces) x {args.ranks_per_host} ranks, "
               f"joined by a veth pair shaped to {args.rate} each way; one job per setting, "
               f"{args.iters} timed steps each; ms = rank 0's median step time")
-        print(f"{'setting':<22} {'ms/step':>10} {'min-max ms':>19} {'wire MB/rank':>13} "
+        print(f"{'setting':<22} {'ms/step':>10} {'min-max ms':>19} {'payload MB':>13} "
               f"{'speed-up':>9}  target")
         base = None
         for name, env, target in chosen:
@@ -138,7 +138,8 @@ def main():
             verdict = "" if target is None else \
                 f">= {target:g}x: {'PASS' if speedup >= target else 'FAIL'}"
             wire = float(row["data_bytes_per_step"]) / 1e6
-            print(f"{name:<22} {ms:>10.1f} {row['ours_min_ms'] + '-' + row['ours_max_ms']:>19} "
+            spread = f"{float(row['ours_min_ms']):.0f}-{float(row['ours_max_ms']):.0f}"
+            print(f"{name:<22} {ms:>10.1f} {spread:>19} "
                   f"{wire:>13.1f} {speedup:>8.2f}x  {verdict}", flush=True)
     finally:
         teardown()

@@ -1209,11 +1209,7 @@ bool Runtime::ExecuteTopk(int stream, const Response& r, Request& q) {
   const size_t n = static_cast<size_t>(NumElements(m.shape));
   const size_t k = static_cast<size_t>(PayloadBytes(m) / (4 + (options_.topk_fp16 ? 2 : 4)));
   SparseState& st = SparseFor(m);
-  Stream& s = *streams_[stream];
-  std::vector<float>& acc = s.scratch;
-  std::vector<int32_t>& idx = s.index;
-  acc.resize(n);
-  idx.resize(n);
+  std::vector<int32_t>& idx = streams_[stream]->index;
   const float pre = static_cast<float>(m.prescale);
   const float* in = static_cast<const float*>(q.input);
   const bool half = options_.topk_fp16;
@@ -1223,18 +1219,41 @@ bool Runtime::ExecuteTopk(int stream, const Response& r, Request& q) {
   std::vector<char> send(record);
   {
     TimelineSpan span(timeline_, 1 + stream, "top-k select", "compression");
-    float* res = st.residual.data();
-    for (size_t e = 0; e < n; ++e) {
-      acc[e] = in[e] * pre + res[e];
-      idx[e] = static_cast<int32_t>(e);
+    // The residual becomes acc in place; what is sent leaves it below.
+    float* acc = st.residual.data();
+    for (size_t e = 0; e < n; ++e) acc[e] = in[e] * pre + acc[e];
+    // Candidates: elements at least as large as a threshold taken from an
+    // evenly spaced sample, set low enough that the candidates almost
+    // always hold k or more; the exact top k is then chosen among them
+    // (an element below the threshold can never beat k candidates). Too
+    // few candidates: retry with every element.
+    float threshold = 0.0f;
+    const size_t samples = std::min<size_t>(n, 16384);
+    if (k < n && samples >= 256) {
+      std::vector<float> sample(samples);
+      for (size_t j = 0; j < samples; ++j) sample[j] = std::fabs(acc[j * (n / samples)]);
+      const double want = static_cast<double>(k) / n * samples * 1.5 + 16;
+      const size_t at = std::min(samples - 1, static_cast<size_t>(want));
+      std::nth_element(sample.begin(), sample.begin() + static_cast<std::ptrdiff_t>(at),
+                       sample.end(), std::greater<float>());
+      threshold = sample[at];
     }
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      idx.clear();
+      for (size_t e = 0; e < n; ++e) {
+        if (std::fabs(acc[e]) >= threshold) idx.push_back(static_cast<int32_t>(e));
+      }
+      if (idx.size() >= k) break;
+      threshold = 0.0f;  // |x| >= 0 holds for every element but NaN
+    }
+    if (idx.size() < k) throw std::runtime_error("top-k: tensor holds NaN");
+    // Largest magnitude first; ties to the lower index (the numpy model's order).
     std::nth_element(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k - 1), idx.end(),
-                     [&acc](int32_t a, int32_t b) {
+                     [acc](int32_t a, int32_t b) {
                        const float fa = std::fabs(acc[a]), fb = std::fabs(acc[b]);
                        return fa > fb || (fa == fb && a < b);
                      });
     std::sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k));
-    std::memcpy(res, acc.data(), n * sizeof(float));
     int32_t* send_idx = reinterpret_cast<int32_t*>(send.data());
     char* values = send.data() + k * 4;
     for (size_t j = 0; j < k; ++j) {
@@ -1249,7 +1268,7 @@ bool Runtime::ExecuteTopk(int stream, const Response& r, Request& q) {
       } else {
         std::memcpy(values + 4 * j, &sent, 4);
       }
-      res[e] = acc[e] - sent;
+      acc[e] -= sent;
     }
   }
   std::vector<char> all(record * static_cast<size_t>(options_.size));

@@ -258,8 +258,7 @@ class Runtime {
     bool busy = false;  // a response of this stream is running (here or inline)
     std::vector<char> fusion_buffer;
     std::vector<uint16_t> half_buffer;  // compressed buckets
-    std::vector<float> scratch;         // top-k accumulation
-    std::vector<int32_t> index;         // top-k selection
+    std::vector<int32_t> index;         // top-k candidates
     StreamStats stats;
   };
   std::vector<std::unique_ptr<Stream>> streams_;
