@@ -27,6 +27,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the initial weights (rank 0's are broadcast)")
     args = parser.parse_args()
@@ -46,7 +47,7 @@ def main():
             keras.layers.Dense(128, activation="relu"),
             keras.layers.Dense(10),
         ])
-        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        model.compile(optimizer=keras.optimizers.SGD(args.lr, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
 
@@ -61,7 +62,8 @@ def main():
               callbacks=[PrintOnRankZero()])
     stats = perseus_tf.stats()
     if perseus_tf.rank() == 0:
-        sent = sum(s["bytes"] for s in stats["streams"])
+        # The last stream carries online work while a plan runs offline.
+        sent = sum(s["bytes"] for s in stats["streams"] + [stats["online_stream"]])
         print(f"perseus: {stats['responses']} collectives, {sent / 2**20:.2f} MiB reduced "
               f"(PERSEUS_ALLREDUCE_DTYPE={perseus_tf._native.config().allreduce_dtype}: "
               "0 = float16 gradients)", flush=True)
