@@ -9,6 +9,15 @@ in `apply`'s update step, Keras 2 when it aggregates), and the reductions
 traced while an optimizer's `apply_gradients` runs are gradient reductions.
 The mark is a process-wide depth counter, not thread-local, because
 MirroredStrategy runs replica functions and merge calls in other threads.
+
+Local gradient accumulation (PERSEUS_ACCUMULATE_N_STEPS=N, PerseusStrategy's
+accumulate_n_steps) lives here too. MirroredStrategy cannot put an
+optimizer's apply (a merge call) inside a tf.cond, so `apply_gradients`
+always runs, with the accumulated gradients divided by N; what is
+conditional is inside the merge call, in cross-replica context: the
+gradient all-reduce (PerseusCrossDeviceOps asks `pending_step()`) and the
+optimizer's variable updates run only on every N-th call, so ranks
+communicate once per N steps. The accumulators are local to each process.
 """
 
 import contextlib
@@ -35,15 +44,109 @@ def active():
     return _depth[0] > 0
 
 
+# The apply step's predicate while an accumulating apply_gradients runs (one
+# replica per process: one predicate at a time).
+_pending = [None]
+
+
+def pending_step():
+    """A boolean tensor (True on every N-th call) while an accumulating
+    optimizer applies gradients, else None."""
+    return _pending[0]
+
+
+def _accumulation_steps():
+    import tensorflow as tf
+
+    if tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy():
+        return 1
+    return getattr(tf.distribute.get_strategy(), "_accumulate_n_steps", 1)
+
+
+class _Accumulator:
+    """Per-optimizer local sums of gradients and a step counter."""
+
+    def __init__(self, variables):
+        import tensorflow as tf
+
+        def local(shape, dtype, name):
+            # A variable of this process alone (each replica its own copy).
+            with tf.init_scope():
+                return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
+                                   synchronization=tf.VariableSynchronization.ON_READ,
+                                   aggregation=tf.VariableAggregation.NONE)
+
+        self.sums = [local(v.shape, v.dtype, "perseus_grad_sum") for v in variables]
+        self.count = local([], tf.int64, "perseus_accumulated")
+        self.keys = [id(v) for v in variables]
+
+    def step(self, grads, n):
+        """Adds grads; returns (gradients to apply: sum / n, is_apply_step)."""
+        import tensorflow as tf
+
+        totals = [s.read_value() + tf.convert_to_tensor(g) for s, g in zip(self.sums, grads)]
+        count = self.count.assign_add(1, read_value=True)
+        is_step = tf.equal(count % n, 0)
+        for s, t in zip(self.sums, totals):
+            s.assign(tf.where(is_step, tf.zeros_like(t), t))
+        return [t / tf.cast(n, t.dtype) for t in totals], is_step
+
+
+def _accumulating_apply(self, original, n, grads_and_vars, args, kwargs):
+    import tensorflow as tf
+
+    grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+    variables = [v for _, v in grads_and_vars]
+    acc = getattr(self, "_perseus_accumulator", None)
+    if acc is None or acc.keys != [id(v) for v in variables]:
+        acc = _Accumulator(variables)
+        self._perseus_accumulator = acc
+    grads, is_step = acc.step([g for g, _ in grads_and_vars], n)
+    _pending[0] = is_step
+    try:
+        with gradient_reduction():
+            return original(self, list(zip(grads, variables)), *args, **kwargs)
+    finally:
+        _pending[0] = None
+
+
+def _wrap_update(cls, attr):
+    """Makes an optimizer's cross-replica update run only on apply steps."""
+    original = cls.__dict__.get(attr)
+    if original is None or getattr(original, "_perseus_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def update(self, distribution, *args, **kwargs):
+        import tensorflow as tf
+
+        pred = _pending[0]
+        if pred is None:
+            return original(self, distribution, *args, **kwargs)
+
+        def apply():
+            out = original(self, distribution, *args, **kwargs)
+            with tf.control_dependencies([] if out is None else [out]):
+                return tf.constant(True)
+
+        return tf.cond(pred, apply, lambda: tf.constant(False))
+
+    update._perseus_wrapped = True
+    setattr(cls, attr, update)
+
+
 def _wrap(cls):
     original = cls.__dict__.get("apply_gradients")
     if original is None or getattr(original, "_perseus_wrapped", False):
         return
 
     @functools.wraps(original)
-    def apply_gradients(self, *args, **kwargs):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        n = _accumulation_steps() if _pending[0] is None else 1
+        if n > 1:
+            return _accumulating_apply(self, original, n, grads_and_vars, args, kwargs)
         with gradient_reduction():
-            return original(self, *args, **kwargs)
+            return original(self, grads_and_vars, *args, **kwargs)
 
     apply_gradients._perseus_wrapped = True
     cls.apply_gradients = apply_gradients
@@ -77,4 +180,10 @@ def install():
     classes.append(tf.compat.v1.train.Optimizer)
     for cls in classes:
         _wrap(cls)
+        # Where Keras 3 (TF backend) and Keras 2 update variables in
+        # cross-replica context.
+        for attr in ("_distributed_tf_update_step", "_distributed_apply_gradients_fn"):
+            for base in cls.__mro__:
+                if attr in base.__dict__:
+                    _wrap_update(base, attr)
     _installed = True

@@ -72,12 +72,24 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
             reduced = list(locals_)
             gradients = _gradients.active()
             compression = _native.gradient_compression() if gradients else 0
+            # Accumulating gradients (PERSEUS_ACCUMULATE_N_STEPS): reduce only
+            # on apply steps; other steps' values are not used.
+            pending = _gradients.pending_step() if gradients else None
             for dtype, idx in by_dtype.items():
-                with tf.device("/cpu:0"):
-                    outs = perseus_ops.grouped_allreduce(
-                        [locals_[i] for i in idx], op=perseus_ops.Sum,
+                inputs = [locals_[i] for i in idx]
+
+                def reduce(inputs=inputs, dtype=dtype):
+                    return perseus_ops.grouped_allreduce(
+                        inputs, op=perseus_ops.Sum,
                         compression=compression if dtype == tf.float32 else 0,
                         gradients=gradients)
+
+                with tf.device("/cpu:0"):
+                    if pending is None:
+                        outs = reduce()
+                    else:
+                        outs = tf.cond(pending, reduce,
+                                       lambda inputs=inputs: [tf.identity(t) for t in inputs])
                 for i, o in zip(idx, outs):
                     reduced[i] = o
         else:

@@ -185,6 +185,15 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         _native.init(**options)
         extended = PerseusExtended(self, devices=devices, cross_device_ops=cross_device_ops)
         tf.distribute.Strategy.__init__(self, extended)
+        from perseus_tf import config
+        # Local gradient accumulation: this instance's setting (the
+        # environment's, or the accumulate_n_steps option).
+        self._accumulate_n_steps = config.load_config(options).accumulate_n_steps
+        if self._accumulate_n_steps > 1 and len(extended._devices) > 1:
+            raise ValueError(
+                f"accumulate_n_steps={self._accumulate_n_steps} (PERSEUS_ACCUMULATE_N_STEPS) "
+                f"needs one device per process; this strategy drives {len(extended._devices)} "
+                "(use devices=None, or accumulate_n_steps=1)")
         _keras_mixed.install()
         _gradients.install()
         if perseus_ops.size() > 1:

@@ -350,3 +350,53 @@ def check_backup_and_restore_resumes_on_every_rank():
     assert history.epoch == [1, 2], history.epoch  # epoch 0 was not run again
     same_on_all_ranks([w.numpy() for w in resumed.weights])
     assert any(not np.allclose(a, b) for a, b in zip(after_one, resumed.weights))
+
+
+def check_accumulation_equals_a_larger_batch():
+    """accumulate_n_steps=2 (PERSEUS_ACCUMULATE_N_STEPS) at global batch 8
+    equals single-process training at batch 16 (SGD with momentum, so a
+    skipped or extra update would show), in fit and in a custom loop, and
+    gradients cross processes on every second step only."""
+    strategy = ptf.PerseusStrategy(accumulate_n_steps=2)
+    momentum = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    data = lambda batch: tf.data.Dataset.from_tensor_slices((X, Y)).batch(batch)  # noqa: E731
+    with strategy.scope():
+        model = make_model(seed=R)
+        model.compile(optimizer=momentum(), loss="mse")
+        loop_model = make_model(seed=R)
+        loop_opt = momentum()
+    start = [w.numpy() for w in model.weights]
+    loop_start = [w.numpy() for w in loop_model.weights]
+    before = _native.stats()
+    model.fit(data(8), epochs=2, verbose=0)
+    after = _native.stats()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_sum((loop_model(x) - y) ** 2, axis=1)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=8)
+        grads = tape.gradient(loss, loop_model.trainable_variables)
+        loop_opt.apply_gradients(zip(grads, loop_model.trainable_variables))
+
+    @tf.function
+    def train_step(x, y):
+        strategy.run(step, args=(x, y))
+
+    for x, y in strategy.experimental_distribute_dataset(data(8)):
+        train_step(x, y)
+    same_on_all_ranks([w.numpy() for w in model.weights + loop_model.weights])
+    for what, trained, initial, epochs in (("fit", model, start, 2),
+                                           ("custom loop", loop_model, loop_start, 1)):
+        ref = make_model(seed=0)
+        ref.compile(optimizer=momentum(), loss="mse")
+        for v, s in zip(ref.weights, initial):
+            v.assign(s)
+        ref.fit(data(16), epochs=epochs, verbose=0, shuffle=False)
+        for a, b in zip(trained.weights, ref.weights):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5, err_msg=what)
+    # 24 steps of fit, 12 gradient reductions: 12 x 65 float32 gradients
+    # (plus metrics, which stay per step).
+    data_bytes = sum(s["bytes"] for s in after["streams"] + [after["online_stream"]]) - sum(
+        s["bytes"] for s in before["streams"] + [before["online_stream"]])
+    grads_every_step = 24 * 65 * 4
+    assert data_bytes < grads_every_step, data_bytes
