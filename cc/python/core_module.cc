@@ -301,6 +301,9 @@ PYBIND11_MODULE(_core, m) {
     if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();
     if (o.contains("perf_check_n_steps")) opts.perf_check_n_steps = o["perf_check_n_steps"].cast<int>();
     if (o.contains("allreduce_mode")) opts.allreduce_mode = o["allreduce_mode"].cast<int>();
+    if (o.contains("fusion_granularity")) {
+      opts.fusion_granularity = o["fusion_granularity"].cast<int>();
+    }
     if (o.contains("topk_ratio")) opts.topk_ratio = o["topk_ratio"].cast<double>();
     if (o.contains("topk_threshold_bytes")) {
       opts.topk_threshold_bytes = o["topk_threshold_bytes"].cast<int64_t>();

@@ -56,10 +56,12 @@ std::vector<int64_t> TrailingDims(const TensorMeta& m) {
 
 }  // namespace
 
-Negotiator::Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int> world_ranks)
+Negotiator::Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int> world_ranks,
+                       std::function<int64_t(int64_t)> plan_bucket_bytes)
     : size_(size),
       world_(std::move(world_ranks)),
       fusion_threshold_(fusion_threshold_bytes),
+      plan_bucket_bytes_(std::move(plan_bucket_bytes)),
       joined_(size, false),
       join_cycle_(size, 0) {
   if (world_.empty()) {
@@ -353,7 +355,12 @@ Plan Negotiator::TakePlan() {
     r.metas.push_back(step_[name]);
     single.push_back(std::move(r));
   }
-  plan.buckets = Fuse(std::move(single));
+  int64_t step_bytes = 0;
+  for (const auto& r : single) {
+    step_bytes += NumElements(r.metas[0].shape) * static_cast<int64_t>(DataTypeSize(r.metas[0].dtype));
+  }
+  int64_t threshold = plan_bucket_bytes_ ? plan_bucket_bytes_(step_bytes) : -1;
+  plan.buckets = Fuse(std::move(single), threshold < 0 ? fusion_threshold_ : threshold);
   plan.metas = step_;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     for (const std::string& name : plan.buckets[b].names) plan.bucket_of[name] = b;
@@ -398,10 +405,10 @@ std::vector<Response> Negotiator::TakeReady() {
   }
   if (plan_state_ == PlanState::kReady && !seen_.empty()) plan_state_ = PlanState::kVerify;
   if (plan_state_ == PlanState::kWait && !PlannableInTable()) plan_state_ = PlanState::kRecord;
-  return Fuse(std::move(ready));
+  return Fuse(std::move(ready), fusion_threshold_);
 }
 
-std::vector<Response> Negotiator::Fuse(std::vector<Response> ready) const {
+std::vector<Response> Negotiator::Fuse(std::vector<Response> ready, int64_t threshold) const {
   // Allreduces with the same dtype, reduction and scale factors share a
   // bucket until it would exceed the threshold; everything else passes
   // through in order. A bucket takes the position of its first member.
@@ -410,7 +417,7 @@ std::vector<Response> Negotiator::Fuse(std::vector<Response> ready) const {
   std::vector<int64_t> bucket_bytes;
   for (Response& r : ready) {
     // Top-k runs tensor by tensor (each has its own selection).
-    bool fusable = r.op == OpType::kAllreduce && r.error.ok() && fusion_threshold_ > 0 &&
+    bool fusable = r.op == OpType::kAllreduce && r.error.ok() && threshold > 0 &&
                    r.metas[0].compression != kCompressTopk;
     if (!fusable) {
       out.push_back(std::move(r));
@@ -424,7 +431,7 @@ std::vector<Response> Negotiator::Fuse(std::vector<Response> ready) const {
                                m.postscale, static_cast<int>(m.compression));
     auto it = open.find(key);
     if (it != open.end() &&
-        bucket_bytes[it->second] + bytes <= fusion_threshold_) {
+        bucket_bytes[it->second] + bytes <= threshold) {
       Response& b = out[it->second];
       b.names.push_back(r.names[0]);
       b.metas.push_back(std::move(r.metas[0]));

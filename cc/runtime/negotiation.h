@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <unordered_map>
@@ -61,7 +62,10 @@ bool MatchesPlan(const TensorMeta& local, const TensorMeta& planned);
 class Negotiator {
  public:
   // world_ranks: how error messages name each member (default 0..size-1).
-  Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int> world_ranks = {});
+  // plan_bucket_bytes: bucket size of offline plans (PERSEUS_ALLREDUCE_FUSION
+  // decides it from the step's total); 0: no fusion; < 0: fusion_threshold_bytes.
+  Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int> world_ranks = {},
+             std::function<int64_t(int64_t step_bytes)> plan_bucket_bytes = nullptr);
 
   void Add(int rank, const TensorMeta& meta);
   // Ready work, fused and ordered. Identical on every rank.
@@ -104,11 +108,12 @@ class Negotiator {
   void WatchForPlan(const Response& r);
   bool PlannableInTable() const;
   Response MakeResponse(const std::string& name, Entry&& e) const;
-  std::vector<Response> Fuse(std::vector<Response> ready) const;
+  std::vector<Response> Fuse(std::vector<Response> ready, int64_t threshold) const;
 
   int size_;
   std::vector<int> world_;
   int64_t fusion_threshold_;
+  std::function<int64_t(int64_t)> plan_bucket_bytes_;
   uint64_t next_seq_ = 0;
   uint64_t cycle_ = 0;
   std::vector<bool> joined_;

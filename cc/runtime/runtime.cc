@@ -191,7 +191,8 @@ Status Runtime::Init(const InitOptions& options) {
                              " of " + std::to_string(options.size) + ": " + e.what());
   }
   std::vector<int> world_ranks = options.global_ranks;
-  negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes, world_ranks));
+  negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes, world_ranks,
+                                   [this](int64_t b) { return PlanBucketBytes(b); }));
   joined_ = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1178,6 +1179,20 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
   }
   TimelineSpan span(timeline_, 1 + stream, "host broadcast", "communication");
   backend_->LocalBroadcast(stream, buf, bytes);
+}
+
+int64_t Runtime::PlanBucketBytes(int64_t step_bytes) const {
+  const int g = options_.fusion_granularity;
+  if (g == 0) return 0;
+  if (g > 0) return std::max<int64_t>(1, (step_bytes + g - 1) / g);
+  // Automatic: the step in two buckets (two streams reduce at once;
+  // on the 2-vCPU machine ResNet-50's step took 1.14x a raw allreduce this
+  // way, against 1.24x with 64 MiB + rest and 1.2-1.34x with 4 or more
+  // buckets), none under 4 MiB and none over the fusion threshold.
+  // A little over half: buckets are filled tensor by tensor, in order.
+  const int64_t half = step_bytes / 20 * 11 + 1;
+  return std::min<int64_t>(options_.fusion_threshold_bytes,
+                           std::max<int64_t>(half, int64_t{4} << 20));
 }
 
 int64_t Runtime::PayloadBytes(const TensorMeta& m) const {

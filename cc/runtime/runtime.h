@@ -51,6 +51,9 @@ struct InitOptions {
   int streams = 4;
   double timeout_seconds = 60;
   int64_t fusion_threshold_bytes = 64 << 20;
+  // PERSEUS_ALLREDUCE_FUSION: an offline plan's buckets hold about 1/N of
+  // the step's gradient bytes (0: one tensor per bucket); -1: choose.
+  int fusion_granularity = -1;
   double cycle_time_ms = 1.0;
   double stall_timeout_seconds = 0;  // 0: wait forever for the other ranks
   // Compressed allreduces send x * gradient_scale as float16 and divide after.
@@ -198,6 +201,9 @@ class Runtime {
   // float16 times the gradient scale and the rest as plain float16.
   void AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
                        size_t half_across = 0);
+  // Bucket size of an offline plan whose step holds step_bytes (see
+  // InitOptions::fusion_granularity); -1: the fusion threshold.
+  int64_t PlanBucketBytes(int64_t step_bytes) const;
   // Bytes one rank puts on the wire for a tensor (statistics).
   int64_t PayloadBytes(const TensorMeta& m) const;
   void ExecuteAllgather(int stream, const Response& r, Request& req);

@@ -154,3 +154,22 @@ def check_requests_not_marked_plannable_stay_online():
     names = [f"online.g{i}" for i in range(10)]
     deltas = [_delta(lambda k=k: _step(names, k, plannable=False))[1] for k in range(4)]
     assert all(d["plans"] == 0 and d["control_bytes_sent"] > 0 for d in deltas), deltas
+
+
+def check_plan_buckets_follow_fusion_granularity():
+    """An offline plan's buckets: PERSEUS_ALLREDUCE_FUSION=G splits the step
+    into G buckets of about 1/G of its bytes; unset, one bucket for a small
+    step (at least 4 MiB each), none with PERSEUS_FUSION_THRESHOLD=0."""
+    names = [f"fusion.g{i}" for i in range(40)]
+    shapes = {n: 25_000 for n in names}  # 100 KB each, 4 MB per step
+    deltas = [_delta(lambda k=k: _step(names, k, shapes=shapes))[1] for k in range(6)]
+    steady = deltas[-1]
+    assert steady["offline_steps"] == 1 and steady["control_bytes_sent"] == 0, deltas
+    granularity = os.environ.get("PERSEUS_ALLREDUCE_FUSION")
+    if granularity:
+        want = int(granularity) if int(granularity) > 0 else 40
+    elif os.environ.get("PERSEUS_FUSION_THRESHOLD") == "0":
+        want = 40
+    else:
+        want = 1
+    assert steady["responses"] == want, (steady, want)
