@@ -38,6 +38,8 @@ def init(**overrides):
             return
         cfg = _config.load_config(overrides)
         topo = _config.load_topology()
+        if cfg.streams is None:
+            cfg.streams = _config.auto_streams(topo.local_size)
         if topo.host_store and _store_server is None:
             from perseus_tf.runner.store import StoreServer
             _store_server = StoreServer("0.0.0.0", topo.store_port, topo.secret)

@@ -38,7 +38,7 @@ class Config:
     allreduce_dtype: int = 0          # 0 fp16, 1 none, 2 mixed
     gradient_scale: float = 10.0
     allreduce_mode: Optional[int] = None
-    streams: int = 4
+    streams: Optional[int] = None     # None: auto_streams()
     fusion: Optional[int] = None
     offline_neg: Optional[int] = None
     accumulate_n_steps: int = 1
@@ -141,6 +141,14 @@ def load_config(overrides=None, environ=None) -> Config:
         if value is not None:
             setattr(config, field, _parse(field, value, f"option {field}"))
     return config
+
+
+def auto_streams(local_size, cpus=None):
+    """PERSEUS_ALLREDUCE_STREAMS when unset: 4 (the documented default) when
+    each local rank has 4 or more CPUs, down to 2 on small machines, where
+    more stream threads compete with the ranks for cores."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(2, min(4, cpus // max(1, local_size)))
 
 
 def _env_int(environ, name, lo, hi):

@@ -8,8 +8,18 @@ from perseus_tf.config import ConfigError, load_config, load_topology
 def test_defaults_match_the_documented_ones():
     c = load_config(environ={})
     assert (c.allreduce_dtype, c.gradient_scale, c.streams, c.accumulate_n_steps,
-            c.timeout_seconds, c.nancheck, c.perf_check_n_steps) == (0, 10.0, 4, 1, 60.0, 0, 0)
+            c.timeout_seconds, c.nancheck, c.perf_check_n_steps) == (0, 10.0, None, 1, 60.0, 0, 0)
     assert c.allreduce_mode is None and c.fusion is None and c.offline_neg is None
+
+
+def test_streams_are_chosen_from_cpus_per_local_rank_when_unset():
+    from perseus_tf.config import auto_streams
+
+    assert auto_streams(local_size=8, cpus=96) == 4  # the documented default
+    assert auto_streams(local_size=2, cpus=8) == 4
+    assert auto_streams(local_size=2, cpus=6) == 3
+    assert auto_streams(local_size=2, cpus=2) == 2
+    assert auto_streams(local_size=4, cpus=2) == 2
 
 
 @pytest.mark.parametrize("variable,value,needle", [
