@@ -32,6 +32,32 @@ def _dense(t):
     return t
 
 
+# Gradient groups: about this many, none smaller than _MIN_GROUP_BYTES.
+_GROUPS = 4
+_MIN_GROUP_BYTES = 1 << 20
+
+
+def _backprop_groups(indices, tensors):
+    """Splits `indices` (forward order) into up to _GROUPS runs of similar
+    bytes, returned last run first (the order backprop produces them)."""
+    sizes = []
+    for i in indices:
+        n = tensors[i].shape.num_elements()
+        sizes.append((n if n is not None else 0) * tensors[i].dtype.size)
+    total = sum(sizes)
+    target = max(_MIN_GROUP_BYTES, total // _GROUPS + 1)
+    groups, current, acc = [], [], 0
+    for i, b in zip(reversed(indices), reversed(sizes)):
+        current.append(i)
+        acc += b
+        if acc >= target:
+            groups.append(current[::-1])
+            current, acc = [], 0
+    if current:
+        groups.append(current[::-1])
+    return groups
+
+
 class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
     """Cross-device and cross-process reductions over the native fused allreduce.
 
@@ -65,17 +91,25 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
         locals_, counts = zip(*[self._local_sum(v) for v in values])
         size = perseus_ops.size()
         if size > 1:
-            # Tensors of one dtype travel as one grouped (fused) request.
+            # Tensors of one dtype travel as grouped (fused) requests.
+            # Gradients are split into a few groups in backprop order (the
+            # last layers' first), so that inside a tf.function a group can
+            # be reduced while earlier layers' gradients are still computed.
             by_dtype = {}
             for i, t in enumerate(locals_):
                 by_dtype.setdefault(t.dtype, []).append(i)
+            if _gradients.active():
+                by_dtype = {(dtype, n): chunk for dtype, idx in by_dtype.items()
+                            for n, chunk in enumerate(_backprop_groups(idx, locals_))}
+            else:
+                by_dtype = {(dtype, 0): idx for dtype, idx in by_dtype.items()}
             reduced = list(locals_)
             gradients = _gradients.active()
             compression = _native.gradient_compression() if gradients else 0
             # Accumulating gradients (PERSEUS_ACCUMULATE_N_STEPS): reduce only
             # on apply steps; other steps' values are not used.
             pending = _gradients.pending_step() if gradients else None
-            for dtype, idx in by_dtype.items():
+            for (dtype, _), idx in by_dtype.items():
                 inputs = [locals_[i] for i in idx]
 
                 def reduce(inputs=inputs, dtype=dtype):

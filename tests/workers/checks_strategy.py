@@ -400,3 +400,46 @@ def check_accumulation_equals_a_larger_batch():
         s["bytes"] for s in before["streams"] + [before["online_stream"]])
     grads_every_step = 24 * 65 * 4
     assert data_bytes < grads_every_step, data_bytes
+
+
+def check_gradient_reductions_can_start_before_backprop_ends():
+    """Inside a tf.function, gradients are reduced in several groups, and the
+    group of the last layer does not wait for the first layer's gradient
+    (so it can run while backprop goes on)."""
+    with STRATEGY.scope():
+        model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024),
+                                  keras.layers.Dense(1024), keras.layers.Dense(1)])
+        opt = keras.optimizers.SGD(0.01)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tf.function
+    def train_step(x):
+        STRATEGY.run(step, args=(x,))
+
+    graph = train_step.get_concrete_function(tf.TensorSpec([4, 512], tf.float32)).graph
+    groups = [op for op in graph.get_operations() if op.type == "PerseusGroupedAllreduce"]
+    assert len(groups) >= 2, [op.name for op in groups]
+
+    def ancestors(op):
+        seen, todo = set(), [t.op for t in op.inputs]
+        while todo:
+            o = todo.pop()
+            if o.name not in seen:
+                seen.add(o.name)
+                todo.extend(t.op for t in o.inputs)
+        return seen
+
+    # The first layer's kernel gradient (512 x 1024) feeds one group, the
+    # last layer's (1024 x 1) another; the latter does not depend on it.
+    def group_of(shape):
+        return next(op for op in groups if any(t.shape.as_list() == shape for t in op.inputs))
+
+    first, last = group_of([512, 1024]), group_of([1024, 1])
+    assert first is not last
+    first_grads = {t.op.name for t in first.inputs if t.shape.as_list() == [512, 1024]}
+    assert not first_grads & ancestors(last), first_grads
