@@ -257,6 +257,7 @@ py::dict StatsDict(int process_set) {
     sd["tensors"] = s.tensors;
     sd["bytes"] = s.bytes;
     sd["busy_seconds"] = s.busy_seconds;
+    sd["wait_seconds"] = s.wait_seconds;
     return sd;
   };
   // The last stream only carries online work while a plan runs offline.

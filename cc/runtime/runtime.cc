@@ -266,6 +266,7 @@ void Runtime::StopThreads() {
 }
 
 Status Runtime::Enqueue(std::shared_ptr<Request> request) {
+  request->enqueued = Clock::now();
   State state = state_.load();
   if (state != State::kRunning) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -884,6 +885,10 @@ void Runtime::RunOnStream(int index, Response& response,
     return;
   }
   auto start = Clock::now();
+  Clock::time_point oldest = start;
+  for (auto& q : requests) {
+    if (q->enqueued != Clock::time_point{} && q->enqueued < oldest) oldest = q->enqueued;
+  }
   std::string span_args;
   if (timeline_.enabled()) {
     int64_t bytes = 0;
@@ -919,6 +924,7 @@ void Runtime::RunOnStream(int index, Response& response,
       st.bytes += PayloadBytes(m);
     }
     st.busy_seconds += secs;
+    st.wait_seconds += std::chrono::duration<double>(start - oldest).count();
   }
   if (complete) {
     for (auto& q : requests) q->done(status);

@@ -93,6 +93,8 @@ struct Request {
   std::vector<int64_t> received_splits;  // alltoall: rows from each rank
   int64_t result = 0;                     // join: the rank that joined last
   std::function<void(const Status&)> done;
+  // When Enqueue accepted it (statistics: time waiting before it ran).
+  std::chrono::steady_clock::time_point enqueued{};
   // Buffers of a stand-in request (a joined rank taking part with no data).
   std::vector<char> scratch;
 };
@@ -102,6 +104,10 @@ struct StreamStats {
   int64_t tensors = 0;
   int64_t bytes = 0;
   double busy_seconds = 0;
+  // Summed over this stream's collectives: how long the oldest request of
+  // each had waited (for the other ranks, negotiation, a free stream) when
+  // it started.
+  double wait_seconds = 0;
 };
 
 struct Stats {

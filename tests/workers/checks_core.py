@@ -53,6 +53,10 @@ def check_fusion_counters():
         assert fused >= 1 and responses < 40, (fused, responses)
     assert after["control_bytes_sent"] > before["control_bytes_sent"]
     assert sum(s["bytes"] for s in after["streams"]) > sum(s["bytes"] for s in before["streams"])
+    # Online requests wait at least for a negotiation cycle before they run.
+    waited = sum(s["wait_seconds"] for s in after["streams"]) - sum(
+        s["wait_seconds"] for s in before["streams"])
+    assert waited > 0, waited
 
 
 def check_large_tensor_and_fp16_reduce():
