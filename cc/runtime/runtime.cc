@@ -1155,36 +1155,106 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
     backend_->Allreduce(stream, buf, count, dtype, fn);
     return;
   }
-  {
-    TimelineSpan span(timeline_, 1 + stream, "host reduce", "communication");
-    backend_->LocalReduce(stream, buf, count, dtype, fn);
-  }
-  if (backend_->is_local_leader()) {
-    if (half_across > 0) {
-      std::vector<uint16_t>& half = streams_[stream]->half_buffer;
-      if (half.size() < count) half.resize(count);
-      float* f = static_cast<float*>(buf);
-      const float scale = static_cast<float>(options_.gradient_scale);
-      {
-        TimelineSpan pack(timeline_, 1 + stream, "fp16 compress", "compression");
-        FloatToHalfScaled(f, half.data(), half_across, scale);
-        FloatToHalfScaled(f + half_across, half.data() + half_across, count - half_across, 1.0f);
-      }
-      {
-        TimelineSpan ring(timeline_, 1 + stream, "cross-host allreduce (fp16)", "communication");
-        backend_->CrossAllreduce(stream, half.data(), count, DataType::kFloat16,
-                                 GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
-      }
-      TimelineSpan unpack(timeline_, 1 + stream, "fp16 decompress", "compression");
-      HalfToFloatScaled(half.data(), f, half_across, 1.0f / scale);
-      HalfToFloatScaled(half.data() + half_across, f + half_across, count - half_across, 1.0f);
-    } else {
+  // Pipelined in chunks: while a leader's helper thread sends chunk c across
+  // hosts (the slow link), this thread already reduces chunk c+1 inside the
+  // host; the broadcasts inside the host follow, chunk by chunk. The host and
+  // leader contexts are separate, so the two threads never share one.
+  const size_t esize = DataTypeSize(dtype);
+  const size_t chunk = std::max<size_t>(1, (size_t{4} << 20) / esize);
+  const size_t chunks = (count + chunk - 1) / chunk;
+  char* base = static_cast<char*>(buf);
+  auto first = [chunk](size_t c) { return c * chunk; };
+  auto length = [chunk, count](size_t c) { return std::min(chunk, count - c * chunk); };
+  const bool leader = backend_->is_local_leader();
+  std::vector<uint16_t>& half = streams_[stream]->half_buffer;
+  if (half_across > 0 && leader && half.size() < count) half.resize(count);
+  const float scale = static_cast<float>(options_.gradient_scale);
+
+  // One chunk across hosts (leaders only).
+  auto cross = [&](size_t c) {
+    const size_t at = first(c), n = length(c);
+    if (half_across == 0) {
       TimelineSpan ring(timeline_, 1 + stream, "cross-host allreduce", "communication");
-      backend_->CrossAllreduce(stream, buf, count, dtype, fn);
+      backend_->CrossAllreduce(stream, base + at * esize, n, dtype, fn);
+      return;
     }
+    float* f = reinterpret_cast<float*>(base) + at;
+    uint16_t* h = half.data() + at;
+    // Elements before half_across are gradients (scaled); after, plan extras.
+    const size_t scaled = half_across > at ? std::min(n, half_across - at) : 0;
+    FloatToHalfScaled(f, h, scaled, scale);
+    FloatToHalfScaled(f + scaled, h + scaled, n - scaled, 1.0f);
+    {
+      TimelineSpan ring(timeline_, 1 + stream, "cross-host allreduce (fp16)", "communication");
+      backend_->CrossAllreduce(stream, h, n, DataType::kFloat16,
+                               GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+    }
+    HalfToFloatScaled(h, f, scaled, 1.0f / scale);
+    HalfToFloatScaled(h + scaled, f + scaled, n - scaled, 1.0f);
+  };
+
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t reduced = 0, crossed = 0;
+  bool cross_failed = false;
+  std::exception_ptr error;
+  std::thread helper;
+  if (leader) {
+    helper = std::thread([&] {
+      try {
+        for (size_t c = 0; c < chunks; ++c) {
+          {
+            std::unique_lock<std::mutex> lock(mu);
+            cv.wait(lock, [&] { return reduced > c || cross_failed; });
+            if (cross_failed) return;
+          }
+          cross(c);
+          std::lock_guard<std::mutex> lock(mu);
+          crossed = c + 1;
+          cv.notify_all();
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = std::current_exception();
+        cross_failed = true;
+        cv.notify_all();
+      }
+    });
   }
-  TimelineSpan span(timeline_, 1 + stream, "host broadcast", "communication");
-  backend_->LocalBroadcast(stream, buf, bytes);
+  auto stop_helper = [&] {
+    if (!helper.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (crossed < chunks) cross_failed = true;  // wakes it if still waiting
+      cv.notify_all();
+    }
+    helper.join();
+  };
+  try {
+    for (size_t c = 0; c < chunks; ++c) {
+      {
+        TimelineSpan span(timeline_, 1 + stream, "host reduce", "communication");
+        backend_->LocalReduce(stream, base + first(c) * esize, length(c), dtype, fn);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      reduced = c + 1;
+      cv.notify_all();
+    }
+    for (size_t c = 0; c < chunks; ++c) {
+      if (leader) {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return crossed > c || cross_failed; });
+        if (error) std::rethrow_exception(error);
+        if (cross_failed) throw std::runtime_error("cross-host allreduce stopped");
+      }
+      TimelineSpan span(timeline_, 1 + stream, "host broadcast", "communication");
+      backend_->LocalBroadcast(stream, base + first(c) * esize, length(c) * esize);
+    }
+  } catch (...) {
+    stop_helper();
+    throw;
+  }
+  stop_helper();
 }
 
 int64_t Runtime::PlanBucketBytes(int64_t step_bytes) const {

@@ -232,3 +232,20 @@ def check_two_level_allreduce_equals_flat():
         for r in range(1, N):
             want = fn(want, _gradient(r, 9, "h.float", n))
         np.testing.assert_array_equal(got, want)
+
+
+def check_large_buffers_in_pipelined_chunks():
+    """Buffers of several 4 MiB chunks (the two-level path pipelines them):
+    an exact int64 sum, and one gradient step against the model."""
+    n = 1_700_000  # 13.6 MB of int64: 4 chunks, the last partial
+    xi = (np.arange(n, dtype=np.int64) % 1000) * (R + 1)
+    got = _core.submit(OP_ALLREDUCE, xi, "big.int", DTYPE_CODES["int64"], reduce_op=SUM,
+                       output=np.empty_like(xi)).wait()[0]
+    np.testing.assert_array_equal(got, (np.arange(n, dtype=np.int64) % 1000) * (N * (N + 1) // 2))
+    n = 2_200_000  # 8.8 MB of float32: 3 chunks
+    model = Model()
+    got = _submit_gradient(_gradient(R, 0, "big.grad", n), "big.grad").wait()[0]
+    want = model.reduce("big.grad", [_gradient(r, 0, "big.grad", n) for r in range(N)])
+    kind = model.kind(n)
+    rtol, atol = (2e-3, 2e-6) if kind == "fp16" and N > 2 else (2e-6, 1e-9)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=kind)
