@@ -20,14 +20,16 @@ def _survivor_reports(proc, np_):
     return reports
 
 
-def _assert_last_rank_killed_and_named(proc, np_):
-    """The launcher names the SIGKILLed last rank; every survivor reported it
-    by name within GLOO_TIMEOUT_SECONDS (20 in these tests)."""
-    victim = np_ - 1
+def _assert_last_rank_killed_and_named(proc, np_, victim=None):
+    """The launcher names the SIGKILLed rank (default: the last); every
+    survivor reported it by name within GLOO_TIMEOUT_SECONDS (20 in these
+    tests)."""
+    victim = np_ - 1 if victim is None else victim
     assert proc.returncode != 0
     assert f"rank {victim}" in proc.stderr and "signal SIGKILL" in proc.stderr, proc.stderr[-2000:]
     reports = _survivor_reports(proc, np_)
-    assert sorted(reports) == list(range(np_ - 1)), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(reports) == [r for r in range(np_) if r != victim], \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank, (seconds, message) in reports.items():
         assert f"rank {victim} exited or lost its connection" in message, message
         assert seconds < 20, f"rank {rank} took {seconds}s to notice"
@@ -40,6 +42,17 @@ def test_killed_rank_is_named_by_every_survivor(np_, api):
                   env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=180)
     _assert_last_rank_killed_and_named(proc, np_)
     assert time.time() - start < 120
+
+
+@pytest.mark.parametrize("victim", [2, 3], ids=["leader", "non-leader"])
+def test_killed_rank_during_two_level_allreduce_is_named(victim):
+    # 2 hosts x 2 ranks, hierarchical, 12 MB tensors (3 pipelined chunks):
+    # host 1's leader (rank 2) or its other rank dies mid-training.
+    proc = launch(4, [sys.executable, os.path.join(WORKERS, "failure_worker.py"), "kill", "core"],
+                  env={"GLOO_TIMEOUT_SECONDS": "20", "PERSEUS_ALLREDUCE_MODE": "1",
+                       "FAILURE_ELEMENTS": "3000000", "FAILURE_VICTIM": str(victim)},
+                  hosts="127.0.0.1:2,127.0.0.2:2", timeout=180)
+    _assert_last_rank_killed_and_named(proc, 4, victim)
 
 
 def test_stuck_rank_is_named_after_the_timeout():

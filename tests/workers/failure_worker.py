@@ -1,6 +1,7 @@
 """One rank dies (SIGKILL) or hangs (SIGSTOP); the others must raise, naming it.
 
-Usage: failure_worker.py {kill|stop} {core|tf}. Survivors print
+Usage: failure_worker.py {kill|stop} {core|tf}. FAILURE_VICTIM picks the rank
+(default: the last), FAILURE_ELEMENTS the tensor size (core). Survivors print
 `REPORTED <seconds> <message>` once their collective fails.
 """
 
@@ -32,13 +33,17 @@ else:
     _native.init()
     rank, size = _native.topology()["rank"], _native.topology()["size"]
 
+    # FAILURE_ELEMENTS: a larger tensor takes the chunked two-level path
+    # when the job has hosts.
+    elements = int(os.environ.get("FAILURE_ELEMENTS", "16"))
+
     def collective(i):
-        x = np.ones(16, np.float32)
+        x = np.ones(elements, np.float32)
         _core.submit(0, x, f"step{i}", 2, output=np.empty_like(x)).wait()
 
     expected_error = _core.CommunicationError
 
-victim = size - 1
+victim = int(os.environ.get("FAILURE_VICTIM", size - 1))
 collective(0)  # everyone is connected and working
 if rank == victim:
     os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
