@@ -30,6 +30,7 @@ from perseus_tf import _keras_files
 from perseus_tf import _gradients
 from perseus_tf import _keras_mixed
 from perseus_tf import _native
+from perseus_tf import config
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
 
@@ -179,16 +180,14 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
     _collective_key_base = 0
 
     def __init__(self, devices=None, cross_device_ops=None, **options):
-        if options and _native.is_initialized():
-            from perseus_tf import config
-            config.load_config(options)  # still reject unknown or invalid options
+        # Read once: rejects unknown or invalid options even when the runtime
+        # is already running, and gives this instance's accumulation setting
+        # (the environment's, or the accumulate_n_steps option).
+        cfg = config.load_config(options)
         _native.init(**options)
         extended = PerseusExtended(self, devices=devices, cross_device_ops=cross_device_ops)
         tf.distribute.Strategy.__init__(self, extended)
-        from perseus_tf import config
-        # Local gradient accumulation: this instance's setting (the
-        # environment's, or the accumulate_n_steps option).
-        self._accumulate_n_steps = config.load_config(options).accumulate_n_steps
+        self._accumulate_n_steps = cfg.accumulate_n_steps
         if self._accumulate_n_steps > 1 and len(extended._devices) > 1:
             raise ValueError(
                 f"accumulate_n_steps={self._accumulate_n_steps} (PERSEUS_ACCUMULATE_N_STEPS) "

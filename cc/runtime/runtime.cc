@@ -1271,6 +1271,11 @@ int64_t Runtime::PlanBucketBytes(int64_t step_bytes) const {
                            std::max<int64_t>(half, int64_t{4} << 20));
 }
 
+int64_t Runtime::TopkCount(int64_t n) const {
+  return std::max<int64_t>(
+      1, std::min<int64_t>(n, static_cast<int64_t>(std::ceil(options_.topk_ratio * n))));
+}
+
 int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
   const int64_t n = NumElements(m.shape);
   switch (m.compression) {
@@ -1278,11 +1283,8 @@ int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
       return 2 * n;
     case kCompressMixed:  // what crosses hosts
       return (backend_ && backend_->hierarchical() ? 2 : 4) * n;
-    case kCompressTopk: {
-      const int64_t k = std::max<int64_t>(
-          1, std::min<int64_t>(n, static_cast<int64_t>(std::ceil(options_.topk_ratio * n))));
-      return k * (4 + (options_.topk_fp16 ? 2 : 4));
-    }
+    case kCompressTopk:
+      return TopkCount(n) * (4 + (options_.topk_fp16 ? 2 : 4));
     case kCompressDownsample:
       return 4 * ((n + options_.downsample_n - 1) / options_.downsample_n);
     default:
@@ -1298,7 +1300,7 @@ int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
 bool Runtime::ExecuteTopk(int stream, const Response& r, Request& q) {
   const TensorMeta& m = r.metas[0];
   const size_t n = static_cast<size_t>(NumElements(m.shape));
-  const size_t k = static_cast<size_t>(PayloadBytes(m) / (4 + (options_.topk_fp16 ? 2 : 4)));
+  const size_t k = static_cast<size_t>(TopkCount(NumElements(m.shape)));
   SparseState& st = SparseFor(m);
   std::vector<int32_t>& idx = streams_[stream]->index;
   const float pre = static_cast<float>(m.prescale);

@@ -210,6 +210,8 @@ class Runtime {
   // Bucket size of an offline plan whose step holds step_bytes (see
   // InitOptions::fusion_granularity); -1: the fusion threshold.
   int64_t PlanBucketBytes(int64_t step_bytes) const;
+  // Elements top-k sends of a tensor of n (at least 1).
+  int64_t TopkCount(int64_t n) const;
   // Bytes one rank puts on the wire for a tensor (statistics).
   int64_t PayloadBytes(const TensorMeta& m) const;
   void ExecuteAllgather(int stream, const Response& r, Request& req);
