@@ -58,6 +58,7 @@ def init(**overrides):
             timeline=timeline_path(cfg.timeline, topo.rank),
             perf_check_n_steps=cfg.perf_check_n_steps,
             allreduce_mode=-1 if cfg.allreduce_mode is None else cfg.allreduce_mode,
+            shm=bool(cfg.shm_allreduce),
             fusion_granularity=-1 if cfg.fusion is None else cfg.fusion,
             topk_ratio=cfg.topk_ratio, topk_threshold_bytes=cfg.topk_threshold,
             topk_fp16=bool(cfg.topk_fp16), topk_fallback=_DTYPE_COMPRESSION[cfg.allreduce_dtype],

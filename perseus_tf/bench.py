@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--size-budget", type=float, default=SIZE_BUDGET_S, metavar="S",
                     help=f"seconds the timed steps should take, both paths together, when "
                          f"choosing the iteration count (default {SIZE_BUDGET_S:g})")
+    gr.add_argument("--online", action="store_true",
+                    help="also time the same step negotiated online every step (not "
+                         "plannable, under other names), alternated with the rest, and print "
+                         "how much faster the offline plan is")
     gr.add_argument("--csv", default=None, metavar="PATH",
                     help="also write the table's row to PATH (rank 0)")
     gr.set_defaults(run=run_gradients, check=check_gradients)
@@ -518,6 +522,9 @@ CHECK_ELEMENTS = 1024
 EXACT_REL_ERR = 1e-5
 # Issue 5's target: loopback, 2 ranks, resnet50, no compression.
 GRADIENTS_TARGET = ("resnet50", 2, 1.15)
+# And: 500 tensors of 1 KiB at 4 ranks, the offline plan at least 5x faster
+# per step than online negotiation (--online).
+OFFLINE_TARGET = (500, 1024, 4, 5.0)
 COMPRESSION_NAMES = {0: "fp16", 1: "none", 2: "mixed"}
 
 GRADIENTS_COLUMNS = [
@@ -598,6 +605,8 @@ def check_gradients(args):
     """An error message for a bad combination of flags or a bad profile, or None."""
     if args.size_budget <= 0:
         return "--size-budget must be positive"
+    if args.online and os.environ.get("PERSEUS_OFFLINE_NEG", "").strip() == "0":
+        return "--online compares with the offline plan: leave PERSEUS_OFFLINE_NEG unset or 1"
     if args.tensors is None and args.tensor_bytes is not None:
         return "--tensor-bytes goes with --tensors (a profile gives its own sizes)"
     if args.tensors is not None and args.profile_dir is not None:
@@ -659,8 +668,9 @@ def mean_counters(deltas: list) -> dict:
 
 
 def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: int,
-                    budget_s: float) -> dict:
-    """Times one step of ours and of raw Gloo, alternately; returns this rank's summary."""
+                    budget_s: float, online: bool = False) -> dict:
+    """Times one step of ours and of raw Gloo (and with `online`, of ours
+    negotiated online), alternately; returns this rank's summary."""
     np = coll.np
     native = coll.native
     core = native._core
@@ -692,13 +702,24 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     def raw_gloo():
         core.raw_allreduce(raw, code)
 
-    counters = []
+    online_names = [f"online.{name}" for name in names]
 
-    def ours_counted():
-        before = core.stats()
-        seconds = timed(ours)
-        counters.append(stats_delta(before, core.stats()))
-        return seconds
+    def ours_online():
+        # The same step, never plannable: negotiated every step.
+        core.submit_group(arrays, online_names, code, reduce_op=AVERAGE,
+                          compression=compression, plannable=False).wait()
+
+    counters, online_counters = [], []
+
+    def counted(fn, into):
+        def run():
+            before = core.stats()
+            seconds = timed(fn)
+            into.append(stats_delta(before, core.stats()))
+            return seconds
+        return run
+
+    ours_counted = counted(ours, counters)
 
     # Warmup; the first step of ours is checked, and the last sizes the run.
     error = None
@@ -709,20 +730,29 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
             error = average_error(np, tensors, grads, coll.size)
         coll.sync()
         estimate = t_ours + timed(raw_gloo)
+        if online:
+            coll.sync()
+            estimate += timed(ours_online)
     # The worst error of any rank, on every rank, so that all decide alike.
     error = max(coll.gather(error))
     iters = int(coll.from_rank0(choose_iters(estimate, max_iters, budget_s)))
 
-    ours_times, raw_times = [], []
+    ours_times, raw_times, online_times = [], [], []
+    order = [(ours_counted, ours_times), (lambda: timed(raw_gloo), raw_times)]
+    if online:
+        order.append((counted(ours_online, online_counters), online_times))
     for i in range(iters):
-        # Alternate which path goes first, so drift hits both alike.
-        order = ((ours_counted, ours_times), (lambda: timed(raw_gloo), raw_times))
+        # Alternate which path goes first, so drift hits all alike.
         for fn, times in (order if i % 2 == 0 else order[::-1]):
             coll.sync()
             times.append(fn())
-    return {"tensors": len(tensors), "bytes": total * FLOAT32_BYTES, "iters": iters,
-            "ours": summarize(ours_times), "raw": summarize(raw_times),
-            "counters": mean_counters(counters), "max_rel_err": error}
+    result = {"tensors": len(tensors), "bytes": total * FLOAT32_BYTES, "iters": iters,
+              "ours": summarize(ours_times), "raw": summarize(raw_times),
+              "counters": mean_counters(counters), "max_rel_err": error}
+    if online:
+        result["online"] = summarize(online_times)
+        result["online_counters"] = mean_counters(online_counters)
+    return result
 
 
 def gradients_row(model: str, result: dict, size: int, cfg) -> tuple:
@@ -768,6 +798,31 @@ def gradients_target_line(model: str, size: int, exact: bool, ratio: float) -> s
     return f"{what}: {'PASS' if ratio <= limit else 'FAIL'} ({ratio:.3f}x)"
 
 
+def offline_lines(result: dict, size: int) -> list:
+    """The offline-against-online comparison (--online) and its target line."""
+    o, n = result["ours"]["median_us"], result["online"]["median_us"]
+    c, oc = result["counters"], result["online_counters"]
+    speedup = n / o if o > 0 else float("inf")
+    lines = [
+        f"# negotiation, per step (rank 0): offline plan {o / 1e3:.2f} ms "
+        f"({c['control_bytes_sent']:.0f} control bytes, {c['cycles']:.1f} cycles, "
+        f"{c['responses']:.1f} buckets); online {n / 1e3:.2f} ms "
+        f"({result['online']['min_us'] / 1e3:.2f}-{result['online']['max_us'] / 1e3:.2f}; "
+        f"{oc['control_bytes_sent']:.0f} control bytes, {oc['cycles']:.1f} cycles, "
+        f"{oc['responses']:.1f} buckets); offline is {speedup:.2f}x faster"]
+    count, nbytes, ranks, want = OFFLINE_TARGET
+    what = (f"target: {count} tensors of {binary_bytes(nbytes)}, {ranks} ranks: offline >= "
+            f"{want:g}x faster than online")
+    each = result["bytes"] // max(1, result["tensors"])
+    if (result["tensors"], each, size) != (count, nbytes, ranks) or c["cycles"] > 0:
+        why = "a step left the plan" if c["cycles"] > 0 else (
+            f"this run: {result['tensors']} tensors of {binary_bytes(each)}, {size} ranks")
+        lines.append(f"{what}: N/A ({why})")
+    else:
+        lines.append(f"{what}: {'PASS' if speedup >= want else 'FAIL'} ({speedup:.2f}x)")
+    return lines
+
+
 def compression_setting(cfg) -> str:
     text = (f"PERSEUS_ALLREDUCE_DTYPE={cfg.allreduce_dtype} "
             f"({COMPRESSION_NAMES.get(cfg.allreduce_dtype, '?')})")
@@ -811,7 +866,8 @@ def run_gradients(args) -> int:
               "allreduce sends per rank; ctrl_B, buckets (responses) and cycles: rank 0's "
               "_core.stats() per step of ours; ratio = ours time / raw time (lower is better)")
         sys.stdout.flush()
-    result = bench_gradients(coll, tensors, args.warmup, args.iters, args.size_budget)
+    result = bench_gradients(coll, tensors, args.warmup, args.iters, args.size_budget,
+                             online=args.online)
     error = result["max_rel_err"]
     exact = error <= EXACT_REL_ERR
     if error == float("inf") or (coll.native.gradient_compression() == 0 and not exact):
@@ -835,6 +891,8 @@ def run_gradients(args) -> int:
               f"{c['data_bytes']:.0f} data bytes; streams busy {sum(busy) * 1e3:.2f} ms in all "
               f"({' / '.join(f'{b * 1e3:.2f}' for b in busy)} ms)")
         print(gradients_target_line(grads["model"], coll.size, exact, csv_row["ratio_time"]))
+        if args.online:
+            print("\n".join(offline_lines(result, coll.size)))
         if args.csv:
             write_csv(args.csv, GRADIENTS_CSV_FIELDS, [csv_row])
             print(f"# row written to {args.csv}")

@@ -38,6 +38,7 @@ class Config:
     allreduce_dtype: int = 0          # 0 fp16, 1 none, 2 mixed
     gradient_scale: float = 10.0
     allreduce_mode: Optional[int] = None
+    shm_allreduce: int = 1            # 1: shared memory when the world is one host
     streams: Optional[int] = None     # None: auto_streams()
     fusion: Optional[int] = None
     offline_neg: Optional[int] = None
@@ -95,6 +96,7 @@ VARIABLES = {
     "allreduce_dtype": ("PERSEUS_ALLREDUCE_DTYPE", *_choice(0, 1, 2)),
     "gradient_scale": ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", *_float_range(0, 1e6, lo_open=True)),
     "allreduce_mode": ("PERSEUS_ALLREDUCE_MODE", *_choice(0, 1)),
+    "shm_allreduce": ("PERSEUS_SHM_ALLREDUCE", *_choice(0, 1)),
     "streams": ("PERSEUS_ALLREDUCE_STREAMS", *_int_range(1, 12)),
     "fusion": ("PERSEUS_ALLREDUCE_FUSION", *_int_range(0, 128)),
     "offline_neg": ("PERSEUS_OFFLINE_NEG", *_choice(0, 1)),

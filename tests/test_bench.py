@@ -8,6 +8,7 @@ an exact float32 average. No TensorFlow needed: the benchmarks use the
 pybind11 module only.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -76,8 +77,8 @@ def run_gradients_bench(extra, tmp_path, dtype_mode):
     returns (rank 0's lines, its row, csv lines)."""
     csv_path = tmp_path / "gradients.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "perseus_tf.bench", "gradients", "--np", "2", *extra,
-         "--iters", "2", "--warmup", "1", "--csv", str(csv_path)],
+        [sys.executable, "-m", "perseus_tf.bench", "gradients", "--np", "2",
+         "--iters", "2", "--warmup", "1", "--csv", str(csv_path), *extra],
         cwd=REPO, env=dict(ENV, PERSEUS_ALLREDUCE_DTYPE=dtype_mode), capture_output=True,
         text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -102,7 +103,7 @@ def run_gradients_bench(extra, tmp_path, dtype_mode):
     check = next(line for line in lines if line.startswith("# result check"))
     # 1: float32 end to end; 0 (the default): float16 on the wire.
     assert ("exact: float32" if dtype_mode == "1" else "not exact: compressed") in check, check
-    target = [line for line in lines if line.startswith("target:")]
+    target = [line for line in lines if line.startswith("target: resnet50")]
     assert len(target) == 1 and "N/A" in target[0], target  # resnet50 only
     csv_lines = csv_path.read_text().splitlines()
     assert csv_lines[0].startswith("model,tensors,bytes,ranks,iters,")
@@ -120,12 +121,23 @@ def test_gradients_bench_vgg16_profile(tmp_path):
 
 def test_gradients_bench_synthetic(tmp_path):
     lines, row, csv_lines = run_gradients_bench(
-        ["--tensors", "50", "--tensor-bytes", "1K"], tmp_path, "0")
+        # Two warmup steps: the plan exists from the first timed step on.
+        ["--tensors", "50", "--tensor-bytes", "1K", "--online", "--warmup", "2"], tmp_path, "0")
     assert row["model"] == "synthetic" and row["tensors"] == "50" and row["MB"] == "0.051"
     runtime = next(line for line in lines if line.startswith("# runtime per step"))
     # float16 on the wire: half of the 51200 float32 bytes.
     assert "50.0 requests" in runtime and "25600 data bytes" in runtime, runtime
     assert row["wire_MB"] == "0.026", row
+    # --online: the same step negotiated every step, beside the plan.
+    neg = next(line for line in lines if line.startswith("# negotiation, per step"))
+    m = re.search(r"offline plan ([\d.]+) ms \((\d+) control bytes.*online ([\d.]+) ms "
+                  r"\([\d.-]+; (\d+) control bytes.*offline is ([\d.]+)x faster", neg)
+    assert m, neg
+    offline_ms, offline_ctrl, online_ms, online_ctrl, speedup = m.groups()
+    assert int(offline_ctrl) == 0 and int(online_ctrl) > 0, neg
+    assert abs(float(online_ms) / float(offline_ms) - float(speedup)) < 0.05 * float(speedup)
+    target = [line for line in lines if line.startswith("target: 500 tensors")]
+    assert len(target) == 1 and "N/A (this run: 50 tensors of 1KiB, 2 ranks)" in target[0], target
 
 
 def test_gradients_bench_names_a_missing_profile(tmp_path):
@@ -148,3 +160,26 @@ def test_keras_throughput_benchmark_runs_all_three_modes():
     assert sorted(rows) == ["mwms", "perseus", "single"], proc.stdout
     assert all(v > 0 for v in rows.values()), rows
     assert re.search(r"^target: .*(PASS|FAIL) \([\d.]+x\)$", proc.stdout, re.M), proc.stdout
+
+
+def test_horovod_compare_perseus_side_runs_and_checks_results():
+    # Horovod itself is not installed here (benchmark only); the Perseus side
+    # of the comparison, the same worker code through the shim, must run and
+    # report right results for both kinds of workload.
+    for workload in ("small", "keras"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "perseus_tf.runner", "-np", "2", "--", sys.executable,
+             str(REPO / "benchmarks" / "horovod_compare.py"), "--worker", "perseus",
+             "--workload", workload, "--steps", "2", "--warmup", "1", "--width", "32",
+             "--global-batch", "8"],
+            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+        assert result["ok"] and len(result["ms"]) == 2 and min(result["ms"]) > 0, result
+
+
+def test_horovod_compare_rejects_an_unknown_workload():
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "horovod_compare.py"), "--workloads",
+         "gradients:resnet51"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "unknown workload 'gradients:resnet51'" in proc.stderr

@@ -6,7 +6,9 @@ from harness import check_names, run_checks
 
 CHECKS = check_names("checks_core")
 CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
-           (4, "fused"): {"PERSEUS_ALLREDUCE_STREAMS": "2", "PERSEUS_ALLREDUCE_FUSION": "4"}}
+           (4, "fused"): {"PERSEUS_ALLREDUCE_STREAMS": "2", "PERSEUS_ALLREDUCE_FUSION": "4"},
+           # Gloo over TCP instead of shared memory (what several hosts use).
+           (4, "tcp"): {"PERSEUS_SHM_ALLREDUCE": "0"}}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS), ids=lambda k: f"{k[0]}ranks-{k[1]}")

@@ -251,6 +251,7 @@ py::dict StatsDict(int process_set) {
   d["plan_exits"] = st.plan_exits;
   d["offline_steps"] = st.offline_steps;
   d["hierarchical"] = st.hierarchical;
+  d["shm"] = st.shm;
   auto stream_dict = [](const StreamStats& s) {
     py::dict sd;
     sd["responses"] = s.responses;
@@ -302,6 +303,7 @@ PYBIND11_MODULE(_core, m) {
     if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();
     if (o.contains("perf_check_n_steps")) opts.perf_check_n_steps = o["perf_check_n_steps"].cast<int>();
     if (o.contains("allreduce_mode")) opts.allreduce_mode = o["allreduce_mode"].cast<int>();
+    if (o.contains("shm")) opts.shm = o["shm"].cast<bool>();
     if (o.contains("fusion_granularity")) {
       opts.fusion_granularity = o["fusion_granularity"].cast<int>();
     }

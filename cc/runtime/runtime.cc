@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "cc/backends/gloo_backend.h"
+#include "cc/backends/shm_allreduce.h"
 #include "cc/runtime/reduce.h"
 #include "cc/runtime/store_client.h"
 
@@ -183,7 +184,20 @@ Status Runtime::Init(const InitOptions& options) {
       }
     }
     backend_.reset(new GlooBackend(bo, store_.get()));
+    shm_.reset();
+    if (options.shm && options.process_set_id == 0 && options.size > 1 &&
+        options.local_size == options.size) {
+      std::string why_not;
+      shm_ = ShmAllreduce::Connect(*backend_, bo.key_prefix, bo.streams, bo.timeout, &why_not);
+      if (!shm_ && options.rank == 0) {
+        std::fprintf(stderr,
+                     "Perseus: allreduce uses Gloo over TCP, not shared memory: %s "
+                     "(PERSEUS_SHM_ALLREDUCE=0 turns shared memory off)\n",
+                     why_not.c_str());
+      }
+    }
   } catch (const std::exception& e) {
+    shm_.reset();
     backend_.reset();
     store_.reset();
     return Status::Error(StatusCode::kUnavailable,
@@ -207,6 +221,7 @@ Status Runtime::Init(const InitOptions& options) {
     stats_ = Stats();
     stats_.streams.resize(options.streams + 1);
     stats_.hierarchical = backend_->hierarchical() && options.allreduce_mode != 0;
+    stats_.shm = shm_ != nullptr;
   }
   {
     std::lock_guard<std::mutex> lock(sparse_mu_);
@@ -244,6 +259,7 @@ void Runtime::Shutdown() {
   StopThreads();
   FailAllPending(Status::Error(StatusCode::kUnavailable,
                                "Perseus was shut down before this collective ran"));
+  shm_.reset();
   backend_.reset();
   store_.reset();
   std::string timeline_error;
@@ -1148,6 +1164,13 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
       backend_ && backend_->hierarchical() &&
       (half_across > 0 || options_.allreduce_mode == 1 ||
        (options_.allreduce_mode < 0 && bytes >= (256u << 10)));
+  if (shm_) {  // the world is one host
+    TimelineSpan span(timeline_, 1 + stream,
+                      dtype == DataType::kFloat16 ? "shm allreduce (fp16)" : "shm allreduce",
+                      "communication");
+    shm_->Allreduce(stream, buf, count, dtype, fn);
+    return;
+  }
   if (!two_level) {
     TimelineSpan ring(timeline_, 1 + stream,
                       dtype == DataType::kFloat16 ? "gloo allreduce (fp16)" : "gloo allreduce",
@@ -1520,6 +1543,7 @@ void Runtime::Fail(const std::string& what) {
   if (!who.empty()) msg << who << "; ";
   msg << what << ". Collectives cannot continue; restart the job.";
   Status status = Status::Error(StatusCode::kUnavailable, msg.str());
+  if (shm_) shm_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
   {
     std::lock_guard<std::mutex> lock(mu_);
     failure_ = status;

@@ -71,6 +71,42 @@ def check_large_tensor_and_fp16_reduce():
                                rtol=2e-2, atol=2e-2)
 
 
+def check_shared_memory_allreduce_when_one_host():
+    # One host: allreduce runs through shared memory unless turned off, and
+    # every portion is summed by one rank in rank order, so the result is the
+    # float32 sum taken in rank order, bit for bit, on every rank.
+    shm = os.environ.get("PERSEUS_SHM_ALLREDUCE") != "0"
+    assert _native.stats()["shm"] is shm, _native.stats()["shm"]
+    slot = (4 << 20) // N // 4  # float32 elements per rank slot (one chunk)
+    for i, n in enumerate([1, 3, 17, N * 16 + 5, 1000, 2 * slot + 13]):
+        parts = [np.random.default_rng(100 * r + i).normal(size=n).astype(np.float32)
+                 for r in range(N)]
+        got = allreduce_async(parts[R].copy(), f"shm.f32.{i}").wait()[0]
+        ordered = parts[0].copy()
+        for p in parts[1:]:
+            ordered = ordered + p
+        if shm:
+            np.testing.assert_array_equal(got, ordered)
+        else:
+            np.testing.assert_allclose(got, ordered, rtol=1e-5, atol=1e-6)
+        bits = got.view(np.int32).copy()
+        lo = allreduce_async(bits.copy(), f"shm.bits.min.{i}", reduce_op=2).wait()[0]
+        hi = allreduce_async(bits.copy(), f"shm.bits.max.{i}", reduce_op=3).wait()[0]
+        np.testing.assert_array_equal(lo, bits)  # identical on every rank
+        np.testing.assert_array_equal(hi, bits)
+    ints = np.arange(slot + 7, dtype=np.int64) * (R + 1)
+    np.testing.assert_array_equal(allreduce_async(ints, "shm.i64").wait()[0],
+                                  np.arange(slot + 7, dtype=np.int64) * (N * (N + 1) // 2))
+    small = np.array([R, -R, 5], np.int32)
+    np.testing.assert_array_equal(allreduce_async(small, "shm.min", reduce_op=2).wait()[0],
+                                  [0, -(N - 1), 5])
+    np.testing.assert_array_equal(allreduce_async(small, "shm.max", reduce_op=3).wait()[0],
+                                  [N - 1, 0, 5])
+    prod = np.full(33, 2.0, np.float64)
+    np.testing.assert_array_equal(allreduce_async(prod, "shm.prod", reduce_op=4).wait()[0],
+                                  np.full(33, 2.0 ** N))
+
+
 def check_raw_gloo_allreduce():
     x = np.full(1000, R + 1, np.float32)
     _core.raw_allreduce(x, DTYPE_CODES["float32"])

@@ -1,0 +1,65 @@
+// Allreduce through shared memory among the ranks of one host.
+//
+// When every rank of the world runs on one host, TCP over loopback is the
+// slowest way for them to add up a buffer: each ring step copies through the
+// kernel twice and needs every process scheduled in turn. Here each stream
+// owns a shared segment with one slot per rank, in two sets (alternate chunks
+// use alternate sets, so a chunk's results can be read while the next is
+// written). Per chunk: every rank copies its part into its slot; barrier;
+// rank p adds up portion p of all slots in rank order and publishes it;
+// barrier; every rank copies the other portions out. Each portion is summed
+// by one rank in one order, so every rank gets identical bits.
+//
+// Waiting is a short spin and then a futex on the shared generation counter.
+// A wait gives up with an error when a rank's process is gone, when another
+// rank aborted, or after the timeout.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cc/runtime/common.h"
+#include "cc/runtime/reduce.h"
+
+namespace perseus {
+
+class GlooBackend;
+
+class ShmAllreduce {
+ public:
+  // Collective over the whole world (through the backend's control
+  // context). Every rank must be on one host (local_size == size). Returns
+  // null on every rank, with the reason in *why_not, when any rank cannot
+  // map the segments (no /dev/shm, too little space): then all ranks keep
+  // using Gloo, so that they still run the same algorithm.
+  static std::unique_ptr<ShmAllreduce> Connect(GlooBackend& backend, const std::string& key,
+                                               int streams, std::chrono::milliseconds timeout,
+                                               std::string* why_not);
+  ~ShmAllreduce();
+
+  // Throws std::runtime_error naming the rank that is gone or late.
+  void Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn);
+  // Wakes every waiting rank with an error (this rank's runtime failed).
+  void Abort();
+
+  size_t slot_bytes() const { return slot_bytes_; }
+
+  struct Segment;
+
+ private:
+  ShmAllreduce() = default;
+  void Barrier(Segment& s);
+
+  int rank_ = 0;
+  int size_ = 1;
+  size_t slot_bytes_ = 0;
+  int spin_ = 0;
+  std::chrono::milliseconds timeout_{60000};
+  std::vector<std::unique_ptr<Segment>> segments_;  // one per stream
+};
+
+}  // namespace perseus
