@@ -190,6 +190,11 @@ def main(argv=None):
     print(f"# Horovod against Perseus-TF's Horovod shim: {args.np} ranks on this machine "
           f"({os.cpu_count()} CPUs), {args.rounds} launches of each per workload, "
           f"{args.steps} timed steps each after {args.warmup}; interpreter {args.python}")
+    mine = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("PERSEUS_"))
+    print(f"# Perseus settings from the environment: {' '.join(mine) or 'none (defaults)'}; "
+          f"HOROVOD_* settings: " + (" ".join(sorted(
+              f"{k}={v}" for k, v in os.environ.items() if k.startswith("HOROVOD_"))) or
+              "none (defaults)"))
     print("# ms/step: median over all timed steps of rank 0; speed-up = horovod / perseus")
     print(f"# {'workload':<20} {'horovod_ms':>10} {'perseus_ms':>10} {'speed-up':>8}  check")
     rows = []
