@@ -180,3 +180,38 @@ def test_rank_dying_during_fit_fails_every_survivor(np_):
                   env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
     _assert_last_rank_killed_and_named(proc, np_)
 
+
+
+SHM_FALLBACK = r"""
+import numpy as np
+from perseus_tf import _native
+from perseus_tf._native import DTYPE_CODES, OP_ALLREDUCE, _core
+_native.init()
+r, n = _native.topology()["rank"], _native.topology()["size"]
+assert _native.stats()["shm"] is False, _native.stats()
+x = np.full(300_000, r + 1.0, np.float32)
+got = _core.submit(OP_ALLREDUCE, x, "fallback", DTYPE_CODES["float32"], output=np.empty_like(x))
+np.testing.assert_array_equal(got.wait()[0], np.full(300_000, n * (n + 1) / 2))
+print("FALLBACK OK", flush=True)
+"""
+
+
+def test_shared_memory_unavailable_falls_back_to_tcp(tmp_path):
+    # A private mount namespace whose /dev/shm holds 1 MiB: rank 0 cannot
+    # reserve the segments, so every rank keeps Gloo over TCP, and rank 0
+    # says why.
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /dev/shm"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("needs root and unshare(1) to give the job a small /dev/shm")
+    script = tmp_path / "fallback.py"
+    script.write_text(SHM_FALLBACK)
+    inner = (f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -m "
+             f"perseus_tf.runner -np 2 -- {sys.executable} {script}")
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", inner], env=rank_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("FALLBACK OK") == 2, \
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "allreduce uses Gloo over TCP, not shared memory: reserving" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "PERSEUS_SHM_ALLREDUCE=0" in proc.stderr

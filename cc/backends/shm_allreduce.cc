@@ -203,7 +203,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
   if (ok) {
     for (auto& seg : shm->segments_) seg->header->pid[shm->rank_] = static_cast<int32_t>(getpid());
   }
-  const bool all = ControlMin(backend, ok ? 1 : 0) == 1;
+  bool all = ControlMin(backend, ok ? 1 : 0) == 1;
   // Mapped everywhere (or given up): the names are no longer needed, and
   // nothing is left in /dev/shm however the job ends.
   if (shm->rank_ == 0) {
@@ -211,6 +211,16 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
   }
   if (!all) {
     *why_not = ok ? "another rank could not map the shared segments" : error;
+    return nullptr;
+  }
+  // A wait tells a dead rank from a late one by its pid: every rank must see
+  // every other's process (not so across PID namespaces).
+  bool visible = true;
+  for (int r = 0; r < shm->size_ && visible; ++r) {
+    visible = !ProcessGone(shm->segments_[0]->header->pid[r]);
+  }
+  if (ControlMin(backend, visible ? 1 : 0) != 1) {
+    *why_not = "some ranks cannot see the others' processes (separate PID namespaces?)";
     return nullptr;
   }
   return shm;
