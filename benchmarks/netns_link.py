@@ -37,6 +37,9 @@ SETTINGS = [
     ("flat, none", {"PERSEUS_ALLREDUCE_MODE": "0", "PERSEUS_ALLREDUCE_DTYPE": "1"}, None),
     ("flat, fp16", {"PERSEUS_ALLREDUCE_MODE": "0", "PERSEUS_ALLREDUCE_DTYPE": "0"}, 1.7),
     ("hierarchical, none", {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_DTYPE": "1"}, 1.4),
+    # The same with the host phases over TCP instead of shared memory.
+    ("hierarchical, none, tcp", {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_DTYPE": "1",
+                                 "PERSEUS_SHM_ALLREDUCE": "0"}, None),
     ("flat, top-k 1%", {"PERSEUS_ALLREDUCE_MODE": "0", "PERSEUS_ALLREDUCE_DTYPE": "1",
                         "PERSEUS_TOPK_ALLREDUCE": "1", "PERSEUS_TOPK_RATIO": "0.01"}, 5.0),
     ("hierarchical, mixed", {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_DTYPE": "2"},
@@ -127,7 +130,7 @@ def main():
         print(f"# {args.profile}: 2 hosts (network namespaces) x {args.ranks_per_host} ranks, "
               f"joined by a veth pair shaped to {args.rate} each way; one job per setting, "
               f"{args.iters} timed steps each; ms = rank 0's median step time")
-        print(f"{'setting':<22} {'ms/step':>10} {'min-max ms':>19} {'payload MB':>13} "
+        print(f"{'setting':<26} {'ms/step':>10} {'min-max ms':>19} {'payload MB':>13} "
               f"{'speed-up':>9}  target")
         base = None
         for name, env, target in chosen:
@@ -139,7 +142,7 @@ def main():
                 f">= {target:g}x: {'PASS' if speedup >= target else 'FAIL'}"
             wire = float(row["data_bytes_per_step"]) / 1e6
             spread = f"{float(row['ours_min_ms']):.0f}-{float(row['ours_max_ms']):.0f}"
-            print(f"{name:<22} {ms:>10.1f} {spread:>19} "
+            print(f"{name:<26} {ms:>10.1f} {spread:>19} "
                   f"{wire:>13.1f} {speedup:>8.2f}x  {verdict}", flush=True)
     finally:
         teardown()

@@ -19,6 +19,10 @@ LAUNCHES = {
                                      "PERSEUS_TOPK_THRESHOLD": "40000"}),
     "2hosts-hierarchical-fp16": (4, HOSTS, {"PERSEUS_ALLREDUCE_MODE": "1",
                                             "PERSEUS_ALLREDUCE_DTYPE": "0"}),
+    # The host phases over Gloo (TCP) instead of shared memory.
+    "2hosts-hierarchical-none-tcp": (4, HOSTS, {"PERSEUS_ALLREDUCE_MODE": "1",
+                                                "PERSEUS_ALLREDUCE_DTYPE": "1",
+                                                "PERSEUS_SHM_ALLREDUCE": "0"}),
     "2hosts-flat-none": (4, HOSTS, {"PERSEUS_ALLREDUCE_MODE": "0",
                                     "PERSEUS_ALLREDUCE_DTYPE": "1"}),
     "1host-topk-fp16-values": (2, None, {"PERSEUS_ALLREDUCE_DTYPE": "0",

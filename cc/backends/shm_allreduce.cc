@@ -47,6 +47,7 @@ struct Header {
   std::atomic<uint32_t> waiters;
   alignas(64) std::atomic<int32_t> aborted;  // world rank + 1 of a rank that failed
   alignas(64) int32_t pid[kMaxRanks];
+  int32_t world[kMaxRanks];  // world rank of each local rank (for messages)
   alignas(64) std::atomic<uint64_t> entered[kMaxRanks];  // barriers each rank reached
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "shared header too large");
@@ -143,12 +144,13 @@ struct ShmAllreduce::Segment {
 };
 
 std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const std::string& key,
-                                                    int streams,
+                                                    int local_rank, int local_size,
+                                                    int cross_rank, int streams,
                                                     std::chrono::milliseconds timeout,
                                                     std::string* why_not) {
   std::unique_ptr<ShmAllreduce> shm(new ShmAllreduce());
-  shm->rank_ = backend.rank();
-  shm->size_ = backend.size();
+  shm->rank_ = local_rank;
+  shm->size_ = local_size;
   shm->timeout_ = timeout;
   const size_t n = static_cast<size_t>(shm->size_);
   shm->slot_bytes_ = std::max<size_t>(size_t{64} << 10, (kSetBytes / n) & ~size_t{4095});
@@ -165,9 +167,10 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
   if (!ok) error = "more than " + std::to_string(kMaxRanks) + " ranks on the host";
   for (int s = 0; s < streams; ++s) {
     shm->segments_.emplace_back(new Segment());
-    shm->segments_.back()->name = "/perseus-" + std::string(hex) + "-" + std::to_string(s);
+    shm->segments_.back()->name = "/perseus-" + std::string(hex) + "-h" +
+                                  std::to_string(cross_rank) + "-" + std::to_string(s);
   }
-  // Rank 0 creates every segment; the others map them once it has.
+  // Local rank 0 creates its host's segments; the others map them once it has.
   if (ok && shm->rank_ == 0) {
     for (auto& seg : shm->segments_) {
       shm_unlink(seg->name.c_str());  // a stale one from a crashed job of the same id
@@ -201,7 +204,10 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
     }
   }
   if (ok) {
-    for (auto& seg : shm->segments_) seg->header->pid[shm->rank_] = static_cast<int32_t>(getpid());
+    for (auto& seg : shm->segments_) {
+      seg->header->pid[shm->rank_] = static_cast<int32_t>(getpid());
+      seg->header->world[shm->rank_] = backend.rank();
+    }
   }
   bool all = ControlMin(backend, ok ? 1 : 0) == 1;
   // Mapped everywhere (or given up): the names are no longer needed, and
@@ -230,7 +236,7 @@ ShmAllreduce::~ShmAllreduce() = default;
 
 void ShmAllreduce::Abort() {
   for (auto& seg : segments_) {
-    seg->header->aborted.store(rank_ + 1);
+    seg->header->aborted.store(rank_ + 1);  // a local rank; Barrier names it
     Futex(&seg->header->generation, FUTEX_WAKE, INT_MAX, nullptr);
   }
 }
@@ -263,23 +269,23 @@ void ShmAllreduce::Barrier(Segment& s) {
     h->waiters.fetch_sub(1, std::memory_order_relaxed);
     if (h->generation.load(std::memory_order_acquire) != gen) return;
     if (int32_t who = h->aborted.load()) {
-      throw std::runtime_error("rank " + std::to_string(who - 1) +
-                               " failed during a shared-memory allreduce");
+      throw std::runtime_error("rank " + std::to_string(h->world[who - 1]) +
+                               " failed during a shared-memory collective");
     }
     // Who has not arrived yet: gone, or late?
     std::vector<int> late;
     for (int r = 0; r < size_; ++r) {
       if (h->entered[r].load(std::memory_order_relaxed) >= mine) continue;
       if (ProcessGone(h->pid[r])) {
-        throw std::runtime_error("rank " + std::to_string(r) + " (pid " +
+        throw std::runtime_error("rank " + std::to_string(h->world[r]) + " (pid " +
                                  std::to_string(h->pid[r]) +
-                                 ") exited during a shared-memory allreduce");
+                                 ") exited during a shared-memory collective");
       }
-      late.push_back(r);
+      late.push_back(h->world[r]);
     }
     if (std::chrono::steady_clock::now() > deadline) {
       std::ostringstream msg;
-      msg << "a shared-memory allreduce timed out after " << timeout_.count() / 1000.0
+      msg << "a shared-memory collective timed out after " << timeout_.count() / 1000.0
           << " s (GLOO_TIMEOUT_SECONDS) waiting for rank";
       if (late.size() > 1) msg << "s";
       for (size_t i = 0; i < late.size(); ++i) msg << (i ? ", " : " ") << late[i];
@@ -289,6 +295,34 @@ void ShmAllreduce::Barrier(Segment& s) {
 }
 
 void ShmAllreduce::Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
+  Reduction(stream, data, count, dtype, fn, true);
+}
+
+void ShmAllreduce::Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
+  Reduction(stream, data, count, dtype, fn, false);
+}
+
+void ShmAllreduce::Broadcast(int stream, void* data, size_t bytes) {
+  if (bytes == 0 || size_ == 1) return;
+  Segment& s = *segments_.at(static_cast<size_t>(stream));
+  // A whole set of slots per chunk: the leader writes, the others read after
+  // the barrier. The chunk after uses the other set, and the one after that
+  // only starts once everyone has passed the next barrier, i.e. has read.
+  const size_t capacity = static_cast<size_t>(size_) * slot_bytes_;
+  char* base = static_cast<char*>(data);
+  for (size_t done = 0; done < bytes;) {
+    const size_t m = std::min(capacity, bytes - done);
+    char* set = s.slots + static_cast<size_t>(s.set) * capacity;
+    s.set ^= 1;
+    if (rank_ == 0) std::memcpy(set, base + done, m);
+    Barrier(s);
+    if (rank_ != 0) std::memcpy(base + done, set, m);
+    done += m;
+  }
+}
+
+void ShmAllreduce::Reduction(int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
+                             bool all) {
   if (count == 0 || size_ == 1) return;
   Segment& s = *segments_.at(static_cast<size_t>(stream));
   const size_t esize = DataTypeSize(dtype);
@@ -316,7 +350,7 @@ void ShmAllreduce::Allreduce(int stream, void* data, size_t count, DataType dtyp
       std::memcpy(slot(rank_) + a * esize, out, (b - a) * esize);
     }
     Barrier(s);
-    for (size_t r = 0; r < n; ++r) {
+    for (size_t r = 0; r < n && (all || rank_ == 0); ++r) {
       if (r == static_cast<size_t>(rank_) || hi(r) <= lo(r)) continue;
       std::memcpy(chunk + lo(r) * esize, slot(r) + lo(r) * esize, (hi(r) - lo(r)) * esize);
     }

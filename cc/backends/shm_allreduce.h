@@ -1,7 +1,7 @@
-// Allreduce through shared memory among the ranks of one host.
+// Collectives through shared memory among the ranks of one host.
 //
-// When every rank of the world runs on one host, TCP over loopback is the
-// slowest way for them to add up a buffer: each ring step copies through the
+// Between the ranks of one host, TCP over loopback is the slowest way to add
+// up a buffer: each ring step copies through the
 // kernel twice and needs every process scheduled in turn. Here each stream
 // owns a shared segment with one slot per rank, in two sets (alternate chunks
 // use alternate sets, so a chunk's results can be read while the next is
@@ -32,17 +32,24 @@ class GlooBackend;
 class ShmAllreduce {
  public:
   // Collective over the whole world (through the backend's control
-  // context). Every rank must be on one host (local_size == size). Returns
-  // null on every rank, with the reason in *why_not, when any rank cannot
-  // map the segments (no /dev/shm, too little space): then all ranks keep
-  // using Gloo, so that they still run the same algorithm.
+  // context): each host's ranks (this one is local_rank of local_size on
+  // host cross_rank) map segments of their own. Returns null on every rank,
+  // with the reason in *why_not, when any rank cannot map them (no
+  // /dev/shm, too little space): then all ranks keep using Gloo, so that
+  // they still run the same algorithm.
   static std::unique_ptr<ShmAllreduce> Connect(GlooBackend& backend, const std::string& key,
+                                               int local_rank, int local_size, int cross_rank,
                                                int streams, std::chrono::milliseconds timeout,
                                                std::string* why_not);
   ~ShmAllreduce();
 
-  // Throws std::runtime_error naming the rank that is gone or late.
+  // Among the host's ranks. All throw std::runtime_error naming the rank
+  // that is gone or late.
   void Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn);
+  // The sum (fn) lands in local rank 0's buffer; the others' are clobbered.
+  void Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn);
+  // Local rank 0's bytes to every rank of the host.
+  void Broadcast(int stream, void* data, size_t bytes);
   // Wakes every waiting rank with an error (this rank's runtime failed).
   void Abort();
 
@@ -53,6 +60,7 @@ class ShmAllreduce {
  private:
   ShmAllreduce() = default;
   void Barrier(Segment& s);
+  void Reduction(int stream, void* data, size_t count, DataType dtype, ReduceFn fn, bool all);
 
   int rank_ = 0;
   int size_ = 1;

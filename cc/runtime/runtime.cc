@@ -185,10 +185,14 @@ Status Runtime::Init(const InitOptions& options) {
     }
     backend_.reset(new GlooBackend(bo, store_.get()));
     shm_.reset();
-    if (options.shm && options.process_set_id == 0 && options.size > 1 &&
-        options.local_size == options.size) {
+    // Shared memory inside each host: for the whole allreduce when the job
+    // is one host, for the host phases of the two-level one otherwise.
+    if (options.shm && options.process_set_id == 0 && options.local_size > 1 &&
+        (options.cross_size == 1 || backend_->hierarchical())) {
       std::string why_not;
-      shm_ = ShmAllreduce::Connect(*backend_, bo.key_prefix, bo.streams, bo.timeout, &why_not);
+      shm_ = ShmAllreduce::Connect(*backend_, bo.key_prefix, options.local_rank,
+                                   options.local_size, options.cross_rank, bo.streams,
+                                   bo.timeout, &why_not);
       if (!shm_ && options.rank == 0) {
         std::fprintf(stderr,
                      "Perseus: allreduce uses Gloo over TCP, not shared memory: %s "
@@ -1164,7 +1168,7 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
       backend_ && backend_->hierarchical() &&
       (half_across > 0 || options_.allreduce_mode == 1 ||
        (options_.allreduce_mode < 0 && bytes >= (256u << 10)));
-  if (shm_) {  // the world is one host
+  if (shm_ && options_.cross_size == 1) {  // the world is one host
     TimelineSpan span(timeline_, 1 + stream,
                       dtype == DataType::kFloat16 ? "shm allreduce (fp16)" : "shm allreduce",
                       "communication");
@@ -1257,7 +1261,11 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
     for (size_t c = 0; c < chunks; ++c) {
       {
         TimelineSpan span(timeline_, 1 + stream, "host reduce", "communication");
-        backend_->LocalReduce(stream, base + first(c) * esize, length(c), dtype, fn);
+        if (shm_) {
+          shm_->Reduce(stream, base + first(c) * esize, length(c), dtype, fn);
+        } else {
+          backend_->LocalReduce(stream, base + first(c) * esize, length(c), dtype, fn);
+        }
       }
       std::lock_guard<std::mutex> lock(mu);
       reduced = c + 1;
@@ -1271,7 +1279,11 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
         if (cross_failed) throw std::runtime_error("cross-host allreduce stopped");
       }
       TimelineSpan span(timeline_, 1 + stream, "host broadcast", "communication");
-      backend_->LocalBroadcast(stream, base + first(c) * esize, length(c) * esize);
+      if (shm_) {
+        shm_->Broadcast(stream, base + first(c) * esize, length(c) * esize);
+      } else {
+        backend_->LocalBroadcast(stream, base + first(c) * esize, length(c) * esize);
+      }
     }
   } catch (...) {
     stop_helper();

@@ -66,8 +66,9 @@ struct InitOptions {
   // allreduce among hosts' leaders, broadcast in the host), -1 choose.
   // Hierarchy needs several hosts of several ranks each (launcher topology).
   int allreduce_mode = -1;
-  // PERSEUS_SHM_ALLREDUCE: when every rank of the world is on one host,
-  // allreduce through shared memory instead of TCP over loopback.
+  // PERSEUS_SHM_ALLREDUCE: allreduce through shared memory instead of TCP
+  // over loopback between the ranks of a host (the whole allreduce when the
+  // world is one host; the host phases of the two-level one otherwise).
   bool shm = true;
   // Top-k (kCompressTopk): each rank sends its ceil(ratio * n) largest
   // |gradient + residual| elements; tensors under threshold bytes use
@@ -118,7 +119,7 @@ struct Stats {
   int64_t perf_reports = 0;      // slow-rank checks made (PERSEUS_PERF_CHECK_N_STEPS)
   std::vector<int> slow_ranks;   // flagged by the latest check (world ranks)
   bool hierarchical = false;  // two-level allreduce is available (and not turned off)
-  bool shm = false;           // allreduce runs through shared memory (one host)
+  bool shm = false;           // ranks of a host allreduce through shared memory
   int64_t plans = 0;          // offline plans entered
   int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
   int64_t offline_steps = 0;  // steps run from a plan, without control messages
@@ -234,7 +235,7 @@ class Runtime {
 
   std::unique_ptr<StoreClient> store_;
   std::unique_ptr<GlooBackend> backend_;
-  std::unique_ptr<ShmAllreduce> shm_;  // world on one host only
+  std::unique_ptr<ShmAllreduce> shm_;  // among this host's ranks
   std::unique_ptr<Negotiator> negotiator_;
 
   std::mutex mu_;  // guards queue_, pending_, shutdown_requested_, failure_

@@ -215,6 +215,9 @@ def check_two_level_allreduce_equals_flat():
     st = _native.stats()
     mode = os.environ.get("PERSEUS_ALLREDUCE_MODE")
     assert st["hierarchical"] == (_two_level() and mode != "0"), (st["hierarchical"], TOPO)
+    # The ranks of a host meet in shared memory (every launch here has
+    # several ranks per host) unless it is turned off.
+    assert st["shm"] is (os.environ.get("PERSEUS_SHM_ALLREDUCE") != "0"), st["shm"]
     n = 300_000  # above the automatic threshold (256 KiB)
     xi = np.arange(n, dtype=np.int64) * (R + 1)
     got = _core.submit(OP_ALLREDUCE, xi, "h.int", DTYPE_CODES["int64"], reduce_op=SUM,
