@@ -186,8 +186,9 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
       h->magic = kMagic;
     }
   }
-  ok = ControlMin(backend, ok ? 1 : 0) == 1 && ok;
-  if (ok && shm->rank_ != 0) {
+  // `ok`: this rank has failed nothing so far; `all`: neither has any rank.
+  bool all = ControlMin(backend, ok ? 1 : 0) == 1;
+  if (all && shm->rank_ != 0) {
     for (auto& seg : shm->segments_) {
       if (!seg->Map(false, want, &error)) {
         ok = false;
@@ -203,20 +204,20 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
       }
     }
   }
-  if (ok) {
+  if (all && ok) {
     for (auto& seg : shm->segments_) {
       seg->header->pid[shm->rank_] = static_cast<int32_t>(getpid());
       seg->header->world[shm->rank_] = backend.rank();
     }
   }
-  bool all = ControlMin(backend, ok ? 1 : 0) == 1;
+  all = ControlMin(backend, all && ok ? 1 : 0) == 1;
   // Mapped everywhere (or given up): the names are no longer needed, and
   // nothing is left in /dev/shm however the job ends.
   if (shm->rank_ == 0) {
     for (auto& seg : shm->segments_) shm_unlink(seg->name.c_str());
   }
   if (!all) {
-    *why_not = ok ? "another rank could not map the shared segments" : error;
+    *why_not = ok ? "" : error;
     return nullptr;
   }
   // A wait tells a dead rank from a late one by its pid: every rank must see
@@ -226,7 +227,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
     visible = !ProcessGone(shm->segments_[0]->header->pid[r]);
   }
   if (ControlMin(backend, visible ? 1 : 0) != 1) {
-    *why_not = "some ranks cannot see the others' processes (separate PID namespaces?)";
+    if (!visible) *why_not = "it cannot see the other ranks' processes (a separate PID namespace?)";
     return nullptr;
   }
   return shm;

@@ -33,10 +33,10 @@ class ShmAllreduce {
  public:
   // Collective over the whole world (through the backend's control
   // context): each host's ranks (this one is local_rank of local_size on
-  // host cross_rank) map segments of their own. Returns null on every rank,
-  // with the reason in *why_not, when any rank cannot map them (no
-  // /dev/shm, too little space): then all ranks keep using Gloo, so that
-  // they still run the same algorithm.
+  // host cross_rank) map segments of their own. Returns null on every rank
+  // when any rank cannot map them (no /dev/shm, too little space): then all
+  // ranks keep using Gloo, so that they still run the same algorithm. The
+  // ranks that failed say why in *why_not; the others leave it empty.
   static std::unique_ptr<ShmAllreduce> Connect(GlooBackend& backend, const std::string& key,
                                                int local_rank, int local_size, int cross_rank,
                                                int streams, std::chrono::milliseconds timeout,

@@ -193,11 +193,13 @@ Status Runtime::Init(const InitOptions& options) {
       shm_ = ShmAllreduce::Connect(*backend_, bo.key_prefix, options.local_rank,
                                    options.local_size, options.cross_rank, bo.streams,
                                    bo.timeout, &why_not);
-      if (!shm_ && options.rank == 0) {
+      if (!shm_ && (options.rank == 0 || !why_not.empty())) {
         std::fprintf(stderr,
-                     "Perseus: allreduce uses Gloo over TCP, not shared memory: %s "
+                     "Perseus rank %d: allreduce uses Gloo over TCP, not shared memory: %s "
                      "(PERSEUS_SHM_ALLREDUCE=0 turns shared memory off)\n",
-                     why_not.c_str());
+                     options.rank,
+                     why_not.empty() ? "another rank could not map the shared segments"
+                                     : why_not.c_str());
       }
     }
   } catch (const std::exception& e) {
