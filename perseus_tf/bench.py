@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     gr.add_argument("--size-budget", type=float, default=SIZE_BUDGET_S, metavar="S",
                     help=f"seconds the timed steps should take, both paths together, when "
                          f"choosing the iteration count (default {SIZE_BUDGET_S:g})")
+    gr.add_argument("--block", type=_positive_int, default=5, metavar="B",
+                    help="timed steps each path runs back to back before the next path's "
+                         "turn (default 5; 1 alternates step by step)")
     gr.add_argument("--online", action="store_true",
                     help="also time the same step negotiated online every step (not "
                          "plannable, under other names), alternated with the rest, and print "
@@ -668,7 +671,7 @@ def mean_counters(deltas: list) -> dict:
 
 
 def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: int,
-                    budget_s: float, online: bool = False) -> dict:
+                    budget_s: float, online: bool = False, block: int = 1) -> dict:
     """Times one step of ours and of raw Gloo (and with `online`, of ours
     negotiated online), alternately; returns this rank's summary."""
     np = coll.np
@@ -741,11 +744,15 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     order = [(ours_counted, ours_times), (lambda: timed(raw_gloo), raw_times)]
     if online:
         order.append((counted(ours_online, online_counters), online_times))
-    for i in range(iters):
-        # Alternate which path goes first, so drift hits all alike.
-        for fn, times in (order if i % 2 == 0 else order[::-1]):
-            coll.sync()
-            times.append(fn())
+    # Each path runs `block` steps back to back, as a training loop runs its
+    # steps; the paths alternate block by block, and which goes first
+    # alternates too, so drift hits all alike.
+    for start in range(0, iters, block):
+        steps = min(block, iters - start)
+        for fn, times in (order if (start // block) % 2 == 0 else order[::-1]):
+            for _ in range(steps):
+                coll.sync()
+                times.append(fn())
     result = {"tensors": len(tensors), "bytes": total * FLOAT32_BYTES, "iters": iters,
               "ours": summarize(ours_times), "raw": summarize(raw_times),
               "counters": mean_counters(counters), "max_rel_err": error}
@@ -859,15 +866,16 @@ def run_gradients(args) -> int:
               f"cycle time {cfg.cycle_time_ms:g} ms, compression setting "
               f"{compression_setting(cfg)}, PERSEUS_OFFLINE_NEG={offline}")
         print(f"# steps: up to {args.iters} timed of each path (at least "
-              f"{min(MIN_ITERS, args.iters)}, ~{args.size_budget:g} s in all), warmup "
-              f"{args.warmup}; machine: {machine_description()}")
+              f"{min(MIN_ITERS, args.iters)}, ~{args.size_budget:g} s in all), in turns of "
+              f"{args.block} consecutive steps per path, warmup {args.warmup}; machine: "
+              f"{machine_description()}")
         print("# times are rank 0's per step, median and min-max in ms; busbw = bytes / time "
               "* 2(n-1)/n in GB/s (1e9 bytes); wire_MB = 2(n-1)/n * bytes, what a ring "
               "allreduce sends per rank; ctrl_B, buckets (responses) and cycles: rank 0's "
               "_core.stats() per step of ours; ratio = ours time / raw time (lower is better)")
         sys.stdout.flush()
     result = bench_gradients(coll, tensors, args.warmup, args.iters, args.size_budget,
-                             online=args.online)
+                             online=args.online, block=args.block)
     error = result["max_rel_err"]
     exact = error <= EXACT_REL_ERR
     if error == float("inf") or (coll.native.gradient_compression() == 0 and not exact):

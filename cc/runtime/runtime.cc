@@ -775,6 +775,11 @@ void Runtime::RunOffline(bool* stop) {
     online = !queue_.empty() || negotiator_->HasPending();
   }
   const int plan_streams = options_.streams;
+  if (buckets.size() == 1 && plan_.buckets.size() == 1 && !online) {
+    // A step of one bucket, nothing online waiting: run it on this thread.
+    const int stream = static_cast<int>(buckets[0].first % plan_streams);
+    if (RunHereIfIdle(stream, buckets[0].second, work[0])) return;
+  }
   for (size_t i = 0; i < buckets.size(); ++i) {
     DispatchTo(static_cast<int>(buckets[i].first % plan_streams), std::move(buckets[i].second),
                std::move(work[i]));
@@ -809,27 +814,27 @@ void Runtime::Dispatch(Response response, bool lone) {
   // offline, it goes to the extra stream so that the two orders never mix.
   int stream = offline_ ? options_.streams
                         : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
-  if (lone) {
-    // The only work of this cycle, and its stream is idle: run it here and
-    // save a thread hand-off (the stream's order is unchanged: nothing else
-    // can be dispatched to it while this thread is busy).
-    Stream& s = *streams_[stream];
-    bool here = false;
-    {
-      std::lock_guard<std::mutex> lock(s.mu);
-      if (s.queue.empty() && !s.busy) here = s.busy = true;
-    }
-    if (here) {
-      RunOnStream(stream, response, requests);
-      {
-        std::lock_guard<std::mutex> lock(s.mu);
-        s.busy = false;
-      }
-      s.cv.notify_one();
-      return;
-    }
-  }
+  if (lone && RunHereIfIdle(stream, response, requests)) return;
   DispatchTo(stream, std::move(response), std::move(requests));
+}
+
+bool Runtime::RunHereIfIdle(int stream, Response& response,
+                            std::vector<std::shared_ptr<Request>>& requests) {
+  // Saves a thread hand-off. The stream's order is unchanged: nothing else
+  // can be dispatched to it while this thread is busy.
+  Stream& s = *streams_[stream];
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.queue.empty() || s.busy) return false;
+    s.busy = true;
+  }
+  RunOnStream(stream, response, requests);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.busy = false;
+  }
+  s.cv.notify_one();
+  return true;
 }
 
 void Runtime::DispatchTo(int stream, Response response,

@@ -182,6 +182,10 @@ class Runtime {
   void Dispatch(Response response, bool lone = false);
   void RunOnStream(int index, Response& response,
                    std::vector<std::shared_ptr<Request>>& requests);
+  // Runs the response on the calling thread when `stream` is idle; false
+  // (nothing done) when it is busy or has work queued.
+  bool RunHereIfIdle(int stream, Response& response,
+                     std::vector<std::shared_ptr<Request>>& requests);
   void DispatchTo(int stream, Response response,
                   std::vector<std::shared_ptr<Request>> requests);
   // Offline mode (see runtime.cc, "Offline plans").
