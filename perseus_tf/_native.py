@@ -57,6 +57,7 @@ def init(**overrides):
             gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck),
             timeline=timeline_path(cfg.timeline, topo.rank),
             perf_check_n_steps=cfg.perf_check_n_steps,
+            plan_check_n_steps=cfg.offline_neg_check_n_steps,
             allreduce_mode=-1 if cfg.allreduce_mode is None else cfg.allreduce_mode,
             shm=bool(cfg.shm_allreduce),
             fusion_granularity=-1 if cfg.fusion is None else cfg.fusion,

@@ -42,6 +42,7 @@ class Config:
     streams: Optional[int] = None     # None: auto_streams()
     fusion: Optional[int] = None
     offline_neg: Optional[int] = None
+    offline_neg_check_n_steps: int = 0  # compare the ranks' plans every N plan steps
     accumulate_n_steps: int = 1
     downsample_n_elements: int = 1
     gradient_momentum: float = 1.0
@@ -100,6 +101,7 @@ VARIABLES = {
     "streams": ("PERSEUS_ALLREDUCE_STREAMS", *_int_range(1, 12)),
     "fusion": ("PERSEUS_ALLREDUCE_FUSION", *_int_range(0, 128)),
     "offline_neg": ("PERSEUS_OFFLINE_NEG", *_choice(0, 1)),
+    "offline_neg_check_n_steps": ("PERSEUS_OFFLINE_NEG_CHECK_N_STEPS", *_int_range(0, 10**9)),
     "accumulate_n_steps": ("PERSEUS_ACCUMULATE_N_STEPS", *_int_range(1, 1024)),
     "downsample_n_elements": ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", *_int_range(1, 1024)),
     "gradient_momentum": ("PERSEUS_GRADIENT_MOMENTUM", *_float_range(0, 1, lo_open=True)),

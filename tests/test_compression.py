@@ -18,7 +18,9 @@ LAUNCHES = {
                                      "PERSEUS_TOPK_RATIO": "0.05",
                                      "PERSEUS_TOPK_THRESHOLD": "40000"}),
     "2hosts-hierarchical-fp16": (4, HOSTS, {"PERSEUS_ALLREDUCE_MODE": "1",
-                                            "PERSEUS_ALLREDUCE_DTYPE": "0"}),
+                                            "PERSEUS_ALLREDUCE_DTYPE": "0",
+                                            # plans compared every 2 plan steps
+                                            "PERSEUS_OFFLINE_NEG_CHECK_N_STEPS": "2"}),
     # The host phases over Gloo (TCP) instead of shared memory.
     "2hosts-hierarchical-none-tcp": (4, HOSTS, {"PERSEUS_ALLREDUCE_MODE": "1",
                                                 "PERSEUS_ALLREDUCE_DTYPE": "1",

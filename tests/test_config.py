@@ -10,6 +10,7 @@ def test_defaults_match_the_documented_ones():
     assert (c.allreduce_dtype, c.gradient_scale, c.streams, c.accumulate_n_steps,
             c.timeout_seconds, c.nancheck, c.perf_check_n_steps) == (0, 10.0, None, 1, 60.0, 0, 0)
     assert c.allreduce_mode is None and c.fusion is None and c.offline_neg is None
+    assert c.offline_neg_check_n_steps == 0
 
 
 def test_streams_are_chosen_from_cpus_per_local_rank_when_unset():
@@ -30,6 +31,7 @@ def test_streams_are_chosen_from_cpus_per_local_rank_when_unset():
     ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", "0", "(0, 1000000.0]"),
     ("PERSEUS_GRADIENT_MOMENTUM", "1.5", "(0, 1]"),
     ("PERSEUS_ACCUMULATE_N_STEPS", "0", "from 1 to 1024"),
+    ("PERSEUS_OFFLINE_NEG_CHECK_N_STEPS", "-1", "an integer from 0 to 1000000000"),
 ])
 def test_bad_values_name_variable_and_range(variable, value, needle):
     with pytest.raises(ConfigError) as e:

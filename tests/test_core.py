@@ -1,8 +1,13 @@
 """The runtime through the pybind11 module at 2 and 4 ranks, fused and unfused."""
 
+import math
+import os
+import re
+import sys
+
 import pytest
 
-from harness import check_names, run_checks
+from harness import WORKERS, check_names, launch, run_checks
 
 CHECKS = check_names("checks_core")
 CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
@@ -23,3 +28,87 @@ def test_core(launched, check):
 
 def test_clean_exit(launched):
     assert launched.proc.returncode == 0, launched.proc.stderr[-3000:]
+
+
+def _plan_check_run(np_, check_every, swap=None, hosts=None, env=None, steps=16, argument=False):
+    """Runs plan_check_worker.py; returns {rank: [(plan step, "OK"|"WRONG",
+    control bytes so far)]}, {rank: failure message} and {rank: plan checks
+    at the end}."""
+    extra = {"PERSEUS_OFFLINE_NEG_CHECK_N_STEPS": None if argument else str(check_every),
+             "PERSEUS_TEST_PLAN_SWAP": swap, **(env or {})}
+    argv = [sys.executable, os.path.join(WORKERS, "plan_check_worker.py"), str(steps)]
+    if argument:  # init(offline_neg_check_n_steps=...) instead of the variable
+        argv.append(str(check_every))
+    proc = launch(np_, argv, env=extra, hosts=hosts, timeout=180)
+    steps_by_rank, failed, done = {}, {}, {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"\[(\d+)\] (STEP \d+ (OK|WRONG) (\d+) (\d+)|FAILED \d+ (.*)|DONE (\d+))$", line)
+        if not m:
+            continue
+        rank = int(m.group(1))
+        if m.group(3):
+            # offline_steps after the step; 0: the step was negotiated online.
+            steps_by_rank.setdefault(rank, []).append(
+                (int(m.group(4)) - 1, m.group(3), int(m.group(5))))
+        elif m.group(6) is not None:
+            failed[rank] = m.group(6)
+        else:
+            done[rank] = int(m.group(7))
+    return proc, steps_by_rank, failed, done
+
+
+@pytest.mark.parametrize("np_,victim,swap_at,every,hosts,env", [
+    (2, 1, 5, 4, None, {}),
+    (4, 2, 5, 4, None, {"PERSEUS_SHM_ALLREDUCE": "0"}),
+    (4, 3, 4, 3, "127.0.0.1:2,127.0.0.2:2", {"PERSEUS_ALLREDUCE_MODE": "1"}),
+], ids=["2ranks-shm", "4ranks-tcp", "2hosts-hierarchical"])
+def test_plan_check_names_the_tensor_where_plans_differ(np_, victim, swap_at, every, hosts, env):
+    # One rank's copy of the plan has two same-shaped tensors swapped from
+    # plan step swap_at on: its requests still fit, so the votes see nothing
+    # and the sums are wrong until the next check, which fails every rank
+    # naming both tensors and which ranks hold which.
+    proc, steps, failed, _ = _plan_check_run(np_, every, swap=f"{victim}:{swap_at}", hosts=hosts,
+                                             env=env)
+    out = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode != 0 and sorted(failed) == list(range(np_)), out
+    check_at = math.ceil((swap_at + 1) / every) * every  # the first check after the swap
+    for rank in range(np_):
+        planned = [(s, v) for s, v, _ in steps[rank] if s >= 0]
+        assert planned == [(s, "OK") for s in range(swap_at)] + \
+            [(s, "WRONG") for s in range(swap_at, check_at)], (rank, steps[rank])
+        message = failed[rank]
+        assert f"offline plan check before plan step {check_at}" in message, message
+        assert f"PERSEUS_OFFLINE_NEG_CHECK_N_STEPS={every}" in message, message
+        held = dict(re.findall(r"(ranks? [\d, ]+) ha(?:s|ve) '([^']+)' \(float32 \[5\]\)", message))
+        others = ", ".join(str(r) for r in range(np_) if r != victim)
+        assert sorted(held) == sorted([f"rank {victim}", f"rank{'s' if np_ > 2 else ''} {others}"]), \
+            message
+        assert len(set(held.values())) == 2 and all(n.startswith("check.g") for n in held.values()), \
+            message
+
+
+def test_plan_swap_is_silent_without_the_check():
+    # What the check guards against: with it off, the same fault gives wrong
+    # sums on every step from the swap on, and nothing reports it.
+    proc, steps, failed, done = _plan_check_run(2, 0, swap="1:3")
+    assert proc.returncode == 0 and not failed and done == {0: 0, 1: 0}, proc.stderr[-3000:]
+    for rank in range(2):
+        planned = [(s, v) for s, v, _ in steps[rank] if s >= 0]
+        assert len(planned) >= 8, steps[rank]
+        assert planned == [(s, "OK") for s in range(3)] + \
+            [(s, "WRONG") for s in range(3, len(planned))], steps[rank]
+
+
+def test_plan_check_passes_when_plans_agree():
+    # Two hosts x 2, hierarchical, the init() argument: checks before plan
+    # steps 0, 3, 6, ... pass, every sum is right, and no control message is
+    # sent for them.
+    proc, steps, failed, done = _plan_check_run(4, 3, hosts="127.0.0.1:2,127.0.0.2:2",
+                                                env={"PERSEUS_ALLREDUCE_MODE": "1"}, argument=True)
+    assert proc.returncode == 0 and not failed, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(4):
+        assert all(v == "OK" for _, v, _ in steps[rank]), steps[rank]
+        plan_steps = steps[rank][-1][0] + 1
+        control = [c for s, _, c in steps[rank] if s >= 1]
+        assert control[0] == control[-1], steps[rank]  # from the plan's second step on
+        assert plan_steps >= 8 and done[rank] == math.ceil(plan_steps / 3), (done, steps[rank])

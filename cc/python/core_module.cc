@@ -250,6 +250,7 @@ py::dict StatsDict(int process_set) {
   d["slow_ranks"] = st.slow_ranks;
   d["plan_exits"] = st.plan_exits;
   d["offline_steps"] = st.offline_steps;
+  d["plan_checks"] = st.plan_checks;
   d["hierarchical"] = st.hierarchical;
   d["shm"] = st.shm;
   auto stream_dict = [](const StreamStats& s) {
@@ -302,6 +303,7 @@ PYBIND11_MODULE(_core, m) {
     if (o.contains("nancheck")) opts.nancheck = o["nancheck"].cast<bool>();
     if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();
     if (o.contains("perf_check_n_steps")) opts.perf_check_n_steps = o["perf_check_n_steps"].cast<int>();
+    if (o.contains("plan_check_n_steps")) opts.plan_check_n_steps = o["plan_check_n_steps"].cast<int>();
     if (o.contains("allreduce_mode")) opts.allreduce_mode = o["allreduce_mode"].cast<int>();
     if (o.contains("shm")) opts.shm = o["shm"].cast<bool>();
     if (o.contains("fusion_granularity")) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <sstream>
@@ -248,6 +249,15 @@ Status Runtime::Init(const InitOptions& options) {
   plan_pos_ = 0;
   leave_vote_ = aborting_ = step_started_ = false;
   plan_in_flight_ = 0;
+  test_swap_rank_ = -1;
+  if (const char* swap = std::getenv("PERSEUS_TEST_PLAN_SWAP")) {
+    long long step = 0;
+    if (options.process_set_id == 0 && std::sscanf(swap, "%d:%lld", &test_swap_rank_, &step) == 2) {
+      test_swap_step_ = step;
+    } else {
+      test_swap_rank_ = -1;
+    }
+  }
   for (int s = 0; s <= options.streams; ++s) {
     streams_[s]->thread = std::thread(&Runtime::StreamLoop, this, s);
   }
@@ -593,6 +603,8 @@ void Runtime::EnterOffline() {
   plan_ = negotiator_->TakePlan();
   plan_pos_ = 0;
   plan_in_flight_ = 0;
+  plan_steps_ = 0;
+  plan_checked_ = -1;
   leave_vote_ = aborting_ = step_started_ = false;
   // Plannable requests not yet sent run from the plan instead.
   std::deque<TensorMeta> keep;
@@ -652,7 +664,15 @@ bool Runtime::CanDispatchPlanLocked() const {
   // A new step starts with real data, or with a vote once the previous
   // step's buckets are all finished (then it is the step that leaves).
   if (voting) return plan_in_flight_ == 0 && !aborting_;
+  // A step that is checked first waits for the previous one to finish: the
+  // check uses the first stream's connections.
+  if (PlanCheckDueLocked() && plan_in_flight_ != 0) return false;
   return PlanBucketReadyLocked();
+}
+
+bool Runtime::PlanCheckDueLocked() const {
+  const int64_t n = options_.plan_check_n_steps;
+  return n > 0 && !step_started_ && plan_steps_ % n == 0 && plan_checked_ != plan_steps_;
 }
 
 bool Runtime::PlanBucketFinished(int64_t votes,
@@ -717,6 +737,115 @@ void Runtime::PerfCheckStep(const std::vector<double>& ms_by_rank) {
   }
 }
 
+// ---- Plan check (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS) ------------------------
+//
+// The votes catch a rank whose requests do not fit its plan; they cannot
+// catch ranks whose plans differ (the same tensors packed in another order
+// or other buckets would be summed with the wrong elements, silently). So
+// when a plan is entered, and then every N plan steps, every rank compares
+// a digest of its copy of the plan before the step's first bucket: one
+// allreduce of four integers. On a difference, two more find the first
+// position where the plans differ and gather each rank's tensor there, and
+// every rank fails naming them.
+
+namespace {
+uint64_t Fnv1a(uint64_t h, const void* data, size_t n) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+template <typename T>
+uint64_t FnvValue(uint64_t h, const T& v) {
+  return Fnv1a(h, &v, sizeof(v));
+}
+constexpr size_t kPlanCheckText = 240;  // bytes per rank describing its tensor
+}  // namespace
+
+void Runtime::CheckPlan(int64_t step) {
+  TimelineSpan span(timeline_, 0, "plan check", "negotiation");
+  // One digest per position of the plan (bucket by bucket, in order): the
+  // tensor's name and everything MatchesPlan compares, and its bucket.
+  std::vector<int64_t> digests;
+  std::vector<std::string> described;
+  for (size_t b = 0; b < plan_.buckets.size(); ++b) {
+    const Response& r = plan_.buckets[b];
+    for (size_t i = 0; i < r.names.size(); ++i) {
+      const TensorMeta& m = r.metas[i];
+      uint64_t h = 14695981039346656037ull;
+      h = Fnv1a(h, r.names[i].data(), r.names[i].size());
+      h = FnvValue(h, b);
+      h = FnvValue(h, static_cast<int32_t>(m.op));
+      h = FnvValue(h, static_cast<int32_t>(m.dtype));
+      h = FnvValue(h, static_cast<int32_t>(m.reduce_op));
+      h = FnvValue(h, m.group);
+      h = FnvValue(h, m.compression);
+      h = FnvValue(h, m.prescale);
+      h = FnvValue(h, m.postscale);
+      for (int64_t d : m.shape) h = FnvValue(h, d);
+      digests.push_back(static_cast<int64_t>((h >> 2) | 1));  // in [1, 2^62): negation is safe
+      described.push_back("'" + r.names[i] + "' (" + DataTypeName(m.dtype) + " " +
+                          ShapeString(m.shape) + ") in bucket " + std::to_string(b));
+    }
+  }
+  uint64_t whole = 14695981039346656037ull;
+  for (int64_t d : digests) whole = FnvValue(whole, d);
+  const int64_t all = static_cast<int64_t>((whole >> 2) | 1);
+  const int64_t count = static_cast<int64_t>(digests.size());
+  ReduceFn min64 = GetReduceFn(DataType::kInt64, ReduceOp::kMin);
+  // Minimum of x and of -x: the smallest and (negated) largest value.
+  std::vector<int64_t> head{all, -all, count, -count};
+  AllreduceBuffer(0, head.data(), head.size(), DataType::kInt64, min64);
+  if (head[0] == -head[1] && head[2] == -head[3]) return;
+
+  const int64_t longest = -head[3];
+  std::vector<int64_t> at(2 * static_cast<size_t>(longest), 0);
+  for (int64_t i = 0; i < longest; ++i) {
+    const int64_t d = i < count ? digests[i] : 0;  // 0: no tensor at this position
+    at[i] = d;
+    at[longest + i] = -d;
+  }
+  AllreduceBuffer(0, at.data(), at.size(), DataType::kInt64, min64);
+  int64_t pos = -1;
+  for (int64_t i = 0; i < longest && pos < 0; ++i) {
+    if (at[i] != -at[longest + i]) pos = i;
+  }
+  // Each rank's description of its tensor at that position, in its own slot
+  // (the others are zero, so the sum is the text).
+  std::vector<uint8_t> text(kPlanCheckText * options_.size, 0);
+  std::string mine = pos < 0 ? "a plan of " + std::to_string(count) + " tensors"
+                     : pos < count ? described[pos]
+                                   : "no tensor (its plan has " + std::to_string(count) + ")";
+  mine.resize(std::min(mine.size(), kPlanCheckText - 1));
+  std::memcpy(text.data() + kPlanCheckText * options_.rank, mine.data(), mine.size());
+  AllreduceBuffer(0, text.data(), text.size(), DataType::kUint8,
+                  GetReduceFn(DataType::kUint8, ReduceOp::kSum));
+  // Ranks grouped by what they hold, in order of first appearance.
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < options_.size; ++r) {
+    const char* t = reinterpret_cast<const char*>(text.data() + kPlanCheckText * r);
+    std::string what(t, strnlen(t, kPlanCheckText));
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == what; });
+    if (it == groups.end()) {
+      groups.push_back({what, {}});
+      it = groups.end() - 1;
+    }
+    it->second.push_back(WorldRank(r));
+  }
+  std::ostringstream msg;
+  msg << "offline plan check before plan step " << step
+      << " (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=" << options_.plan_check_n_steps
+      << "): the ranks hold different plans";
+  if (pos >= 0) msg << "; at position " << pos << " (bucket order)";
+  msg << ": ";
+  for (size_t g = 0; g < groups.size(); ++g) {
+    msg << (g ? "; " : "") << RankList(groups[g].second)
+        << (groups[g].second.size() == 1 ? " has " : " have ") << groups[g].first;
+  }
+  msg << ". Their gradients would be summed with another tensor's elements";
+  throw std::runtime_error(msg.str());
+}
+
 void Runtime::RunOffline(bool* stop) {
   std::vector<std::pair<size_t, Response>> buckets;
   std::vector<std::vector<std::shared_ptr<Request>>> work;
@@ -729,7 +858,41 @@ void Runtime::RunOffline(bool* stop) {
              negotiator_->HasPending() || CanDispatchPlanLocked() || done_leaving();
     });
     if (state_.load() != State::kRunning) return;
+    if (CanDispatchPlanLocked() && PlanCheckDueLocked()) {
+      // Every rank reaches this point before the same plan step, with no
+      // plan bucket in flight, so the check's collectives line up.
+      const int64_t step = plan_steps_;
+      lock.unlock();
+      try {
+        CheckPlan(step);
+      } catch (const std::exception& e) {
+        Fail(e.what());
+        return;
+      }
+      lock.lock();
+      plan_checked_ = step;
+      std::lock_guard<std::mutex> stats_lock(stats_mu_);
+      ++stats_.plan_checks;
+    }
     while (CanDispatchPlanLocked()) {
+      if (PlanCheckDueLocked()) break;  // this step is checked first (next pass)
+      if (plan_pos_ == 0 && WorldRank(options_.rank) == test_swap_rank_ &&
+          plan_steps_ == test_swap_step_) {
+        // Test fault: two same-shaped tensors of one bucket trade places in
+        // this rank's copy of the plan (its requests still fit it).
+        for (Response& b : plan_.buckets) {
+          size_t i = 0, j = 1;
+          while (j < b.names.size() && !(b.metas[j].shape == b.metas[i].shape &&
+                                         b.metas[j].dtype == b.metas[i].dtype)) {
+            ++j;
+          }
+          if (j < b.names.size()) {
+            std::swap(b.names[i], b.names[j]);
+            std::swap(b.metas[i], b.metas[j]);
+            break;
+          }
+        }
+      }
       Response r = plan_.buckets[plan_pos_];
       std::vector<std::shared_ptr<Request>> requests;
       bool stand_in = false;
@@ -765,6 +928,7 @@ void Runtime::RunOffline(bool* stop) {
       if (buckets.back().second.names.size() > 1) ++stats_.fused_responses;
       if (plan_pos_ == 0) {
         step_started_ = false;
+        ++plan_steps_;
         if (!vote) ++stats_.offline_steps;
       }
     }

@@ -62,6 +62,9 @@ struct InitOptions {
   bool nancheck = false;  // reject reductions whose input holds NaN/Inf
   std::string timeline_path;  // PERSEUS_TIMELINE (this rank's file); empty: off
   int perf_check_n_steps = 0;  // report slow ranks every N offline steps (0: off)
+  // PERSEUS_OFFLINE_NEG_CHECK_N_STEPS: compare every rank's copy of the
+  // offline plan when it is entered and then every N plan steps (0: off).
+  int plan_check_n_steps = 0;
   // PERSEUS_ALLREDUCE_MODE: 0 flat ring, 1 hierarchical (reduce in the host,
   // allreduce among hosts' leaders, broadcast in the host), -1 choose.
   // Hierarchy needs several hosts of several ranks each (launcher topology).
@@ -123,6 +126,7 @@ struct Stats {
   int64_t plans = 0;          // offline plans entered
   int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
   int64_t offline_steps = 0;  // steps run from a plan, without control messages
+  int64_t plan_checks = 0;    // plan checksums compared (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS)
   int64_t cycles = 0;
   int64_t control_bytes_sent = 0;
   int64_t requests = 0;
@@ -197,6 +201,10 @@ class Runtime {
   void LeaveOfflineLocked();
   // A plan bucket's collective finished with `votes`; false: do not deliver
   // (the real requests go back to pending, to be negotiated online).
+  // Plan check: due before the next step starts; and the check itself
+  // (throws, naming the first tensor where the ranks' plans differ).
+  bool PlanCheckDueLocked() const;
+  void CheckPlan(int64_t step);
   bool PlanBucketFinished(int64_t votes, std::vector<std::shared_ptr<Request>>& requests,
                           const Response& r);
   // Perf check: a step's per-rank times (from the first bucket's slots).
@@ -267,6 +275,13 @@ class Runtime {
   bool step_started_ = false;   // a bucket of the current step was dispatched
   int plan_in_flight_ = 0;      // plan buckets dispatched, not finished
   std::vector<size_t> plan_have_;  // per bucket: fitting requests pending here
+  int64_t plan_steps_ = 0;      // steps of this plan started
+  int64_t plan_checked_ = -1;   // the step whose plan check passed
+  // Fault injection for tests (PERSEUS_TEST_PLAN_SWAP=rank:step): that rank
+  // swaps two same-shaped tensors of a bucket in its copy of the plan when
+  // that plan step starts, a divergence the votes cannot see.
+  int test_swap_rank_ = -1;
+  int64_t test_swap_step_ = 0;
   // Perf check: when this rank's previous step finished its last bucket, and
   // the window of per-rank times being summed.
   std::chrono::steady_clock::time_point last_step_done_{};

@@ -252,3 +252,19 @@ def check_large_buffers_in_pipelined_chunks():
     kind = model.kind(n)
     rtol, atol = (2e-3, 2e-6) if kind == "fp16" and N > 2 else (2e-6, 1e-9)
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=kind)
+
+
+def check_plan_checks_run_only_when_enabled():
+    """Runs after the gradient steps (checks run in name order).
+    PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=K: the ranks' plans were compared (they
+    agree, so every check passed) before each plan's first step and once
+    per K plan steps; unset, never."""
+    st = _native.stats()
+    every = int(os.environ.get("PERSEUS_OFFLINE_NEG_CHECK_N_STEPS", "0"))
+    if every:
+        # Each plan is checked before its first step (here the gradient steps'
+        # plan is left again by the next check's different requests).
+        assert st["plans"] > 0, st
+        assert st["plan_checks"] >= max(st["plans"], st["offline_steps"] // every), st
+    else:
+        assert st["plan_checks"] == 0, st

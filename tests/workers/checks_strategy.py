@@ -90,6 +90,11 @@ def check_fit_equals_single_process_sgd():
     # The gradients ran from an offline plan (PERSEUS_OFFLINE_NEG unset = auto)
     # for most of the 18 steps, and the result is still exact.
     assert after["offline_steps"] - before["offline_steps"] >= 10, (before, after)
+    # The launch compares the ranks' plans every 3 plan steps (they agree).
+    every = int(os.environ.get("PERSEUS_OFFLINE_NEG_CHECK_N_STEPS", "0"))
+    if every:
+        checks = after["plan_checks"] - before["plan_checks"]
+        assert checks >= (after["offline_steps"] - before["offline_steps"]) // every, (before, after)
 
 
 def check_fit_with_last_partial_batch():
