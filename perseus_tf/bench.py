@@ -655,7 +655,7 @@ def stats_delta(before: dict, after: dict) -> dict:
     """What the runtime counted between two _core.stats() snapshots."""
     delta = {key: after[key] - before[key]
              for key in ("cycles", "control_bytes_sent", "requests", "responses",
-                         "fused_responses")}
+                         "fused_responses", "plan_checks")}
     streams = list(zip(before["streams"], after["streams"]))
     delta["data_bytes"] = sum(a["bytes"] - b["bytes"] for b, a in streams)
     delta["stream_busy_s"] = [a["busy_seconds"] - b["busy_seconds"] for b, a in streams]
@@ -896,7 +896,8 @@ def run_gradients(args) -> int:
         print(f"# runtime per step of ours (rank 0): {c['requests']:.1f} requests, "
               f"{c['responses']:.1f} responses ({c['fused_responses']:.1f} fused), "
               f"{c['cycles']:.1f} cycles, {c['control_bytes_sent']:.0f} control bytes, "
-              f"{c['data_bytes']:.0f} data bytes; streams busy {sum(busy) * 1e3:.2f} ms in all "
+              f"{c['data_bytes']:.0f} data bytes, {c['plan_checks']:.2f} plan checks "
+              f"(PERSEUS_OFFLINE_NEG_CHECK_N_STEPS); streams busy {sum(busy) * 1e3:.2f} ms in all "
               f"({' / '.join(f'{b * 1e3:.2f}' for b in busy)} ms)")
         print(gradients_target_line(grads["model"], coll.size, exact, csv_row["ratio_time"]))
         if args.online:

@@ -127,6 +127,7 @@ def test_gradients_bench_synthetic(tmp_path):
     runtime = next(line for line in lines if line.startswith("# runtime per step"))
     # float16 on the wire: half of the 51200 float32 bytes.
     assert "50.0 requests" in runtime and "25600 data bytes" in runtime, runtime
+    assert "0.00 plan checks" in runtime, runtime  # PERSEUS_OFFLINE_NEG_CHECK_N_STEPS unset
     assert row["wire_MB"] == "0.026", row
     # --online: the same step negotiated every step, beside the plan.
     neg = next(line for line in lines if line.startswith("# negotiation, per step"))
