@@ -664,9 +664,6 @@ bool Runtime::CanDispatchPlanLocked() const {
   // A new step starts with real data, or with a vote once the previous
   // step's buckets are all finished (then it is the step that leaves).
   if (voting) return plan_in_flight_ == 0 && !aborting_;
-  // A step that is checked first waits for the previous one to finish: the
-  // check uses the first stream's connections.
-  if (PlanCheckDueLocked() && plan_in_flight_ != 0) return false;
   return PlanBucketReadyLocked();
 }
 
@@ -859,16 +856,29 @@ void Runtime::RunOffline(bool* stop) {
     });
     if (state_.load() != State::kRunning) return;
     if (CanDispatchPlanLocked() && PlanCheckDueLocked()) {
-      // Every rank reaches this point before the same plan step, with no
-      // plan bucket in flight, so the check's collectives line up.
+      // Every rank checks before dispatching the same plan step, on the
+      // first stream once the work already queued there has run, so the
+      // check's collectives line up with the buckets on every rank.
       const int64_t step = plan_steps_;
       lock.unlock();
+      Stream& s0 = *streams_[0];
+      {
+        std::unique_lock<std::mutex> stream_lock(s0.mu);
+        s0.cv.wait(stream_lock, [&] { return (s0.queue.empty() && !s0.busy) || s0.stop; });
+        if (s0.stop) return;
+        s0.busy = true;
+      }
       try {
-        CheckPlan(step);
+        if (state_.load() == State::kRunning) CheckPlan(step);
       } catch (const std::exception& e) {
         Fail(e.what());
-        return;
       }
+      {
+        std::lock_guard<std::mutex> stream_lock(s0.mu);
+        s0.busy = false;
+      }
+      s0.cv.notify_all();
+      if (state_.load() != State::kRunning) return;
       lock.lock();
       plan_checked_ = step;
       std::lock_guard<std::mutex> stats_lock(stats_mu_);
@@ -1061,6 +1071,7 @@ void Runtime::StreamLoop(int index) {
       std::lock_guard<std::mutex> lock(s.mu);
       s.busy = false;
     }
+    s.cv.notify_all();  // the background thread may wait for this stream to be idle
   }
 }
 
