@@ -55,15 +55,6 @@ static_assert(std::atomic<uint32_t>::is_always_lock_free &&
                   std::atomic<uint64_t>::is_always_lock_free,
               "shared-memory atomics must be lock-free");
 
-uint64_t Fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
 long Futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
 }
@@ -158,7 +149,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
   // Oversubscribed CPUs: a spinning rank takes the core a late rank needs.
   const unsigned cpus = std::thread::hardware_concurrency();
   shm->spin_ = cpus > n ? 20000 : 50;
-  const uint64_t hash = Fnv1a(key);
+  const uint64_t hash = Fnv1a(key.data(), key.size());
   char hex[17];
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
 

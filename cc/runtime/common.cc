@@ -67,6 +67,12 @@ bool IsFloatingPoint(DataType dtype) {
          dtype == DataType::kFloat32 || dtype == DataType::kFloat64;
 }
 
+uint64_t Fnv1a(const void* data, size_t n, uint64_t h) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::ostringstream out;
   out << "[";

@@ -71,5 +71,7 @@ const char* OpTypeName(OpType op);
 bool IsFloatingPoint(DataType dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);
 int64_t NumElements(const std::vector<int64_t>& shape);
+// 64-bit FNV-1a of n bytes, continuing from h (the offset basis by default).
+uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 14695981039346656037ull);
 
 }  // namespace perseus

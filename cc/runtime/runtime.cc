@@ -746,14 +746,9 @@ void Runtime::PerfCheckStep(const std::vector<double>& ms_by_rank) {
 // every rank fails naming them.
 
 namespace {
-uint64_t Fnv1a(uint64_t h, const void* data, size_t n) {
-  const unsigned char* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
 template <typename T>
 uint64_t FnvValue(uint64_t h, const T& v) {
-  return Fnv1a(h, &v, sizeof(v));
+  return Fnv1a(&v, sizeof(v), h);
 }
 constexpr size_t kPlanCheckText = 240;  // bytes per rank describing its tensor
 }  // namespace
@@ -768,8 +763,7 @@ void Runtime::CheckPlan(int64_t step) {
     const Response& r = plan_.buckets[b];
     for (size_t i = 0; i < r.names.size(); ++i) {
       const TensorMeta& m = r.metas[i];
-      uint64_t h = 14695981039346656037ull;
-      h = Fnv1a(h, r.names[i].data(), r.names[i].size());
+      uint64_t h = Fnv1a(r.names[i].data(), r.names[i].size());
       h = FnvValue(h, b);
       h = FnvValue(h, static_cast<int32_t>(m.op));
       h = FnvValue(h, static_cast<int32_t>(m.dtype));
@@ -784,8 +778,7 @@ void Runtime::CheckPlan(int64_t step) {
                           ShapeString(m.shape) + ") in bucket " + std::to_string(b));
     }
   }
-  uint64_t whole = 14695981039346656037ull;
-  for (int64_t d : digests) whole = FnvValue(whole, d);
+  const uint64_t whole = Fnv1a(digests.data(), digests.size() * sizeof(int64_t));
   const int64_t all = static_cast<int64_t>((whole >> 2) | 1);
   const int64_t count = static_cast<int64_t>(digests.size());
   ReduceFn min64 = GetReduceFn(DataType::kInt64, ReduceOp::kMin);
