@@ -54,6 +54,7 @@ def init(**overrides):
             fusion_threshold_bytes=cfg.fusion_threshold_bytes,
             cycle_time_ms=cfg.cycle_time_ms,
             stall_timeout_seconds=cfg.stall_timeout_seconds,
+            stall_check_seconds=cfg.stall_check_seconds,
             gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck),
             timeline=timeline_path(cfg.timeline, topo.rank),
             perf_check_n_steps=cfg.perf_check_n_steps,

@@ -57,7 +57,13 @@ class Config:
     timeout_seconds: float = 60.0
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     cycle_time_ms: float = 1.0
-    stall_timeout_seconds: float = 0.0
+    # A collective that some ranks submitted and others did not: rank 0
+    # names it after the check time (Horovod's stall inspector), and every
+    # rank fails it after the timeout. 1800 s, like PyTorch's default process
+    # group timeout: long enough for a rank-0-only save or evaluation, short
+    # enough that a job whose ranks diverged never waits forever.
+    stall_check_seconds: float = 60.0
+    stall_timeout_seconds: float = 1800.0
     timeline: str = ""
 
 
@@ -116,6 +122,7 @@ VARIABLES = {
     "timeout_seconds": ("GLOO_TIMEOUT_SECONDS", *_float_range(1, 86400)),
     "fusion_threshold_bytes": ("PERSEUS_FUSION_THRESHOLD", *_int_range(0, 2**40)),
     "cycle_time_ms": ("PERSEUS_CYCLE_TIME_MS", *_float_range(0.05, 1000)),
+    "stall_check_seconds": ("PERSEUS_STALL_CHECK_TIME_SECONDS", *_float_range(0, 86400)),
     "stall_timeout_seconds": ("PERSEUS_STALL_TIMEOUT_SECONDS", *_float_range(0, 86400)),
     "timeline": ("PERSEUS_TIMELINE", *_string()),
 }

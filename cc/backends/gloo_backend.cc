@@ -173,7 +173,8 @@ void GlooBackend::Allgatherv(int channel, const void* in, void* out,
   for (size_t b : bytes_per_rank) total += b;
   if (total == 0) return;
   gloo::AllgathervOptions opts(Channel(channel));
-  opts.setInput(const_cast<uint8_t*>(static_cast<const uint8_t*>(in)),
+  uint8_t dummy = 0;  // Gloo rejects a null input even of no bytes
+  opts.setInput(in ? const_cast<uint8_t*>(static_cast<const uint8_t*>(in)) : &dummy,
                 bytes_per_rank[options_.rank]);
   opts.setOutput(static_cast<uint8_t*>(out), bytes_per_rank);
   opts.setTag(3);
@@ -182,7 +183,7 @@ void GlooBackend::Allgatherv(int channel, const void* in, void* out,
 
 void GlooBackend::Alltoallv(int channel, const void* in,
                             const std::vector<int64_t>& send_bytes, void* out,
-                            const std::vector<int64_t>& recv_bytes) {
+                            const std::vector<int64_t>& recv_bytes, bool any_rank_moves_data) {
   if (options_.size <= 1) {
     if (send_bytes[0]) std::memmove(out, in, static_cast<size_t>(send_bytes[0]));
     return;
@@ -190,7 +191,10 @@ void GlooBackend::Alltoallv(int channel, const void* in,
   int64_t total_in = 0, total_out = 0;
   for (int64_t b : send_bytes) total_in += b;
   for (int64_t b : recv_bytes) total_out += b;
-  if (total_in == 0 && total_out == 0) return;
+  // Only the caller knows whether any rank moves data (the negotiated
+  // splits); a rank with nothing of its own to move must still take part,
+  // or the others' messages to it are left for its next collective.
+  if (!any_rank_moves_data) return;
   // Gloo rejects null buffers even when a side has nothing to move.
   uint8_t dummy = 0;
   gloo::AlltoallvOptions opts(Channel(channel));

@@ -70,8 +70,10 @@ class GlooBackend {
   // out receives bytes_per_rank[r] bytes from each rank r, in rank order.
   void Allgatherv(int channel, const void* in, void* out,
                   const std::vector<size_t>& bytes_per_rank);
+  // any_rank_moves_data: false only when every rank's splits are all zero
+  // (then no rank runs the collective).
   void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,
-                 void* out, const std::vector<int64_t>& recv_bytes);
+                 void* out, const std::vector<int64_t>& recv_bytes, bool any_rank_moves_data);
 
   // Two-level collectives (only when hierarchical() is true). Local rank 0
   // of each host is its leader.

@@ -113,12 +113,58 @@ Runtime& RuntimeOf(int process_set) {
   return *rt;
 }
 
+// The numpy dtype a dtype code travels as; bfloat16 as its 16-bit pattern
+// (uint16) or ml_dtypes' bfloat16.
+bool MatchesCode(const py::dtype& dt, int code) {
+  const char kind = dt.kind();
+  const py::ssize_t size = dt.itemsize();
+  switch (static_cast<DataType>(code)) {
+    case DataType::kFloat16: return kind == 'f' && size == 2;
+    case DataType::kBFloat16: return (kind == 'u' || kind == 'V') && size == 2;
+    case DataType::kFloat32: return kind == 'f' && size == 4;
+    case DataType::kFloat64: return kind == 'f' && size == 8;
+    case DataType::kInt32: return kind == 'i' && size == 4;
+    case DataType::kInt64: return kind == 'i' && size == 8;
+    case DataType::kUint8: return kind == 'u' && size == 1;
+    case DataType::kInt8: return kind == 'i' && size == 1;
+    case DataType::kBool: return kind == 'b' && size == 1;
+  }
+  return false;
+}
+
+// The runtime reads and writes raw memory: every buffer it is given is
+// checked first (dtype code against the array, contiguity, sizes), so a bad
+// call raises instead of corrupting memory.
+void CheckBuffer(const py::array& a, int dtype, const std::string& what) {
+  if (!(a.flags() & py::array::c_style)) throw InvalidError(what + " must be C-contiguous");
+  if (!MatchesCode(a.dtype(), dtype)) {
+    throw InvalidError(what + " has numpy dtype " + std::string(py::str(a.dtype())) +
+                       ", which does not match dtype code " + std::to_string(dtype) + " (" +
+                       DataTypeName(static_cast<DataType>(dtype)) +
+                       "); pass the array's own dtype code");
+  }
+}
+
+void CheckCodes(const std::string& name, int op, int dtype, int reduce_op) {
+  if (op < 0 || op > static_cast<int>(OpType::kJoin)) {
+    throw InvalidError("'" + name + "': op code " + std::to_string(op) + " is not 0 to " +
+                       std::to_string(static_cast<int>(OpType::kJoin)));
+  }
+  if (dtype < 0 || dtype > static_cast<int>(DataType::kBool)) {
+    throw InvalidError("'" + name + "': dtype code " + std::to_string(dtype) + " is not 0 to " +
+                       std::to_string(static_cast<int>(DataType::kBool)));
+  }
+  if (reduce_op < 0 || reduce_op > static_cast<int>(ReduceOp::kProduct)) {
+    throw InvalidError("'" + name + "': reduce_op " + std::to_string(reduce_op) + " is not 0 to " +
+                       std::to_string(static_cast<int>(ReduceOp::kProduct)));
+  }
+}
+
 // A request for `input` with the fields every submit sets.
 std::shared_ptr<Request> NewRequest(const py::array& input, const std::string& name, int op,
                                     int dtype, int reduce_op, int compression, bool plannable) {
-  if (!(input.flags() & py::array::c_style)) {
-    throw InvalidError("input array '" + name + "' must be C-contiguous");
-  }
+  CheckCodes(name, op, dtype, reduce_op);
+  CheckBuffer(input, dtype, "input array of '" + name + "'");
   auto req = std::make_shared<Request>();
   req->meta.name = name;
   req->meta.op = static_cast<OpType>(op);
@@ -141,8 +187,26 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
   req->meta.prescale = prescale;
   req->meta.postscale = postscale;
   req->meta.splits = std::move(splits);
+  const OpType kind = static_cast<OpType>(op);
+  const bool same_shape = kind == OpType::kAllreduce || kind == OpType::kBroadcast;
+  if (!output.is_none() && !same_shape) {
+    throw InvalidError("'" + name + "': output= is only for allreduce and broadcast (" +
+                       OpTypeName(kind) + " allocates its own result)");
+  }
+  if (same_shape && output.is_none()) {
+    // A fresh result array of the input's shape and dtype.
+    std::vector<py::ssize_t> shape(input.shape(), input.shape() + input.ndim());
+    output = py::array(input.dtype(), shape);
+  }
   if (!output.is_none()) {
+    if (!py::isinstance<py::array>(output)) throw InvalidError("'" + name + "': output must be a numpy array");
     py::array out = output.cast<py::array>();
+    CheckBuffer(out, dtype, "output array of '" + name + "'");
+    if (!out.writeable()) throw InvalidError("output array of '" + name + "' is read-only");
+    if (out.size() != input.size()) {
+      throw InvalidError("output array of '" + name + "' has " + std::to_string(out.size()) +
+                         " elements; it needs the input's " + std::to_string(input.size()));
+    }
     req->output = out.mutable_data();
   } else {
     DataType dt = req->meta.dtype;
@@ -209,6 +273,10 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
   std::vector<std::shared_ptr<Request>> requests;
   auto state = std::make_shared<GroupState>();
   for (size_t i = 0; i < names.size(); ++i) {
+    if (!py::isinstance<py::array>(arrays[i])) {
+      throw InvalidError("submit_group: item " + std::to_string(i) + " ('" + names[i] +
+                         "') is not a numpy array");
+    }
     py::array a = arrays[i].cast<py::array>();
     if (!a.writeable()) throw InvalidError("submit_group arrays must be writeable");
     auto req = NewRequest(a, names[i], static_cast<int>(OpType::kAllreduce), dtype, reduce_op,
@@ -222,18 +290,10 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
     };
     requests.push_back(std::move(req));
   }
-  // Checked before anything is enqueued, so a bad call leaves nothing in flight.
+  // One call, queued all together or not at all.
   state->remaining = requests.size();
-  for (size_t i = 0; i < requests.size(); ++i) {
-    Status st = rt.Enqueue(requests[i]);
-    if (!st.ok()) {
-      // The ones already enqueued will complete; the rest never will.
-      std::lock_guard<std::mutex> lock(state->mu);
-      state->remaining -= requests.size() - i;
-      if (state->status.ok()) state->status = st;
-      break;
-    }
-  }
+  Status st = rt.EnqueueGroup(requests);
+  if (!st.ok()) Raise(st);
   return GroupHandle(state, arrays);
 }
 
@@ -251,6 +311,7 @@ py::dict StatsDict(int process_set) {
   d["plan_exits"] = st.plan_exits;
   d["offline_steps"] = st.offline_steps;
   d["plan_checks"] = st.plan_checks;
+  d["plan_timeouts"] = st.plan_timeouts;
   d["hierarchical"] = st.hierarchical;
   d["shm"] = st.shm;
   auto stream_dict = [](const StreamStats& s) {
@@ -299,6 +360,9 @@ PYBIND11_MODULE(_core, m) {
     opts.fusion_threshold_bytes = o["fusion_threshold_bytes"].cast<int64_t>();
     opts.cycle_time_ms = o["cycle_time_ms"].cast<double>();
     opts.stall_timeout_seconds = o["stall_timeout_seconds"].cast<double>();
+    if (o.contains("stall_check_seconds")) {
+      opts.stall_check_seconds = o["stall_check_seconds"].cast<double>();
+    }
     if (o.contains("gradient_scale")) opts.gradient_scale = o["gradient_scale"].cast<double>();
     if (o.contains("nancheck")) opts.nancheck = o["nancheck"].cast<bool>();
     if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();

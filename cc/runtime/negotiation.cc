@@ -1,5 +1,6 @@
 #include "cc/runtime/negotiation.h"
 
+#include <algorithm>
 #include <functional>
 #include <sstream>
 #include <tuple>
@@ -63,7 +64,7 @@ Negotiator::Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int
       fusion_threshold_(fusion_threshold_bytes),
       plan_bucket_bytes_(std::move(plan_bucket_bytes)),
       joined_(size, false),
-      join_cycle_(size, 0) {
+      join_order_(size, 0) {
   if (world_.empty()) {
     for (int r = 0; r < size; ++r) world_.push_back(r);
   }
@@ -77,12 +78,18 @@ bool Negotiator::Complete(const Entry& e) const {
   return true;
 }
 
+void Negotiator::BeginCycle(int64_t now_ms, bool any_in_plan) {
+  now_ms_ = std::max(now_ms_, now_ms);
+  any_in_plan_ = any_in_plan;
+}
+
 void Negotiator::Add(int rank, const TensorMeta& meta) {
+  ++adds_;
   auto it = table_.find(meta.name);
   if (it == table_.end()) {
     Entry e;
     e.seq = next_seq_++;
-    e.first_cycle = cycle_;
+    e.first_ms = now_ms_;
     e.have.assign(size_, false);
     e.metas.resize(size_);
     it = table_.emplace(meta.name, std::move(e)).first;
@@ -94,7 +101,7 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
   ++e.count;
   if (meta.op == OpType::kJoin && !joined_[rank]) {
     joined_[rank] = true;
-    join_cycle_[rank] = cycle_;
+    join_order_[rank] = adds_;
     // Whatever only this rank was missing can run now, with its input empty.
     for (const auto& kv : table_) {
       if (Complete(kv.second)) complete_.emplace(kv.second.seq, kv.first);
@@ -253,34 +260,69 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
   return resp;
 }
 
-std::vector<Response> Negotiator::TakeStalled(uint64_t cycles) {
-  std::vector<Response> out;
-  if (cycles == 0) return out;
-  std::map<uint64_t, std::string> stalled;
+std::map<uint64_t, std::string> Negotiator::WaitingSince(int64_t age_ms) const {
+  std::map<uint64_t, std::string> out;
   for (const auto& kv : table_) {
     // Waiting in join() for ranks with more data is not a stall.
     bool join = false;
     for (int r = 0; r < size_; ++r) join |= kv.second.have[r] && kv.second.metas[r].op == OpType::kJoin;
-    if (!join && cycle_ - kv.second.first_cycle > cycles) stalled.emplace(kv.second.seq, kv.first);
+    if (!join && now_ms_ - kv.second.first_ms >= age_ms) out.emplace(kv.second.seq, kv.first);
   }
-  for (const auto& kv : stalled) {
+  return out;
+}
+
+std::string Negotiator::WhoAsked(const Entry& e) const {
+  std::vector<int> missing, present;
+  for (int r = 0; r < size_; ++r) (e.have[r] ? present : missing).push_back(world_[r]);
+  auto list = [](const std::vector<int>& ranks) {
+    std::ostringstream out;
+    out << (ranks.size() == 1 ? "rank " : "ranks ");
+    for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+    return out.str();
+  };
+  return list(present) + (present.size() == 1 ? " has" : " have") + " submitted it; " +
+         list(missing) + (missing.size() == 1 ? " has" : " have") + " not";
+}
+
+std::vector<std::string> Negotiator::StallReport(int64_t check_ms) {
+  std::vector<std::string> out;
+  if (check_ms <= 0) return out;
+  for (const auto& kv : WaitingSince(check_ms)) {
+    Entry& e = table_[kv.second];
+    if (e.reported_ms && now_ms_ - e.reported_ms < check_ms) continue;
+    e.reported_ms = now_ms_;
+    int first = 0;
+    while (!e.have[first]) ++first;
+    std::ostringstream line;
+    line << OpTypeName(e.metas[first].op) << " '" << kv.second << "' waiting "
+         << (now_ms_ - e.first_ms) / 1000 << " s: " << WhoAsked(e);
+    out.push_back(line.str());
+  }
+  return out;
+}
+
+std::vector<Response> Negotiator::TakeStalled(int64_t timeout_ms) {
+  std::vector<Response> out;
+  if (timeout_ms <= 0) return out;
+  for (const auto& kv : WaitingSince(timeout_ms)) {
     const Entry& e = table_[kv.second];
     std::ostringstream msg;
-    std::vector<int> missing, present;
-    for (int r = 0; r < size_; ++r) (e.have[r] ? present : missing).push_back(r);
+    std::vector<int> present;
+    for (int r = 0; r < size_; ++r) {
+      if (e.have[r]) present.push_back(r);
+    }
     msg << "Perseus " << OpTypeName(e.metas[present[0]].op) << " of tensor '" << kv.second
-        << "' stalled: rank(s)";
-    for (int r : present) msg << " " << r;
-    msg << " requested it but rank(s)";
-    for (int r : missing) msg << " " << r;
-    msg << " did not within PERSEUS_STALL_TIMEOUT_SECONDS; the ranks are running different "
-           "collectives (check that every rank makes the same calls)";
+        << "' stalled for " << (now_ms_ - e.first_ms) / 1000 << " s: " << WhoAsked(e)
+        << " (PERSEUS_STALL_TIMEOUT_SECONDS=" << timeout_ms / 1000.0
+        << "); the ranks are running different collectives: check that every rank makes the "
+           "same calls, or raise PERSEUS_STALL_TIMEOUT_SECONDS if a rank is legitimately busy";
     Response resp;
     resp.op = e.metas[present[0]].op;
     resp.names.push_back(kv.second);
     resp.metas.push_back(e.metas[present[0]]);
     resp.error = Status::Error(StatusCode::kFailedPrecondition, msg.str());
     out.push_back(std::move(resp));
+    complete_.erase(e.seq);
     table_.erase(kv.second);
   }
   return out;
@@ -306,6 +348,7 @@ void Negotiator::ResetPlanning() {
   plan_state_ = PlanState::kWait;
   step_order_.clear();
   step_.clear();
+  step_cycle_.clear();
   seen_.clear();
   verified_steps_ = 0;
 }
@@ -325,6 +368,7 @@ void Negotiator::WatchForPlan(const Response& r) {
       if (!step_.count(name)) {
         step_order_.push_back(name);
         step_[name] = meta;
+        step_cycle_[name] = ready_cycles_;
         continue;
       }
       plan_state_ = PlanState::kVerify;  // a name came back: the step ended
@@ -347,20 +391,33 @@ void Negotiator::WatchForPlan(const Response& r) {
 
 Plan Negotiator::TakePlan() {
   Plan plan;
-  std::vector<Response> single;
+  // Runs of the step's tensors that completed in the same negotiation cycle
+  // (step order), fused separately: a bucket never holds tensors that
+  // completed in different cycles. Tensors that complete together were all
+  // submitted by every rank before any of them ran, so none of their calls
+  // waits for another's result; a call submitted only after another
+  // finished (TF runs a tf.function's stateful ops in program order) never
+  // completes with it, and a bucket that held both could never fill.
+  std::vector<std::vector<Response>> runs;
+  int64_t step_bytes = 0;
+  int64_t run_cycle = -1;
   for (const std::string& name : step_order_) {
+    const TensorMeta& m = step_[name];
     Response r;
     r.op = OpType::kAllreduce;
     r.names.push_back(name);
-    r.metas.push_back(step_[name]);
-    single.push_back(std::move(r));
-  }
-  int64_t step_bytes = 0;
-  for (const auto& r : single) {
-    step_bytes += NumElements(r.metas[0].shape) * static_cast<int64_t>(DataTypeSize(r.metas[0].dtype));
+    r.metas.push_back(m);
+    step_bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
+    if (runs.empty() || step_cycle_[name] != run_cycle) runs.emplace_back();
+    run_cycle = step_cycle_[name];
+    runs.back().push_back(std::move(r));
   }
   int64_t threshold = plan_bucket_bytes_ ? plan_bucket_bytes_(step_bytes) : -1;
-  plan.buckets = Fuse(std::move(single), threshold < 0 ? fusion_threshold_ : threshold);
+  for (auto& run : runs) {
+    for (Response& b : Fuse(std::move(run), threshold < 0 ? fusion_threshold_ : threshold)) {
+      plan.buckets.push_back(std::move(b));
+    }
+  }
   plan.metas = step_;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     for (const std::string& name : plan.buckets[b].names) plan.bucket_of[name] = b;
@@ -378,18 +435,18 @@ Plan Negotiator::TakePlan() {
 }
 
 std::vector<Response> Negotiator::TakeReady() {
-  ++cycle_;
+  ++ready_cycles_;
   std::vector<Response> ready;
   for (auto& kv : complete_) {
     auto it = table_.find(kv.second);
     Response r = MakeResponse(kv.second, std::move(it->second));
     table_.erase(it);
     if (r.op == OpType::kJoin) {
-      // Every rank has joined: report the last one (latest cycle, then the
-      // highest rank) and start over, so join() can be used once per epoch.
+      // Every rank has joined: report the last one to join and start over,
+      // so join() can be used once per epoch.
       int last = 0;
       for (int q = 1; q < size_; ++q) {
-        if (join_cycle_[q] >= join_cycle_[last]) last = q;
+        if (join_order_[q] >= join_order_[last]) last = q;
       }
       r.metas[0].root = last;
       joined_.assign(size_, false);
@@ -404,7 +461,11 @@ std::vector<Response> Negotiator::TakeReady() {
     WatchForPlan(r);
   }
   if (plan_state_ == PlanState::kReady && !seen_.empty()) plan_state_ = PlanState::kVerify;
-  if (plan_state_ == PlanState::kWait && !PlannableInTable()) plan_state_ = PlanState::kRecord;
+  if (any_in_plan_) {
+    ResetPlanning();  // learning starts again once every rank has left the plan
+  } else if (plan_state_ == PlanState::kWait && !PlannableInTable()) {
+    plan_state_ = PlanState::kRecord;
+  }
   return Fuse(std::move(ready), fusion_threshold_);
 }
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -20,6 +21,14 @@
 #include "cc/runtime/message.h"
 
 namespace perseus {
+
+// What the plan check compares (runtime.cc): one digest and one description
+// per position of a rank's copy of the plan, taken when the step starts.
+struct PlanDigest {
+  int64_t step = 0;
+  std::vector<int64_t> digests;
+  std::vector<std::string> described;
+};
 
 // One unit of work that every rank executes in the same order.
 struct Response {
@@ -45,6 +54,8 @@ struct Response {
   int plan_index = -1;
   int perf_slots = 0;
   double perf_value = 0;
+  // Set: not a collective of tensors but the offline plan check.
+  std::shared_ptr<PlanDigest> plan_check;
 };
 
 // A training step's communication, learned online and then replayed with no
@@ -67,6 +78,13 @@ class Negotiator {
   Negotiator(int size, int64_t fusion_threshold_bytes, std::vector<int> world_ranks = {},
              std::function<int64_t(int64_t step_bytes)> plan_bucket_bytes = nullptr);
 
+  // Starts a cycle. now_ms: the negotiation clock, rank 0's milliseconds
+  // since its runtime started, which every rank receives in the cycle, so
+  // time-based verdicts (stall timeout, stall report) agree on every rank.
+  // any_in_plan: some rank still runs an offline plan this cycle; plan
+  // learning pauses until every rank has left (ranks leave a plan at their
+  // own pace, so learning must restart at a cycle they all see).
+  void BeginCycle(int64_t now_ms, bool any_in_plan);
   void Add(int rank, const TensorMeta& meta);
   // Ready work, fused and ordered. Identical on every rank.
   std::vector<Response> TakeReady();
@@ -76,10 +94,14 @@ class Negotiator {
   bool joined(int rank) const { return joined_[rank]; }
   // Describes stalled requests: which ranks have not asked yet.
   std::string DescribePending() const;
-  // Names requested by some ranks for more than `cycles` negotiation cycles
-  // become error responses (every rank computes the same list, since cycles
-  // are counted identically everywhere). Ranks that never asked ignore them.
-  std::vector<Response> TakeStalled(uint64_t cycles);
+  // Names requested by some ranks for more than timeout_ms of negotiation
+  // clock become error responses naming who asked and who did not (every
+  // rank computes the same list). Ranks that never asked ignore them.
+  std::vector<Response> TakeStalled(int64_t timeout_ms);
+  // The stall inspector: one line per name that some ranks have requested
+  // for at least check_ms and others have not, each name again every
+  // check_ms while it waits. Oldest first.
+  std::vector<std::string> StallReport(int64_t check_ms);
 
   // Offline planning. Plannable allreduces (kMetaPlannable, every rank) are
   // watched as they complete: the names between two repetitions form a step;
@@ -96,7 +118,8 @@ class Negotiator {
  private:
   struct Entry {
     uint64_t seq = 0;
-    uint64_t first_cycle = 0;
+    int64_t first_ms = 0;     // negotiation clock when a rank first asked
+    int64_t reported_ms = 0;  // last stall report of it (0: none)
     int count = 0;
     std::vector<bool> have;
     std::vector<TensorMeta> metas;  // indexed by rank
@@ -104,6 +127,11 @@ class Negotiator {
 
   // Every rank either asked for it or has joined (and at least one asked).
   bool Complete(const Entry& e) const;
+  // Names (by seq) some ranks have waited on for at least age_ms; joins
+  // excepted.
+  std::map<uint64_t, std::string> WaitingSince(int64_t age_ms) const;
+  // "ranks 0, 2 have submitted it; rank 1 has not".
+  std::string WhoAsked(const Entry& e) const;
   Status Validate(const std::string& name, const Entry& e) const;
   void WatchForPlan(const Response& r);
   bool PlannableInTable() const;
@@ -115,9 +143,11 @@ class Negotiator {
   int64_t fusion_threshold_;
   std::function<int64_t(int64_t)> plan_bucket_bytes_;
   uint64_t next_seq_ = 0;
-  uint64_t cycle_ = 0;
+  int64_t now_ms_ = 0;
+  bool any_in_plan_ = false;
   std::vector<bool> joined_;
-  std::vector<uint64_t> join_cycle_;
+  std::vector<uint64_t> join_order_;  // when each rank joined (Add count)
+  uint64_t adds_ = 0;
   std::unordered_map<std::string, Entry> table_;
   std::map<uint64_t, std::string> complete_;  // seq -> name, this cycle
 
@@ -127,6 +157,8 @@ class Negotiator {
   PlanState plan_state_ = PlanState::kRecord;
   std::vector<std::string> step_order_;               // first recorded step
   std::unordered_map<std::string, TensorMeta> step_;  // its names
+  std::unordered_map<std::string, int64_t> step_cycle_;  // the cycle each completed in
+  int64_t ready_cycles_ = 0;  // TakeReady calls
   std::unordered_map<std::string, bool> seen_;        // names of the step being checked
   int verified_steps_ = 0;
 };

@@ -238,7 +238,8 @@ Status Runtime::Init(const InitOptions& options) {
   streams_.clear();
   for (int s = 0; s <= options.streams; ++s) streams_.emplace_back(new Stream());
   state_ = State::kRunning;
-  last_cycle_ = Clock::now();
+  last_cycle_ = started_ = Clock::now();
+  plan_waiting_ = false;
   timeline_.Start(options.process_set_id == 0 ? options.timeline_path : std::string(),
                   WorldRank(options.rank), "rank " + std::to_string(WorldRank(options.rank)));
   last_step_done_ = Clock::time_point{};
@@ -298,7 +299,68 @@ void Runtime::StopThreads() {
 }
 
 Status Runtime::Enqueue(std::shared_ptr<Request> request) {
-  request->enqueued = Clock::now();
+  return EnqueueGroup({std::move(request)});
+}
+
+Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& requests) {
+  if (requests.empty()) return Status::OK();
+  for (const auto& q : requests) {
+    Status s = Check(*q);
+    if (!s.ok()) return s;
+  }
+  const auto now = Clock::now();
+  bool wake = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < requests.size(); ++i) {
+      const TensorMeta& m = requests[i]->meta;
+      bool twice = pending_.count(m.name) > 0;
+      for (size_t j = 0; j < i && !twice; ++j) twice = requests[j]->meta.name == m.name;
+      if (twice) {
+        return Status::Error(StatusCode::kInvalidArgument,
+                             std::string("Perseus ") + OpTypeName(m.op) + " of tensor '" + m.name +
+                                 "': a collective with this name is already in flight on rank " +
+                                 std::to_string(options_.rank) +
+                                 "; concurrent collectives need distinct names");
+      }
+      if (m.op == OpType::kJoin && joined_) {
+        return Status::Error(StatusCode::kInvalidArgument,
+                             "Perseus join: join() is already in progress on this rank");
+      }
+    }
+    // All or nothing: the whole call is in pending_ before the background
+    // thread can look at any of it, so a plan bucket never sees half a call.
+    for (const auto& q : requests) {
+      TensorMeta& m = q->meta;
+      q->enqueued = now;
+      if (m.op == OpType::kJoin) joined_ = true;
+      pending_.emplace(m.name, q);
+      if (offline_ && (m.flags & kMetaPlannable)) {
+        // Runs from the plan; one that does not fit it votes to leave the
+        // plan. The background thread is woken when this completes a
+        // bucket (or votes).
+        if (!FitsPlanLocked(m)) {
+          leave_vote_ = wake = true;
+        } else {
+          size_t b = plan_.bucket_of.at(m.name);
+          wake |= ++plan_have_[b] == plan_.buckets[b].names.size();
+        }
+        wake |= !plan_waiting_;  // its deadline starts now
+      } else {
+        queue_.push_back(m);
+        wake = true;
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_.requests += static_cast<int64_t>(requests.size());
+  }
+  if (wake) queue_cv_.notify_one();
+  return Status::OK();
+}
+
+Status Runtime::Check(Request& request) {
   State state = state_.load();
   if (state != State::kRunning) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -312,7 +374,7 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
     return Status::Error(StatusCode::kFailedPrecondition,
                          "Perseus is not initialized: call perseus_tf.init() (or hvd.init()) first");
   }
-  const TensorMeta& m = request->meta;
+  const TensorMeta& m = request.meta;
   const int size = options_.size;
   auto invalid = [&](const std::string& msg) {
     return Status::Error(StatusCode::kInvalidArgument,
@@ -329,29 +391,29 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
     if (m.reduce_op == ReduceOp::kAverage && m.dtype == DataType::kBool) {
       return invalid("average is not defined for bool");
     }
-    if (options_.nancheck && IsFloatingPoint(m.dtype) && request->input != nullptr &&
-        HasNonFinite(request->input, m.dtype, static_cast<size_t>(NumElements(m.shape)))) {
-      request->meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)
+    if (options_.nancheck && IsFloatingPoint(m.dtype) && request.input != nullptr &&
+        HasNonFinite(request.input, m.dtype, static_cast<size_t>(NumElements(m.shape)))) {
+      request.meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)
     }
   }
   // Compression applies to float32 sums and averages; anything else travels
   // as it is.
   if (m.op != OpType::kAllreduce || m.dtype != DataType::kFloat32 ||
       (m.reduce_op != ReduceOp::kSum && m.reduce_op != ReduceOp::kAverage)) {
-    request->meta.compression = 0;
+    request.meta.compression = 0;
   } else if (m.compression < kCompressNone || m.compression > kCompressDownsample) {
     return invalid("compression must be from 0 to 4 (none, float16, mixed, top-k, "
                    "downsample), got " + std::to_string(m.compression));
   } else if (m.compression == kCompressTopk) {
     if (NumElements(m.shape) * 4 < options_.topk_threshold_bytes) {
-      request->meta.compression = options_.topk_fallback;  // too small to sparsify
+      request.meta.compression = options_.topk_fallback;  // too small to sparsify
     } else {
       // Its residual changes with every run, so it is never voted down and
       // re-run: top-k tensors are negotiated online, step by step.
-      request->meta.flags &= ~kMetaPlannable;
+      request.meta.flags &= ~kMetaPlannable;
     }
   } else if (m.compression == kCompressDownsample && options_.downsample_n <= 1) {
-    request->meta.compression = kCompressNone;
+    request.meta.compression = kCompressNone;
   }
   if (m.op == OpType::kBroadcast && (m.root < 0 || m.root >= size)) {
     return invalid("root_rank " + std::to_string(m.root) + " is out of range: valid ranks are 0 to " +
@@ -384,38 +446,6 @@ Status Runtime::Enqueue(std::shared_ptr<Request> request) {
       }
     }
   }
-  bool wake = true;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (pending_.count(m.name)) {
-      return invalid("a collective with this name is already in flight on rank " +
-                     std::to_string(options_.rank) +
-                     "; concurrent collectives need distinct names");
-    }
-    if (m.op == OpType::kJoin) {
-      if (joined_) return invalid("join() is already in progress on this rank");
-      joined_ = true;
-    }
-    pending_.emplace(m.name, request);
-    if (offline_ && (m.flags & kMetaPlannable)) {
-      // Runs from the plan; one that does not fit it votes to leave the plan.
-      // The background thread is woken only when this completes a bucket.
-      wake = false;
-      if (!FitsPlanLocked(m)) {
-        leave_vote_ = wake = true;
-      } else {
-        size_t b = plan_.bucket_of.at(m.name);
-        wake = ++plan_have_[b] == plan_.buckets[b].names.size();
-      }
-    } else {
-      queue_.push_back(m);
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    ++stats_.requests;
-  }
-  if (wake) queue_cv_.notify_one();
   return Status::OK();
 }
 
@@ -449,6 +479,7 @@ void Runtime::RunCycle(bool* stop) {
   const auto cycle_time = std::chrono::microseconds(
       static_cast<int64_t>(options_.cycle_time_ms * 1000));
   CycleMessage mine;
+  bool in_plan = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
     auto max_wait = negotiator_->HasPending() || idle_cycles_ == 0
@@ -470,21 +501,27 @@ void Runtime::RunCycle(bool* stop) {
     mine.requests.assign(queue_.begin(), queue_.end());
     queue_.clear();
     mine.shutdown = shutdown_requested_;
+    in_plan = offline_;
   }
   last_cycle_ = Clock::now();
+  const int64_t my_clock =
+      std::chrono::duration_cast<std::chrono::milliseconds>(last_cycle_ - started_).count();
 
   const int size = options_.size;
   std::vector<CycleMessage> all(size);
   int64_t sent = 0;
   const auto exchange_start = Clock::now();
   const size_t my_requests = mine.requests.size();
+  bool any_in_plan = in_plan;
+  int64_t clock = my_clock;
   if (size == 1) {
     all[0] = std::move(mine);
   } else {
-    // One allgather of a fixed slot per rank carries the message length
-    // (0 = nothing, -1 = only shutdown) and as much of the message as fits,
-    // which is the whole message in most cycles; a second allgather moves
-    // the rest of longer messages.
+    // One allgather of a fixed slot per rank carries a header (the message
+    // length: 0 = nothing, -1 = only shutdown; this rank's clock, of which
+    // rank 0's is the negotiation clock; whether this rank runs an offline
+    // plan) and as much of the message as fits, which is the whole message
+    // in most cycles; a second allgather moves the rest of longer messages.
     std::vector<char> encoded;
     int64_t len = 0;
     if (!mine.requests.empty()) {
@@ -493,11 +530,13 @@ void Runtime::RunCycle(bool* stop) {
     } else if (mine.shutdown) {
       len = -1;
     }
-    constexpr size_t kInline = kControlSlot - sizeof(int64_t);
+    constexpr size_t kHeader = 3 * sizeof(int64_t);
+    constexpr size_t kInline = kControlSlot - kHeader;
     std::vector<char> slot(kControlSlot, 0);
-    std::memcpy(slot.data(), &len, sizeof(len));
+    const int64_t header[3] = {len, my_clock, in_plan ? 1 : 0};
+    std::memcpy(slot.data(), header, kHeader);
     const size_t head = std::min(encoded.size(), kInline);
-    if (head) std::memcpy(slot.data() + sizeof(len), encoded.data(), head);
+    if (head) std::memcpy(slot.data() + kHeader, encoded.data(), head);
     std::vector<char> slots(kControlSlot * size);
     backend_->Allgatherv(GlooBackend::kControl, slot.data(), slots.data(),
                          std::vector<size_t>(size, kControlSlot));
@@ -506,7 +545,11 @@ void Runtime::RunCycle(bool* stop) {
     std::vector<size_t> rest(size, 0);
     size_t total_rest = 0;
     for (int r = 0; r < size; ++r) {
-      std::memcpy(&lens[r], slots.data() + r * kControlSlot, sizeof(int64_t));
+      int64_t h[3];
+      std::memcpy(h, slots.data() + r * kControlSlot, kHeader);
+      lens[r] = h[0];
+      if (r == 0) clock = h[1];
+      any_in_plan |= h[2] != 0;
       if (lens[r] > static_cast<int64_t>(kInline)) rest[r] = lens[r] - kInline;
       total_rest += rest[r];
     }
@@ -521,7 +564,7 @@ void Runtime::RunCycle(bool* stop) {
     std::vector<char> message;
     for (int r = 0; r < size; ++r) {
       if (lens[r] > 0) {
-        const char* inline_part = slots.data() + r * kControlSlot + sizeof(int64_t);
+        const char* inline_part = slots.data() + r * kControlSlot + kHeader;
         message.assign(inline_part, inline_part + std::min<size_t>(lens[r], kInline));
         message.insert(message.end(), gathered.data() + offset, gathered.data() + offset + rest[r]);
         all[r] = DecodeCycle(message.data(), message.size());
@@ -537,6 +580,7 @@ void Runtime::RunCycle(bool* stop) {
                      "\"requests\": " + std::to_string(my_requests) +
                          ", \"control_bytes\": " + std::to_string(sent));
   }
+  negotiator_->BeginCycle(clock, any_in_plan);
   bool any_requests = false;
   for (int r = 0; r < size; ++r) {
     for (const TensorMeta& m : all[r].requests) {
@@ -555,12 +599,29 @@ void Runtime::RunCycle(bool* stop) {
   // holding back the requests that arrive meanwhile).
   last_cycle_ = Clock::now();
   std::vector<Response> ready = negotiator_->TakeReady();
-  if (options_.stall_timeout_seconds > 0) {
-    // Idle cycles are at most kIdleWait apart, busy ones about a cycle time:
-    // counting cycles at the idle pace keeps every rank's verdict the same.
-    uint64_t budget = static_cast<uint64_t>(options_.stall_timeout_seconds * 1000 /
-                                            std::chrono::duration<double, std::milli>(kIdleWait).count());
-    for (Response& r : negotiator_->TakeStalled(budget)) ready.push_back(std::move(r));
+  // The stall inspector and the stall timeout read rank 0's clock, which
+  // every rank received in this cycle, so their verdicts agree everywhere.
+  const std::vector<std::string> stalls =
+      negotiator_->StallReport(static_cast<int64_t>(options_.stall_check_seconds * 1000));
+  if (!stalls.empty() && WorldRank(options_.rank) == 0) {
+    std::ostringstream msg;
+    msg << "Perseus stall inspector (rank 0): " << stalls.size()
+        << (stalls.size() == 1 ? " collective has" : " collectives have")
+        << " waited more than " << options_.stall_check_seconds
+        << " s (PERSEUS_STALL_CHECK_TIME_SECONDS) for ranks that have not submitted them";
+    if (options_.stall_timeout_seconds > 0) {
+      msg << "; the job fails after PERSEUS_STALL_TIMEOUT_SECONDS="
+          << options_.stall_timeout_seconds << " s";
+    }
+    msg << ":\n";
+    for (size_t i = 0; i < stalls.size() && i < 20; ++i) msg << "  " << stalls[i] << "\n";
+    if (stalls.size() > 20) msg << "  ... and " << stalls.size() - 20 << " more\n";
+    std::fputs(msg.str().c_str(), stderr);
+    std::fflush(stderr);
+  }
+  for (Response& r : negotiator_->TakeStalled(
+           static_cast<int64_t>(options_.stall_timeout_seconds * 1000))) {
+    ready.push_back(std::move(r));
   }
   idle_cycles_ = (any_requests || !ready.empty()) ? 0 : idle_cycles_ + 1;
   {
@@ -573,7 +634,7 @@ void Runtime::RunCycle(bool* stop) {
     }
   }
   const bool lone = ready.size() == 1;
-  for (Response& r : ready) Dispatch(std::move(r), lone);
+  for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan);
   if (!offline_ && !*stop && negotiator_->PlanReady()) EnterOffline();
 }
 
@@ -638,11 +699,41 @@ void Runtime::LeaveOfflineLocked() {
   std::sort(resend.begin(), resend.end(),
             [](const TensorMeta* a, const TensorMeta* b) { return a->name < b->name; });
   for (const TensorMeta* m : resend) queue_.push_back(*m);
-  negotiator_->ResetPlanning();
-  dispatched_ = 0;
+  // The negotiator restarts learning by itself once every rank reports,
+  // in a cycle, that it has left (Negotiator::BeginCycle).
   last_cycle_ = Clock::now() - std::chrono::hours(1);  // next cycle at once
   std::lock_guard<std::mutex> stats_lock(stats_mu_);
   ++stats_.plan_exits;
+}
+
+std::chrono::milliseconds Runtime::PlanDeadline() const {
+  // Well inside GLOO_TIMEOUT_SECONDS: a rank that had its data entered the
+  // bucket's collective and waits there for this rank's vote.
+  const double seconds = std::min(10.0, std::max(0.5, options_.timeout_seconds / 4));
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+void Runtime::ReportPlanTimeoutLocked(Clock::time_point oldest) {
+  const Response& b = plan_.buckets[plan_pos_];
+  std::vector<std::string> missing;
+  for (const std::string& name : b.names) {
+    if (!pending_.count(name)) missing.push_back(name);
+  }
+  std::ostringstream msg;
+  msg << "Perseus rank " << WorldRank(options_.rank) << ": offline plan bucket " << plan_pos_
+      << " of " << plan_.buckets.size() << " (plan step " << plan_steps_ << ") has waited "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - oldest).count() /
+             1000.0
+      << " s for ";
+  for (size_t i = 0; i < missing.size() && i < 3; ++i) msg << (i ? ", '" : "'") << missing[i] << "'";
+  if (missing.size() > 3) msg << " and " << missing.size() - 3 << " more";
+  msg << (missing.empty() ? "an earlier bucket" : "") << ", which this rank has not submitted, "
+      << "while later gradients wait: this step's calls do not come in the plan's order. "
+         "Leaving the plan; online negotiation takes over and learns the step again.\n";
+  std::fputs(msg.str().c_str(), stderr);
+  std::fflush(stderr);
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plan_timeouts;
 }
 
 bool Runtime::FitsPlanLocked(const TensorMeta& m) const {
@@ -753,12 +844,13 @@ uint64_t FnvValue(uint64_t h, const T& v) {
 constexpr size_t kPlanCheckText = 240;  // bytes per rank describing its tensor
 }  // namespace
 
-void Runtime::CheckPlan(int64_t step) {
-  TimelineSpan span(timeline_, 0, "plan check", "negotiation");
+std::shared_ptr<PlanDigest> Runtime::DigestPlanLocked(int64_t step) const {
+  auto digest = std::make_shared<PlanDigest>();
+  digest->step = step;
+  std::vector<int64_t>& digests = digest->digests;
+  std::vector<std::string>& described = digest->described;
   // One digest per position of the plan (bucket by bucket, in order): the
   // tensor's name and everything MatchesPlan compares, and its bucket.
-  std::vector<int64_t> digests;
-  std::vector<std::string> described;
   for (size_t b = 0; b < plan_.buckets.size(); ++b) {
     const Response& r = plan_.buckets[b];
     for (size_t i = 0; i < r.names.size(); ++i) {
@@ -778,6 +870,14 @@ void Runtime::CheckPlan(int64_t step) {
                           ShapeString(m.shape) + ") in bucket " + std::to_string(b));
     }
   }
+  return digest;
+}
+
+void Runtime::CheckPlan(const PlanDigest& plan) {
+  TimelineSpan span(timeline_, 1, "plan check", "negotiation");
+  const int64_t step = plan.step;
+  const std::vector<int64_t>& digests = plan.digests;
+  const std::vector<std::string>& described = plan.described;
   const uint64_t whole = Fnv1a(digests.data(), digests.size() * sizeof(int64_t));
   const int64_t all = static_cast<int64_t>((whole >> 2) | 1);
   const int64_t count = static_cast<int64_t>(digests.size());
@@ -785,7 +885,11 @@ void Runtime::CheckPlan(int64_t step) {
   // Minimum of x and of -x: the smallest and (negated) largest value.
   std::vector<int64_t> head{all, -all, count, -count};
   AllreduceBuffer(0, head.data(), head.size(), DataType::kInt64, min64);
-  if (head[0] == -head[1] && head[2] == -head[3]) return;
+  if (head[0] == -head[1] && head[2] == -head[3]) {
+    std::lock_guard<std::mutex> stats_lock(stats_mu_);
+    ++stats_.plan_checks;
+    return;
+  }
 
   const int64_t longest = -head[3];
   std::vector<int64_t> at(2 * static_cast<size_t>(longest), 0);
@@ -843,39 +947,46 @@ void Runtime::RunOffline(bool* stop) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     auto done_leaving = [&] { return aborting_ && !step_started_ && plan_in_flight_ == 0; };
-    queue_cv_.wait(lock, [&] {
+    auto runnable = [&] {
       return state_.load() != State::kRunning || !queue_.empty() ||
              negotiator_->HasPending() || CanDispatchPlanLocked() || done_leaving();
-    });
+    };
+    while (!runnable()) {
+      // Plannable requests waiting here for the plan (their bucket, or an
+      // earlier one, lacks tensors this rank has not submitted) wait at
+      // most PlanDeadline(); then this rank votes to leave the plan.
+      Clock::time_point oldest = Clock::time_point::max();
+      for (const auto& kv : pending_) {
+        if (kv.second->meta.flags & kMetaPlannable) oldest = std::min(oldest, kv.second->enqueued);
+      }
+      if (oldest == Clock::time_point::max()) {
+        plan_waiting_ = false;  // between steps: nothing of ours is waiting
+        queue_cv_.wait_for(lock, std::chrono::seconds(1));
+        continue;
+      }
+      plan_waiting_ = true;
+      const auto deadline = oldest + PlanDeadline();
+      if (Clock::now() >= deadline) {
+        ReportPlanTimeoutLocked(oldest);
+        leave_vote_ = true;
+        break;
+      }
+      queue_cv_.wait_until(lock, deadline);
+    }
+    plan_waiting_ = false;
     if (state_.load() != State::kRunning) return;
     if (CanDispatchPlanLocked() && PlanCheckDueLocked()) {
       // Every rank checks before dispatching the same plan step, on the
-      // first stream once the work already queued there has run, so the
-      // check's collectives line up with the buckets on every rank.
-      const int64_t step = plan_steps_;
-      lock.unlock();
-      Stream& s0 = *streams_[0];
-      {
-        std::unique_lock<std::mutex> stream_lock(s0.mu);
-        s0.cv.wait(stream_lock, [&] { return (s0.queue.empty() && !s0.busy) || s0.stop; });
-        if (s0.stop) return;
-        s0.busy = true;
-      }
-      try {
-        if (state_.load() == State::kRunning) CheckPlan(step);
-      } catch (const std::exception& e) {
-        Fail(e.what());
-      }
-      {
-        std::lock_guard<std::mutex> stream_lock(s0.mu);
-        s0.busy = false;
-      }
-      s0.cv.notify_all();
-      if (state_.load() != State::kRunning) return;
-      lock.lock();
-      plan_checked_ = step;
-      std::lock_guard<std::mutex> stats_lock(stats_mu_);
-      ++stats_.plan_checks;
+      // first stream, after the work already queued there, so the check's
+      // collectives line up with the buckets on every rank. It runs on the
+      // stream's thread: this thread must stay free to negotiate online.
+      Response check;
+      check.op = OpType::kAllreduce;
+      check.names.push_back("perseus.plan_check");
+      check.plan_check = DigestPlanLocked(plan_steps_);
+      plan_checked_ = plan_steps_;
+      buckets.emplace_back(0, std::move(check));
+      work.emplace_back();
     }
     while (CanDispatchPlanLocked()) {
       if (PlanCheckDueLocked()) break;  // this step is checked first (next pass)
@@ -941,12 +1052,10 @@ void Runtime::RunOffline(bool* stop) {
     }
     online = !queue_.empty() || negotiator_->HasPending();
   }
+  // Plan buckets always run on their streams' threads, never on this one: a
+  // rank whose negotiation thread sat in a bucket's collective could not
+  // join the online cycle another rank waits in before its own bucket.
   const int plan_streams = options_.streams;
-  if (buckets.size() == 1 && plan_.buckets.size() == 1 && !online) {
-    // A step of one bucket, nothing online waiting: run it on this thread.
-    const int stream = static_cast<int>(buckets[0].first % plan_streams);
-    if (RunHereIfIdle(stream, buckets[0].second, work[0])) return;
-  }
   for (size_t i = 0; i < buckets.size(); ++i) {
     DispatchTo(static_cast<int>(buckets[i].first % plan_streams), std::move(buckets[i].second),
                std::move(work[i]));
@@ -954,7 +1063,7 @@ void Runtime::RunOffline(bool* stop) {
   if (online) RunCycle(stop);
 }
 
-void Runtime::Dispatch(Response response, bool lone) {
+void Runtime::Dispatch(Response response, bool lone, bool any_in_plan) {
   std::vector<std::shared_ptr<Request>> requests;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -977,10 +1086,14 @@ void Runtime::Dispatch(Response response, bool lone) {
     for (auto& q : requests) q->done(response.error);
     return;
   }
-  // Online work uses the first `streams` streams in turn; while a plan runs
-  // offline, it goes to the extra stream so that the two orders never mix.
-  int stream = offline_ ? options_.streams
-                        : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
+  // Online work uses the first `streams` streams in turn; while any rank
+  // runs a plan, it goes to the extra stream so that the two orders never
+  // mix. Every rank decides from what the cycle told all of them (not from
+  // its own plan state: ranks leave a plan at their own pace), so each
+  // collective runs on the same stream everywhere.
+  int stream = any_in_plan
+                   ? options_.streams
+                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
   if (lone && RunHereIfIdle(stream, response, requests)) return;
   DispatchTo(stream, std::move(response), std::move(requests));
 }
@@ -1100,8 +1213,10 @@ void Runtime::RunOnStream(int index, Response& response,
   try {
     complete = Execute(index, response, requests);
   } catch (const std::exception& e) {
-    Fail(std::string("stream ") + std::to_string(index) + " " + OpTypeName(response.op) +
-         " of '" + response.names[0] + "' failed: " + e.what());
+    Fail(response.plan_check ? std::string(e.what())
+                             : std::string("stream ") + std::to_string(index) + " " +
+                                   OpTypeName(response.op) + " of '" + response.names[0] +
+                                   "' failed: " + e.what());
     std::lock_guard<std::mutex> lock(mu_);
     status = failure_;
   }
@@ -1128,6 +1243,10 @@ void Runtime::RunOnStream(int index, Response& response,
 
 bool Runtime::Execute(int stream, const Response& r,
                       std::vector<std::shared_ptr<Request>>& requests) {
+  if (r.plan_check) {
+    CheckPlan(*r.plan_check);
+    return true;
+  }
   if (requests.size() != r.names.size()) {
     throw std::runtime_error("internal error: response and local requests disagree");
   }
@@ -1689,7 +1808,11 @@ void Runtime::ExecuteAlltoall(int stream, const Response& r, Request& q) {
   shape.insert(shape.end(), trailing.begin(), trailing.end());
   void* out = q.allocate(shape);
   if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
-  backend_->Alltoallv(stream, q.input, send, out, recv);
+  bool any = false;
+  for (const auto& sent_by : r.splits) {
+    for (int64_t rows_sent : sent_by) any |= rows_sent > 0;
+  }
+  backend_->Alltoallv(stream, q.input, send, out, recv, any && row > 0);
 }
 
 void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {

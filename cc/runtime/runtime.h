@@ -56,7 +56,11 @@ struct InitOptions {
   // the step's gradient bytes (0: one tensor per bucket); -1: choose.
   int fusion_granularity = -1;
   double cycle_time_ms = 1.0;
-  double stall_timeout_seconds = 0;  // 0: wait forever for the other ranks
+  // A collective some ranks submitted and others did not: rank 0 reports it
+  // after stall_check_seconds (again every interval), and it fails on every
+  // rank after stall_timeout_seconds (0: never).
+  double stall_check_seconds = 60;
+  double stall_timeout_seconds = 0;
   // Compressed allreduces send x * gradient_scale as float16 and divide after.
   double gradient_scale = 10.0;
   bool nancheck = false;  // reject reductions whose input holds NaN/Inf
@@ -127,6 +131,7 @@ struct Stats {
   int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
   int64_t offline_steps = 0;  // steps run from a plan, without control messages
   int64_t plan_checks = 0;    // plan checksums compared (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS)
+  int64_t plan_timeouts = 0;  // plans this rank voted to leave after waiting for its own data
   int64_t cycles = 0;
   int64_t control_bytes_sent = 0;
   int64_t requests = 0;
@@ -160,6 +165,9 @@ class Runtime {
   // Validates locally, then queues. An error is returned without calling
   // done; otherwise done is always called later.
   Status Enqueue(std::shared_ptr<Request> request);
+  // One call of several requests (a grouped allreduce), queued all together
+  // or, on an error, not at all.
+  Status EnqueueGroup(const std::vector<std::shared_ptr<Request>>& requests);
 
   Stats GetStats();
 
@@ -183,7 +191,11 @@ class Runtime {
   void BackgroundLoop();
   void RunCycle(bool* stop);
   // lone: the cycle's only response, which may run on this thread.
-  void Dispatch(Response response, bool lone = false);
+  // Local checks of one request (may adjust its compression and flags).
+  Status Check(Request& request);
+  // any_in_plan: some rank runs an offline plan in this cycle (then online
+  // work takes the extra stream on every rank).
+  void Dispatch(Response response, bool lone, bool any_in_plan);
   void RunOnStream(int index, Response& response,
                    std::vector<std::shared_ptr<Request>>& requests);
   // Runs the response on the calling thread when `stream` is idle; false
@@ -195,6 +207,10 @@ class Runtime {
   // Offline mode (see runtime.cc, "Offline plans").
   void RunOffline(bool* stop);
   bool FitsPlanLocked(const TensorMeta& m) const;
+  // How long plannable requests wait for a plan bucket this rank cannot
+  // complete before it votes to leave the plan.
+  std::chrono::milliseconds PlanDeadline() const;
+  void ReportPlanTimeoutLocked(std::chrono::steady_clock::time_point oldest);
   bool PlanBucketReadyLocked() const;
   bool CanDispatchPlanLocked() const;
   void EnterOffline();
@@ -204,7 +220,8 @@ class Runtime {
   // Plan check: due before the next step starts; and the check itself
   // (throws, naming the first tensor where the ranks' plans differ).
   bool PlanCheckDueLocked() const;
-  void CheckPlan(int64_t step);
+  std::shared_ptr<PlanDigest> DigestPlanLocked(int64_t step) const;
+  void CheckPlan(const PlanDigest& plan);
   bool PlanBucketFinished(int64_t votes, std::vector<std::shared_ptr<Request>>& requests,
                           const Response& r);
   // Perf check: a step's per-rank times (from the first bucket's slots).
@@ -259,6 +276,7 @@ class Runtime {
 
   std::thread background_;
   std::chrono::steady_clock::time_point last_cycle_;
+  std::chrono::steady_clock::time_point started_;  // Init (this rank's clock origin)
   int idle_cycles_ = 0;
   uint64_t dispatched_ = 0;
   bool joined_ = false;  // this rank called join() and it has not completed
@@ -277,6 +295,9 @@ class Runtime {
   std::vector<size_t> plan_have_;  // per bucket: fitting requests pending here
   int64_t plan_steps_ = 0;      // steps of this plan started
   int64_t plan_checked_ = -1;   // the step whose plan check passed
+  // The background thread is waiting with a deadline for plannable requests
+  // that cannot run yet (Enqueue wakes it when one arrives and it is not).
+  bool plan_waiting_ = false;
   // Fault injection for tests (PERSEUS_TEST_PLAN_SWAP=rank:step): that rank
   // swaps two same-shaped tensors of a bucket in its copy of the plan when
   // that plan step starts, a divergence the votes cannot see.

@@ -108,16 +108,18 @@ class CollectiveKernel : public AsyncOpKernel {
     return true;
   }
 
+  perseus::Status NotAMember(const Request& req) const {
+    return perseus::Status::Error(
+        perseus::StatusCode::kInvalidArgument,
+        "Perseus " + std::string(perseus::OpTypeName(req.meta.op)) + " of tensor '" +
+            req.meta.name + "': this rank is not a member of process set " +
+            std::to_string(process_set_id_) + " (or the set was removed)");
+  }
+
   // The runtime of this op's process set (the world for id 0).
   perseus::Status Enqueue(std::shared_ptr<Request> req) {
     Runtime* rt = Runtime::Find(static_cast<int>(process_set_id_));
-    if (rt == nullptr) {
-      return perseus::Status::Error(
-          perseus::StatusCode::kInvalidArgument,
-          "Perseus " + std::string(perseus::OpTypeName(req->meta.op)) + " of tensor '" +
-              req->meta.name + "': this rank is not a member of process set " +
-              std::to_string(process_set_id_) + " (or the set was removed)");
-    }
+    if (rt == nullptr) return NotAMember(*req);
     return rt->Enqueue(std::move(req));
   }
 
@@ -218,9 +220,13 @@ class GroupedAllreduceKernel : public CollectiveKernel {
       req->done = [finish_one](const perseus::Status& s) { finish_one(ToTf(s)); };
       reqs.push_back(std::move(req));
     }
-    for (auto& req : reqs) {
-      perseus::Status s = Enqueue(req);
-      if (!s.ok()) finish_one(ToTf(s));
+    // One call: queued all together (or not at all), so an offline plan
+    // never sees half of it.
+    Runtime* rt = Runtime::Find(static_cast<int>(process_set_id_));
+    perseus::Status s = rt == nullptr ? NotAMember(*reqs[0]) : rt->EnqueueGroup(reqs);
+    if (!s.ok()) {
+      ctx->SetStatus(ToTf(s));
+      done();
     }
   }
 

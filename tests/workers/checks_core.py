@@ -151,6 +151,15 @@ def _step(names, k, plannable=True, shapes=None):
     return errors
 
 
+def _group_step(names, k, elements):
+    """One training-like step as one grouped call (as the TF kernel submits it)."""
+    arrays = [np.full(elements, float(R + 1 + k), np.float32) for _ in names]
+    _core.submit_group(arrays, names, DTYPE_CODES["float32"], plannable=True).wait()
+    expected = sum(r + 1 + k for r in range(N))
+    for n, a in zip(names, arrays):
+        np.testing.assert_array_equal(a, np.full(a.shape, expected), err_msg=n)
+
+
 def _delta(fn):
     before = _core.stats()
     out = fn()
@@ -203,8 +212,9 @@ def check_plan_buckets_follow_fusion_granularity():
     into G buckets of about 1/G of its bytes; unset, one bucket for a small
     step (at least 4 MiB each), none with PERSEUS_FUSION_THRESHOLD=0."""
     names = [f"fusion.g{i}" for i in range(40)]
-    shapes = {n: 25_000 for n in names}  # 100 KB each, 4 MB per step
-    deltas = [_delta(lambda k=k: _step(names, k, shapes=shapes))[1] for k in range(6)]
+    # One grouped call (100 KB each, 4 MB per step): separate calls that
+    # complete in different negotiation cycles never share a bucket.
+    deltas = [_delta(lambda k=k: _group_step(names, k, 25_000))[1] for k in range(6)]
     steady = deltas[-1]
     assert steady["offline_steps"] == 1 and steady["control_bytes_sent"] == 0, deltas
     granularity = os.environ.get("PERSEUS_ALLREDUCE_FUSION")

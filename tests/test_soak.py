@@ -1,0 +1,34 @@
+"""A short soak of the runtime (tests/workers/soak_worker.py): random grouped
+plannable allreduces whose sets change, mixed with every other collective
+and a process set, random dtypes and shapes (empty included), each result
+checked against numpy. 2 and 4 ranks, shared memory and TCP. The long run is
+`python tools/soak.py --np 4 --steps 10000` (README, Tests)."""
+
+import os
+import re
+import sys
+
+import pytest
+
+from harness import WORKERS, launch
+
+CONFIGS = [(2, "shm", 400, 11), (2, "tcp", 400, 12), (4, "shm", 250, 13), (4, "tcp", 250, 14)]
+
+
+@pytest.mark.parametrize("np_,transport,steps,seed", CONFIGS,
+                         ids=[f"{c[0]}ranks-{c[1]}" for c in CONFIGS])
+def test_soak(np_, transport, steps, seed):
+    env = {"PERSEUS_SHM_ALLREDUCE": "1" if transport == "shm" else "0",
+           "GLOO_TIMEOUT_SECONDS": "20", "PERSEUS_STALL_TIMEOUT_SECONDS": "30"}
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "soak_worker.py"), str(steps),
+                        str(seed)], env=env, timeout=240)
+    out = proc.stdout + proc.stderr
+    summaries = re.findall(r"SOAK rank (\d+) steps (\d+) ops (\d+) failures (\d+) plans (\d+) "
+                           r"plan_exits (\d+)", out)
+    assert proc.returncode == 0 and len(summaries) == np_, out[-4000:]
+    for rank, done, ops, failures, plans, exits in summaries:
+        assert int(done) == steps and int(failures) == 0, out[-4000:]
+        assert int(ops) > steps * 3, summaries
+        # The gradient set changes every few dozen steps: plans are entered
+        # and left many times.
+        assert int(plans) >= 3 and int(exits) >= 2, summaries
