@@ -43,7 +43,6 @@ import perseus_tf  # noqa: E402
 import perseus_tf.horovod as hvd  # noqa: E402
 
 keras = tf.keras
-KERAS3 = keras.__version__.startswith("3.")
 PER_RANK_BATCH = 8
 STEPS = 6          # two epochs of three steps: enough to enter an offline plan
 LR = 0.01
