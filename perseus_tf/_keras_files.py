@@ -6,7 +6,9 @@ Keras 2 does this itself for strategies in multi-worker mode; Keras 3 does
 not, so PerseusStrategy installs these small redirections when size > 1.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 _installed = False
@@ -23,6 +25,8 @@ def install(rank):
     if not keras.__version__.startswith("3."):
         return  # Keras 2 uses the strategy's should_checkpoint / task id
     scratch = tempfile.mkdtemp(prefix=f"perseus-rank{rank}-")
+    # Full checkpoint copies: removed when the process exits.
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     callbacks = keras.callbacks
 
     get_path = callbacks.ModelCheckpoint._get_file_path
@@ -40,10 +44,86 @@ def install(rank):
 
     callbacks.TensorBoard.__init__ = tensorboard_init
 
-    br_init = callbacks.BackupAndRestore.__init__
+    # BackupAndRestore: every rank restores from rank 0's backup (the real
+    # backup_dir, which must be readable by every rank: one host, or a shared
+    # file system), so all resume at the same epoch with the same weights;
+    # ranks other than 0 still save (saving reads metrics, collectives) but
+    # into their scratch directory, and never delete rank 0's backup.
+    backup = callbacks.BackupAndRestore
+    save_model = backup._save_model
+    train_end = backup.on_train_end
+    write_dir = os.path.join(scratch, "backup")
 
-    def backup_init(self, backup_dir, *args, **kwargs):
-        br_init(self, os.path.join(scratch, "backup"), *args, **kwargs)
+    def _save_model(self):
+        paths = {"backup_dir": write_dir,
+                 "_weights_path": os.path.join(write_dir, "latest.weights.h5"),
+                 "_training_metadata_path": os.path.join(write_dir, "training_metadata.json")}
+        paths["_prev_weights_path"] = paths["_weights_path"] + ".bkp"
+        paths["_prev_training_metadata_path"] = paths["_training_metadata_path"] + ".bkp"
+        real = {k: getattr(self, k) for k in paths}
+        for k, v in paths.items():
+            setattr(self, k, v)
+        try:
+            save_model(self)
+        finally:
+            for k, v in real.items():
+                setattr(self, k, v)
 
-    callbacks.BackupAndRestore.__init__ = backup_init
+    def on_train_end(self, logs=None):
+        real = self.backup_dir
+        self.backup_dir = write_dir
+        try:
+            train_end(self, logs)
+        finally:
+            self.backup_dir = real
+
+    backup._save_model = _save_model
+    backup.on_train_end = on_train_end
     _installed = True
+
+
+def install_restore_check():
+    """After BackupAndRestore restores (any Keras, any rank), the ranks compare
+    what they restored: the epoch and a checksum of the weights. Ranks that
+    resumed from different states would train on different weights with no
+    error, so they fail at once, naming each rank's state."""
+    try:
+        import keras
+        backup = keras.callbacks.BackupAndRestore
+    except (ImportError, AttributeError):
+        return
+    original = backup.on_train_begin
+    if getattr(original, "_perseus_checked", False):
+        return
+
+    def on_train_begin(self, logs=None):
+        original(self, logs)
+        _check_same_restore(self.model)
+
+    on_train_begin._perseus_checked = True
+    backup.on_train_begin = on_train_begin
+
+
+def _check_same_restore(model):
+    import numpy as np
+    import tensorflow as tf
+
+    from perseus_tf import ops
+
+    if ops.size() <= 1:
+        return
+    epoch = int(getattr(model, "_initial_epoch", 0) or 0)
+    total = 0.0
+    for w in model.trainable_weights:
+        total += float(np.sum(np.abs(np.asarray(w.numpy(), np.float64))))
+    mine = tf.constant([[float(epoch), total]], tf.float64)
+    everyone = ops.allgather(mine, name="perseus.backup_and_restore.state").numpy()
+    if np.all(everyone[:, 0] == everyone[0, 0]) and np.allclose(everyone[:, 1], everyone[0, 1],
+                                                                   rtol=1e-12, atol=0):
+        return
+    states = "; ".join(f"rank {r}: epoch {int(e)}, weight checksum {c:.9g}"
+                       for r, (e, c) in enumerate(everyone))
+    raise RuntimeError(
+        "BackupAndRestore: the ranks restored different training states (" + states + "). "
+        "Every rank must read the same backup: put backup_dir on a file system every rank "
+        "can read, or delete the stale backup to start over.")

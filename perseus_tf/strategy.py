@@ -197,3 +197,4 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         _gradients.install()
         if perseus_ops.size() > 1:
             _keras_files.install(perseus_ops.rank())
+            _keras_files.install_restore_check()

@@ -1,0 +1,57 @@
+"""BackupAndRestore across a restart of every rank (tests/test_backup_restore.py).
+
+    backup_worker.py PHASE DIR
+
+PHASE "crash": fit with BackupAndRestore(DIR, save_freq=2 batches) and stop
+at the start of epoch 2 (as a killed job would). PHASE "resume": a new model
+(other initial weights), the same callback: prints the epochs it ran and a
+checksum of its weights. PHASE "skew": like resume, but ranks other than 0
+look in an empty directory: the ranks must refuse to go on.
+"""
+
+import os
+import sys
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import perseus_tf  # noqa: E402
+
+keras = tf.keras
+phase, directory = sys.argv[1], sys.argv[2]
+strategy = perseus_tf.PerseusStrategy()
+rank = perseus_tf.rank()
+x = np.random.default_rng(0).random((64, 6)).astype(np.float32)
+y = x.sum(axis=1, keepdims=True)
+data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8 * perseus_tf.size())
+
+
+class Stop(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise KeyboardInterrupt("job killed")
+
+
+with strategy.scope():
+    keras.utils.set_random_seed(1 if phase == "crash" else 99)
+    model = keras.Sequential([keras.Input(shape=(6,)), keras.layers.Dense(4), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+where = directory if phase != "skew" or rank == 0 else directory + "-empty"
+callbacks = [keras.callbacks.BackupAndRestore(backup_dir=where, save_freq=2)]
+if phase == "crash":
+    try:
+        model.fit(data, epochs=4, verbose=0, callbacks=callbacks + [Stop()])
+    except KeyboardInterrupt:
+        pass
+    print(f"CRASHED rank {rank}", flush=True)
+    sys.exit(0)
+try:
+    history = model.fit(data, epochs=4, verbose=0, callbacks=callbacks)
+except RuntimeError as e:
+    print(f"REFUSED rank {rank}: {e}", flush=True)
+    sys.exit(3)
+checksum = sum(float(np.abs(w.numpy()).sum()) for w in model.trainable_weights)
+print(f"RESUMED rank {rank} epochs {history.epoch} checksum {checksum:.9g}", flush=True)
