@@ -14,6 +14,7 @@ Example (started with `perseusrun -np 4 -- python train.py`):
 """
 
 import itertools
+import threading
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
@@ -36,6 +37,46 @@ from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.bool}
+
+
+# Set while a Keras 3 BatchNormalization creates its moving statistics.
+_batch_norm_statistics = threading.local()
+
+
+def _install_batch_norm_statistics():
+    """Marks Keras 3 BatchNormalization's moving statistics as they are
+    created (see PerseusExtended._create_variable). Idempotent."""
+    try:
+        import keras
+    except ImportError:  # pragma: no cover
+        return
+    if not keras.__version__.startswith("3."):
+        return  # Keras 2 already creates them ON_READ with MEAN
+    cls = keras.layers.BatchNormalization
+    original = cls.build
+    if getattr(original, "_perseus_wrapped", False):
+        return
+
+    def build(self, input_shape):
+        add_weight = self.add_weight
+
+        def marked(*args, **kwargs):
+            moving = not kwargs.get("trainable", True) and \
+                str(kwargs.get("name", "")).startswith("moving_")
+            _batch_norm_statistics.on = moving
+            try:
+                return add_weight(*args, **kwargs)
+            finally:
+                _batch_norm_statistics.on = False
+
+        object.__setattr__(self, "add_weight", marked)
+        try:
+            return original(self, input_shape)
+        finally:
+            object.__delattr__(self, "add_weight")
+
+    build._perseus_wrapped = True
+    cls.build = build
 
 
 class PerseusExtended(mirrored_strategy.MirroredExtended):
@@ -105,6 +146,19 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
         return distribute_utils.regroup(values, always_wrap=True)
 
     # -- variables -----------------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        # Batch-norm moving statistics: Keras 2 creates them ON_READ with
+        # MEAN aggregation (each rank updates its own copy, reading outside a
+        # replica, as saving does, averages them over the ranks). Keras 3
+        # asks for "auto" with no aggregation, so every rank would keep and
+        # save its own. PerseusStrategy makes Keras 3's (marked by
+        # _batch_norm_statistics below) behave as Keras 2's: no communication
+        # during training, one average whenever they are read to be saved.
+        if getattr(_batch_norm_statistics, "on", False):
+            kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+            kwargs["aggregation"] = tf.VariableAggregation.MEAN
+        return super()._create_variable(next_creator, **kwargs)
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
         if replica_id != 0:
@@ -195,6 +249,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
                 "(use devices=None, or accumulate_n_steps=1)")
         _keras_mixed.install()
         _gradients.install()
+        _install_batch_norm_statistics()
         if perseus_ops.size() > 1:
             _keras_files.install(perseus_ops.rank())
             _keras_files.install_restore_check()

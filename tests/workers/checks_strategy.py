@@ -448,3 +448,28 @@ def check_gradient_reductions_can_start_before_backprop_ends():
     assert first is not last
     first_grads = {t.op.name for t in first.inputs if t.shape.as_list() == [512, 1024]}
     assert not first_grads & ancestors(last), first_grads
+
+
+def check_batch_norm_moving_statistics_are_averaged_when_read():
+    """Decision (README): each rank updates its own batch-norm moving
+    statistics during training (no communication), and reading them outside
+    a replica (saving, get_weights) gives their average over the ranks, on
+    Keras 2 and Keras 3 alike, so every rank saves the same model."""
+    with STRATEGY.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    # Each rank's shard has a different scale, so the local statistics differ.
+    x = X * (1.0 + np.arange(len(X))[:, None] / 16.0)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, Y)).batch(GLOBAL_BATCH), epochs=2, verbose=0)
+    bn = model.layers[1]
+    for variable in (bn.moving_mean, bn.moving_variance):
+        tf_variable = getattr(variable, "_value", variable)  # Keras 3 wraps a tf.Variable
+        local = np.asarray(tf_variable.values[0].numpy(), np.float64)
+        everyone = ptf.allgather(tf.constant(local[None, :])).numpy()
+        assert not np.allclose(everyone[0], everyone[-1]), "shards gave the same statistics"
+        read = np.asarray(variable.numpy(), np.float64)
+        np.testing.assert_allclose(read, everyone.mean(axis=0), rtol=1e-6)
+        same_on_all_ranks([read])
+    same_on_all_ranks([w for w in model.get_weights()])
