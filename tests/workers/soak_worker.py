@@ -47,11 +47,14 @@ REDUCE = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4}
 
 def to_bf16(x):
     """float32 array of bfloat16-exact values -> uint16 bit patterns."""
-    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x = np.asarray(x, np.float32)
+    # Through 1-d arrays: numpy 1.x cannot view a 0-d result as another dtype.
+    return (x.reshape(-1).view(np.uint32) >> 16).astype(np.uint16).reshape(x.shape)
 
 
 def from_bf16(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+    bits = np.asarray(bits)
+    return (bits.reshape(-1).astype(np.uint32) << 16).view(np.float32).reshape(bits.shape)
 
 
 def values(rng, dtype, shape, op="sum"):
