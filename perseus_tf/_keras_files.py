@@ -113,17 +113,135 @@ def _check_same_restore(model):
     if ops.size() <= 1:
         return
     epoch = int(getattr(model, "_initial_epoch", 0) or 0)
+    step = _pending_skip[0]
     total = 0.0
     for w in model.trainable_weights:
         total += float(np.sum(np.abs(np.asarray(w.numpy(), np.float64))))
-    mine = tf.constant([[float(epoch), total]], tf.float64)
+    mine = tf.constant([[float(epoch), float(step), total]], tf.float64)
     everyone = ops.allgather(mine, name="perseus.backup_and_restore.state").numpy()
-    if np.all(everyone[:, 0] == everyone[0, 0]) and np.allclose(everyone[:, 1], everyone[0, 1],
-                                                                   rtol=1e-12, atol=0):
+    if np.all(everyone[:, :2] == everyone[0, :2]) and np.allclose(everyone[:, 2], everyone[0, 2],
+                                                                    rtol=1e-12, atol=0):
         return
-    states = "; ".join(f"rank {r}: epoch {int(e)}, weight checksum {c:.9g}"
-                       for r, (e, c) in enumerate(everyone))
+    states = "; ".join(f"rank {r}: epoch {int(e)} step {int(b)}, weight checksum {c:.9g}"
+                       for r, (e, b, c) in enumerate(everyone))
     raise RuntimeError(
         "BackupAndRestore: the ranks restored different training states (" + states + "). "
         "Every rank must read the same backup: put backup_dir on a file system every rank "
         "can read, or delete the stale backup to start over.")
+
+
+# BackupAndRestore with save_freq in batches: resume at the saved step.
+#
+# Keras 2 resumes at the step after the saved one but reads the resumed
+# epoch's data from its first batch again; Keras 3 saves the step but resumes
+# at the start of the saved epoch. Both are made to resume at the saved step
+# AND to skip the batches that epoch had already trained on, so that a
+# dataset giving the same batches every epoch trains exactly as a run that
+# was never interrupted. The skip is one host-side `next` per batch, on every
+# rank alike (each rank reads its own shard).
+
+_pending_skip = [0]   # Keras 3: batches the next training epoch iterator drops
+
+
+def _drop_batches(iterator, count):
+    """Reads and drops `count` batches; False when the data ran out first."""
+    import tensorflow as tf
+    for _ in range(count):
+        try:
+            next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            return False
+    return True
+
+
+def install_step_resume():
+    try:
+        import keras
+    except ImportError:
+        return
+    if keras.__version__.startswith("3."):
+        _install_step_resume_keras3(keras)
+    else:
+        _install_step_resume_keras2()
+
+
+def _install_step_resume_keras2():
+    try:
+        from keras.src.engine import data_adapter
+    except ImportError:
+        return
+    handler = data_adapter.DataHandler
+    original = handler.enumerate_epochs
+    if getattr(original, "_perseus_step_resume", False):
+        return
+
+    def enumerate_epochs(self):
+        first = True
+        for epoch, iterator in original(self):
+            if first and self._initial_step > 0:
+                # steps() starts at _initial_step; feed it the batches after it
+                _drop_batches(iterator, int(self._initial_step))
+            first = False
+            yield epoch, iterator
+
+    enumerate_epochs._perseus_step_resume = True
+    handler.enumerate_epochs = enumerate_epochs
+
+
+def _install_step_resume_keras3(keras):
+    import json
+
+    backup = keras.callbacks.BackupAndRestore
+    if getattr(backup.on_train_begin, "_perseus_step_resume", False):
+        return
+    begin, epoch_begin, train_end = backup.on_train_begin, backup.on_epoch_begin, \
+        backup.on_train_end
+
+    def on_train_begin(self, logs=None):
+        _pending_skip[0] = 0
+        begin(self, logs)
+        if self.save_freq == "epoch" or not os.path.exists(self._training_metadata_path):
+            return
+        with open(self._training_metadata_path) as f:
+            saved = json.load(f)
+        epoch, done = int(saved.get("epoch", 0)), int(saved.get("batch", -1)) + 1
+        steps = (self.params or {}).get("steps")
+        if done <= 0:
+            return
+        if steps and done >= steps:      # saved at the epoch's last batch
+            epoch, done = epoch + 1, 0
+        self.model._initial_epoch = epoch
+        self._current_epoch = epoch
+        self._last_batch_seen = done - 1
+        self._batches_seen_since_last_saving = 0
+        _pending_skip[0] = done
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # Keras 3 counts epochs from 0 after a restore; saves must record the
+        # epoch really being trained.
+        self._current_epoch = epoch
+        epoch_begin(self, epoch, logs)
+
+    def on_train_end(self, logs=None):
+        _pending_skip[0] = 0
+        train_end(self, logs)
+
+    on_train_begin._perseus_step_resume = True
+    backup.on_train_begin = on_train_begin
+    backup.on_epoch_begin = on_epoch_begin
+    backup.on_train_end = on_train_end
+
+    from keras.src.trainers import epoch_iterator as epoch_iterator_module
+    iterator_class = epoch_iterator_module.EpochIterator
+    enumerate_original = iterator_class._enumerate_iterator
+
+    def _enumerate_iterator(self):
+        skip, _pending_skip[0] = _pending_skip[0], 0
+        for begin_step, end_step, iterator in enumerate_original(self):
+            if skip > 0 and begin_step < skip:
+                if not _drop_batches(iterator, end_step - begin_step + 1):
+                    return
+                continue
+            yield begin_step, end_step, iterator
+
+    iterator_class._enumerate_iterator = _enumerate_iterator

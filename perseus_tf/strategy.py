@@ -250,6 +250,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         _keras_mixed.install()
         _gradients.install()
         _install_batch_norm_statistics()
+        _keras_files.install_step_resume()   # before the restore check wraps it
         if perseus_ops.size() > 1:
             _keras_files.install(perseus_ops.rank())
             _keras_files.install_restore_check()

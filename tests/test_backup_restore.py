@@ -8,6 +8,8 @@ import re
 import sys
 import tempfile
 
+import numpy as np
+
 from harness import WORKERS, launch
 
 WORKER = os.path.join(WORKERS, "backup_worker.py")
@@ -56,4 +58,36 @@ def test_every_rank_resumes_from_the_same_backup_and_scratch_is_removed():
             # which the stall timeout names.
             assert "stalled" in out and re.search(r"rank [01] has submitted it; rank [01] has not", out), \
                 out[-3000:]
+    assert _scratch() - before == set(), _scratch() - before
+
+
+def _steps_and_weights(result):
+    out = result.stdout + result.stderr
+    found = re.findall(r"STEPS rank (\d) (.*) weights (.*)", out)
+    assert result.returncode == 0 and len(found) == 2, out[-3000:]
+    return {int(r): (steps, [float(v) for v in w.split()]) for r, steps, w in found}
+
+
+def test_resume_at_the_saved_step_trains_as_an_uninterrupted_run():
+    """save_freq in batches: a job killed in the middle of epoch 1 resumes
+    after the last saved batch of that epoch (not at its start, not at the
+    next epoch), skips the batches it had trained, and ends with the weights
+    of a run that was never interrupted."""
+    before = _scratch()
+    with tempfile.TemporaryDirectory() as top:
+        whole = _steps_and_weights(
+            launch(2, [sys.executable, WORKER, "whole", os.path.join(top, "whole")], timeout=240))
+        directory = os.path.join(top, "backup")
+        crash = launch(2, [sys.executable, WORKER, "crash-step", directory], timeout=240)
+        assert crash.returncode == 0 and crash.stdout.count("CRASHED") == 2, crash.stderr[-3000:]
+        resumed = _steps_and_weights(
+            launch(2, [sys.executable, WORKER, "resume-step", directory], timeout=240))
+    # 64 rows, global batch 16: 4 batches an epoch; the backup was taken
+    # after epoch 1's batch 1 (the sixth batch, save_freq=3).
+    assert whole[0][0] == "[(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3]), (2, [0, 1, 2, 3]), " \
+        "(3, [0, 1, 2, 3])]", whole
+    for rank in (0, 1):
+        assert resumed[rank][0] == "[(1, [2, 3]), (2, [0, 1, 2, 3]), (3, [0, 1, 2, 3])]", resumed
+        assert resumed[rank][1] == resumed[0][1]
+        np.testing.assert_allclose(resumed[rank][1], whole[0][1], rtol=1e-5, atol=1e-6)
     assert _scratch() - before == set(), _scratch() - before

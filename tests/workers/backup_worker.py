@@ -7,6 +7,11 @@ at the start of epoch 2 (as a killed job would). PHASE "resume": a new model
 (other initial weights), the same callback: prints the epochs it ran and a
 checksum of its weights. PHASE "skew": like resume, but ranks other than 0
 look in an empty directory: the ranks must refuse to go on.
+PHASE "whole": seed 1, no interruption, save_freq=3 batches (the reference).
+PHASE "crash-step": seed 1, save_freq=3, killed at the start of epoch 1's
+third batch (the last backup is after its second). PHASE "resume-step": a new
+model (seed 99) resumes from that backup: it must train epoch 1's last two
+batches, then epochs 2 and 3, and end where "whole" ended.
 """
 
 import os
@@ -35,12 +40,46 @@ class Stop(keras.callbacks.Callback):
             raise KeyboardInterrupt("job killed")
 
 
+class StopMidEpoch(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.epoch == 1 and batch == 2:
+            raise KeyboardInterrupt("job killed")
+
+
+class CountBatches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.setdefault(self.epoch, []).append(int(batch))
+
+
 with strategy.scope():
-    keras.utils.set_random_seed(1 if phase == "crash" else 99)
+    keras.utils.set_random_seed(1 if phase in ("crash", "crash-step", "whole") else 99)
     model = keras.Sequential([keras.Input(shape=(6,)), keras.layers.Dense(4), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
 where = directory if phase != "skew" or rank == 0 else directory + "-empty"
 callbacks = [keras.callbacks.BackupAndRestore(backup_dir=where, save_freq=2)]
+if phase in ("whole", "crash-step", "resume-step"):
+    counter = CountBatches()
+    callbacks = [keras.callbacks.BackupAndRestore(backup_dir=directory, save_freq=3), counter]
+    try:
+        model.fit(data, epochs=4, verbose=0,
+                  callbacks=callbacks + ([StopMidEpoch()] if phase == "crash-step" else []))
+    except KeyboardInterrupt:
+        print(f"CRASHED rank {rank}", flush=True)
+        sys.exit(0)
+    weights = np.concatenate([w.numpy().ravel() for w in model.trainable_weights])
+    print(f"STEPS rank {rank} {sorted(counter.seen.items())} weights "
+          f"{' '.join(f'{v:.8e}' for v in weights)}", flush=True)
+    sys.exit(0)
 if phase == "crash":
     try:
         model.fit(data, epochs=4, verbose=0, callbacks=callbacks + [Stop()])
