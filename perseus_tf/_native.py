@@ -66,6 +66,40 @@ def init(**overrides):
             topk_fp16=bool(cfg.topk_fp16), topk_fallback=_DTYPE_COMPRESSION[cfg.allreduce_dtype],
             downsample_n=cfg.downsample_n_elements, gradient_momentum=cfg.gradient_momentum))
         _config_in_use, _topology = cfg, topo
+        _watch_launcher()
+
+
+_LAUNCHER_GONE_GRACE_S = 5.0
+
+
+def _watch_launcher():
+    """Under perseusrun, a rank whose launcher is gone stops: perseusrun sets
+    the kernel's parent-death signal (SIGTERM); if the script handles or
+    ignores that, this thread kills the rank's process group (the rank and
+    whatever it started) a few seconds later."""
+    text = os.environ.get("PERSEUS_LAUNCHER_PID", "")
+    if not text.isdigit() or os.getppid() != int(text):
+        return  # not started by a live perseusrun (or not its direct child)
+    launcher = int(text)
+
+    def watch():
+        import signal
+        import sys
+        import time
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        time.sleep(_LAUNCHER_GONE_GRACE_S)
+        try:  # best effort: the launcher held the other end of stderr
+            print(f"perseus: rank {_topology.rank}: perseusrun (pid {launcher}) is gone; "
+                  "stopping this rank", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="perseus-launcher-watch", daemon=True).start()
 
 
 def timeline_path(template, rank):

@@ -63,7 +63,8 @@ ENV_REPORTER = r"""
 import json, os
 from perseus_tf.runner.store import StoreClient
 env = {k: v for k, v in os.environ.items()
-       if k.startswith("PERSEUS_") or k == "PYTHONUNBUFFERED"}
+       if k.startswith(("PERSEUS_", "HOROVOD_"))
+       or k in ("PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")}
 rank, size = int(env["PERSEUS_RANK"]), int(env["PERSEUS_SIZE"])
 with StoreClient(env["PERSEUS_RENDEZVOUS_ADDR"], int(env["PERSEUS_RENDEZVOUS_PORT"]),
                  bytes.fromhex(env["PERSEUS_RENDEZVOUS_SECRET"])) as store:
@@ -101,6 +102,7 @@ def test_env_contract_single_host():
         assert re.fullmatch(r"[0-9a-f]{64}", env["PERSEUS_RENDEZVOUS_SECRET"])
         assert re.fullmatch(r"[0-9a-f]+", env["PERSEUS_JOB_ID"])
         assert env["PYTHONUNBUFFERED"] == "1"
+        assert env["TF_CPP_MIN_LOG_LEVEL"] == "2"
         assert env["peers"] == ["0", "1"]
     for name in ("PERSEUS_RENDEZVOUS_PORT", "PERSEUS_RENDEZVOUS_SECRET",
                  "PERSEUS_JOB_ID"):
@@ -122,6 +124,13 @@ def test_env_contract_two_hosts():
         assert env["PERSEUS_CROSS_SIZE"] == "2"
         assert env["PERSEUS_HOST_ADDR"] == host_addr
         assert env["peers"] == ["0", "1", "2", "3"]
+        # horovodrun's variables, which scripts and Horovod's tests read.
+        assert {k: v for k, v in env.items() if k.startswith("HOROVOD_")} == {
+            "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": "4",
+            "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": "2",
+            "HOROVOD_CROSS_RANK": str(cross_rank), "HOROVOD_CROSS_SIZE": "2",
+            "HOROVOD_HOSTNAME": "localhost" if cross_rank == 0 else "127.0.0.2",
+            "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo"}
     # A fresh job id for every launch.
     other = run_env_reporter("-np", "1")
     assert other[0]["PERSEUS_JOB_ID"] != envs[0]["PERSEUS_JOB_ID"]
@@ -177,6 +186,46 @@ def test_output_is_prefixed_by_rank():
         assert out[r] == [f"out one {r}", f"out two {r}", f"no newline {r}"]
         assert err[r] == [f"err {r}"]
     assert all(line.startswith("[") for line in result.stdout.splitlines())
+
+
+def test_users_tf_cpp_min_log_level_wins():
+    result = subprocess.run(
+        perseusrun_cmd("-np", "1", sys.executable, "-c",
+                       "import os; print(os.environ['TF_CPP_MIN_LOG_LEVEL'])"),
+        cwd=REPO, env=dict(ENV, TF_CPP_MIN_LOG_LEVEL="0"), capture_output=True,
+        text=True, timeout=60)
+    assert rank_lines(result.stdout) == {0: ["0"]}, result.stderr
+
+
+def test_carriage_return_updates_are_forwarded_as_they_come(tmp_path):
+    """A progress bar redraws itself with \\r and no \\n: each update must
+    reach the terminal at once, prefixed, not as one long line at the end."""
+    seen = tmp_path / "seen"
+    child = (f"import os, sys, time\n"
+             f"sys.stdout.write('1/3 [=>  ]\\r'); sys.stdout.flush()\n"
+             f"deadline = time.time() + 20\n"
+             f"while not os.path.exists({str(seen)!r}) and time.time() < deadline:\n"
+             f"    time.sleep(0.05)\n"
+             f"print('waited' if os.path.exists({str(seen)!r}) else 'update held back')\n"
+             f"sys.stdout.write('2/3 [==> ]\\r3/3 [===]\\r\\n'); sys.stdout.flush()\n")
+    proc = subprocess.Popen(perseusrun_cmd("-np", "1", sys.executable, "-c", child),
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        got = b""
+        while b"\r" not in got:
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, (got, proc.stderr.read())
+            got += chunk
+        seen.write_text("yes")
+        rest, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert got == b"[0] 1/3 [=>  ]\r", got
+    assert rest == b"[0] waited\n[0] 2/3 [==> ]\r[0] 3/3 [===]\r\n", rest
+    assert launcher._segments(b"a\r\nb\rc") == ([b"a\r\n", b"b\r"], b"c")
 
 
 # ---------------------------------------------------------------------------
@@ -271,6 +320,53 @@ def test_signals_are_forwarded_to_every_rank(signum):
     reader.join(5)
     rest = "".join(lines.get() for _ in range(lines.qsize()))
     assert rank_lines(rest) == {0: [f"got {int(signum)}"], 1: [f"got {int(signum)}"]}
+
+
+def _wait_for_pids(directory, count, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [int(p.read_text()) for p in Path(directory).glob("*.pid")]
+        if len(pids) == count:
+            return pids
+        time.sleep(0.05)
+    raise AssertionError(f"ranks did not start: {list(Path(directory).iterdir())}")
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL of perseusrun: a plain rank gets the parent-death SIGTERM; a
+    rank that ignores SIGTERM is stopped by the runtime's launcher watch,
+    with its children."""
+    child = (f"import os, signal, subprocess, sys, time\n"
+             f"rank = os.environ['PERSEUS_RANK']\n"
+             f"if rank == '1':\n"
+             f"    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             f"    from perseus_tf import _native\n"
+             f"    _native.init()\n"
+             f"    kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+             f"    open({str(tmp_path)!r} + '/kid.pid', 'w').write(str(kid.pid))\n"
+             f"else:\n"
+             f"    from perseus_tf import _native\n"
+             f"    _native.init()\n"
+             f"open({str(tmp_path)!r} + f'/rank{{rank}}.tmp', 'w').write(str(os.getpid()))\n"
+             f"os.rename({str(tmp_path)!r} + f'/rank{{rank}}.tmp', {str(tmp_path)!r} + f'/rank{{rank}}.pid')\n"
+             f"time.sleep(300)\n")
+    proc = subprocess.Popen(perseusrun_cmd("-np", "2", sys.executable, "-c", child),
+                            cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        pids = _wait_for_pids(tmp_path, 3)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(pid_is_gone(p) for p in pids):
+            time.sleep(0.1)
+        assert all(pid_is_gone(p) for p in pids), [p for p in pids if not pid_is_gone(p)]
+    finally:
+        for p in Path(tmp_path).glob("*.pid"):
+            try:
+                os.kill(int(p.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
 
 
 # ---------------------------------------------------------------------------

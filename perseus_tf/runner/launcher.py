@@ -71,9 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
             "Each rank gets PERSEUS_RANK, PERSEUS_SIZE, PERSEUS_LOCAL_RANK, "
             "PERSEUS_LOCAL_SIZE, PERSEUS_CROSS_RANK, PERSEUS_CROSS_SIZE, "
             "PERSEUS_HOST_ADDR, PERSEUS_JOB_ID and the PERSEUS_RENDEZVOUS_"
-            "ADDR/PORT/SECRET of the store served by perseusrun; the rest of "
-            "the environment is inherited. Output lines are prefixed with "
-            "'[RANK] '. SIGINT and SIGTERM are forwarded to every rank. "
+            "ADDR/PORT/SECRET of the store served by perseusrun, and the "
+            "HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE/"
+            "HOSTNAME that horovodrun sets; TF_CPP_MIN_LOG_LEVEL defaults to 2; "
+            "the rest of the environment is inherited. Output lines (and "
+            "progress-bar updates ending in a carriage return) are prefixed "
+            "with '[RANK] '. SIGINT and SIGTERM are forwarded to every rank; "
+            "ranks get SIGTERM if perseusrun itself dies. "
             "perseusrun exits 0 when every rank exits 0, otherwise with the "
             "status of the first rank that failed (128+N for signal N)."),
     )
@@ -208,10 +212,28 @@ def rank_env(base: dict, placement: Placement, rendezvous_addr: str,
         "PERSEUS_RENDEZVOUS_SECRET": secret.hex(),
         "PERSEUS_JOB_ID": job_id,
         "PERSEUS_HOST_ADDR": placement.host.addr,
+        # Ranks check that this process is alive (they stop when it is gone).
+        "PERSEUS_LAUNCHER_PID": str(os.getpid()),
         # Ranks' output goes through pipes; without this Python would hold
         # it back in block buffers and the forwarded lines would lag.
         "PYTHONUNBUFFERED": "1",
     })
+    # What horovodrun gives its workers, for scripts (and tests) that read it.
+    env.update({
+        "HOROVOD_RANK": str(placement.rank),
+        "HOROVOD_SIZE": str(placement.size),
+        "HOROVOD_LOCAL_RANK": str(placement.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(placement.local_size),
+        "HOROVOD_CROSS_RANK": str(placement.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(placement.cross_size),
+        "HOROVOD_HOSTNAME": placement.host.name,
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+    })
+    # TF's C++ start-up lines (and a "failed call to cuInit" on machines
+    # without a GPU) times N ranks drown the job's output; the user's own
+    # setting wins.
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
 
 
@@ -233,29 +255,71 @@ def describe_status(returncode: int) -> str:
     return f"failed with exit status {returncode}"
 
 
+def _segments(buffer: bytes):
+    """Splits buffer into complete segments, each ending in \\n or \\r (a
+    \\r\\n pair stays together); returns (segments, the unfinished rest)."""
+    segments, start = [], 0
+    for i, byte in enumerate(buffer):
+        if byte == 0x0A or (byte == 0x0D and buffer[i + 1:i + 2] != b"\n"):
+            segments.append(buffer[start:i + 1])
+            start = i + 1
+    return segments, buffer[start:]
+
+
 def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock) -> None:
-    """Copies pipe to stream line by line, each line starting with prefix."""
+    """Copies pipe to stream, each line or \\r-ended update (a progress bar
+    redrawing itself) as soon as it is complete, each starting with prefix."""
     # Write bytes when the stream allows it, so that output that is not
     # valid in our locale's encoding passes through untouched.
     raw = getattr(stream, "buffer", None)
     broken = False
+    pending = b""
+    after_cr = False  # the last segment sent ended in \\r
+    fd = pipe.fileno()
     with pipe:
-        for line in iter(pipe.readline, b""):
-            if broken:
-                continue  # keep draining, or the rank would block on a full pipe
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            with lock:
-                try:
-                    if raw is not None:
-                        raw.write(prefix + line)
-                        raw.flush()
-                    else:
-                        stream.write((prefix + line).decode("utf-8", "replace"))
-                        stream.flush()
-                except (BrokenPipeError, ValueError):
-                    # Our reader went away (e.g. `perseusrun ... | head`).
-                    broken = True
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if chunk:
+                segments, pending = _segments(pending + chunk)
+            else:
+                segments, pending = ([pending + b"\n"] if pending else []), b""
+            parts = []
+            for segment in segments:
+                # A \\r\\n split across two reads: the \\n ends the line
+                # already shown, it needs no prefix of its own.
+                parts.append(segment if after_cr and segment == b"\n" else prefix + segment)
+                after_cr = segment.endswith(b"\r")
+            if parts and not broken:
+                data = b"".join(parts)
+                with lock:
+                    try:
+                        if raw is not None:
+                            raw.write(data)
+                            raw.flush()
+                        else:
+                            stream.write(data.decode("utf-8", "replace"))
+                            stream.flush()
+                    except (BrokenPipeError, ValueError):
+                        # Our reader went away (e.g. `perseusrun ... | head`);
+                        # keep draining, or the rank would block on a full pipe.
+                        broken = True
+            if not chunk:
+                return
+
+
+def _die_with_launcher(launcher_pid: int):
+    """Runs in the child before exec: the kernel sends it SIGTERM when
+    perseusrun dies, even by SIGKILL. If perseusrun died before this ran,
+    the child exits at once."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_PDEATHSIG = 1
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != launcher_pid:
+        os._exit(1)
 
 
 class RankGroup:
@@ -272,10 +336,12 @@ class RankGroup:
         # Each rank gets its own process group, so that a Ctrl-C typed in the
         # terminal reaches perseusrun alone and perseusrun decides what the
         # ranks receive; signalling the group also reaches a rank's children.
+        launcher_pid = os.getpid()
         proc = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True)
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_launcher(launcher_pid))
         self.procs.append(proc)
         prefix = f"[{rank}] ".encode()
         for pipe, stream, lock in ((proc.stdout, sys.stdout, self._stdout_lock),
