@@ -249,6 +249,11 @@ def topology():
     return _core.topology()
 
 
+def host_addr():
+    """The address this rank's host is reached at (PERSEUS_HOST_ADDR)."""
+    return _topology.host_addr if _topology is not None else "127.0.0.1"
+
+
 def stats(process_set_id=0):
     """Runtime counters: negotiation cycles, control bytes, responses, per-stream bytes."""
     return _core.stats(int(process_set_id))

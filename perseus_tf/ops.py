@@ -299,27 +299,38 @@ def _grouped_allreduce_grad(op, *grads):
                                           compression=op.get_attr("compression"))
 
 
+# Gradients follow Horovod's conventions, so that code ported from Horovod
+# gets Horovod's numbers: allgather and broadcast average the incoming
+# gradients over the ranks; reducescatter's is allgather(grad), times the
+# set size for Sum. In TF1 graphs only what a fetch needs runs, and Grappler
+# may fold a result that does not read a collective's value (a zero-sized
+# slice, zeros_like of a known shape): every collective a gradient starts is
+# tied to its result by a control dependency, so that no rank skips one the
+# others wait for.
+
 @tf.RegisterGradient("PerseusBroadcast")
 def _broadcast_grad(op, grad):
-    # Only the root's value reaches any output: it receives the sum of all
-    # ranks' gradients, the others nothing.
-    summed = _LIB.perseus_allreduce(grad, reduce_op=0,
-                                    process_set_id=op.get_attr("process_set_id"))
+    # Only the root's value reaches any output: it gets the average of all
+    # ranks' gradients, the others zeros.
+    averaged = _LIB.perseus_allreduce(grad, reduce_op=1,
+                                      process_set_id=op.get_attr("process_set_id"))
     if _set_rank(op) == op.get_attr("root_rank"):
-        return summed
-    return tf.zeros_like(summed)
+        return averaged
+    with tf.control_dependencies([averaged]):
+        return tf.zeros_like(grad)
 
 
 @tf.RegisterGradient("PerseusAllgather")
 def _allgather_grad(op, grad):
     set_id = op.get_attr("process_set_id")
-    summed = _LIB.perseus_allreduce(grad, reduce_op=0, process_set_id=set_id)
+    averaged = _LIB.perseus_allreduce(grad, reduce_op=1, process_set_id=set_id)
     dim0 = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
     dims = _LIB.perseus_allgather(dim0, process_set_id=set_id)
     offset = tf.reduce_sum(dims[:_set_rank(op)])
-    begin = tf.concat([[offset], tf.zeros_like(tf.shape(summed, out_type=tf.int64)[1:])], 0)
-    size_ = tf.concat([dim0, tf.shape(summed, out_type=tf.int64)[1:]], 0)
-    return tf.slice(summed, begin, size_)
+    begin = tf.concat([[offset], tf.zeros_like(tf.shape(averaged, out_type=tf.int64)[1:])], 0)
+    size_ = tf.concat([dim0, tf.shape(averaged, out_type=tf.int64)[1:]], 0)
+    with tf.control_dependencies([dims, averaged]):
+        return tf.identity(tf.slice(averaged, begin, size_))
 
 
 @tf.RegisterGradient("PerseusReducescatter")
@@ -329,8 +340,8 @@ def _reducescatter_grad(op, grad):
         raise NotImplementedError("only Sum and Average reducescatter have gradients")
     gathered = _LIB.perseus_allgather(grad, process_set_id=op.get_attr("process_set_id"))
     scale = op.get_attr("prescale") * op.get_attr("postscale")
-    if reduce_op == 1:
-        scale /= _set_size(op)
+    if reduce_op == 0:
+        scale *= _set_size(op)
     return gathered * tf.cast(scale, gathered.dtype) if scale != 1.0 else gathered
 
 

@@ -16,6 +16,8 @@ Example (started with `perseusrun -np 4 -- python train.py`):
 import itertools
 import threading
 
+import numpy as np
+
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import distribute_utils
@@ -219,6 +221,26 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
                                               options=options)
 
 
+def _cluster_resolver():
+    """What MultiWorkerMirroredStrategy users read from
+    `strategy.cluster_resolver`: task_type "worker", task_id the rank, and a
+    cluster spec whose "worker" job lists every rank's host address (in rank
+    order; no TF server runs, so the entries carry no port). Built at
+    construction, when every rank is here: the addresses are one allgather."""
+    width = 64
+    mine = _native.host_addr().encode()[:width].ljust(width, b"\0")
+    if perseus_ops.size() > 1:
+        rows = perseus_ops.allgather(
+            tf.constant(np.frombuffer(mine, np.uint8)[None, :]),
+            name="perseus.strategy.host_addresses").numpy()
+    else:
+        rows = np.frombuffer(mine, np.uint8)[None, :]
+    workers = [bytes(row).rstrip(b"\0").decode() for row in rows]
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec({"worker": workers}), task_type="worker",
+        task_id=perseus_ops.rank(), num_accelerators={}, rpc_layer="")
+
+
 class PerseusStrategy(tf.distribute.MirroredStrategy):
     """Data parallelism across perseusrun's processes, one replica per process.
 
@@ -247,6 +269,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
                 f"accumulate_n_steps={self._accumulate_n_steps} (PERSEUS_ACCUMULATE_N_STEPS) "
                 f"needs one device per process; this strategy drives {len(extended._devices)} "
                 "(use devices=None, or accumulate_n_steps=1)")
+        extended._cluster_resolver = _cluster_resolver()
         _keras_mixed.install()
         _gradients.install()
         _install_batch_norm_statistics()

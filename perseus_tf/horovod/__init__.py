@@ -22,6 +22,7 @@ from perseus_tf.horovod._collectives import (
 from perseus_tf.horovod._process_sets import (
     ProcessSet, global_process_set, add_process_set, remove_process_set)
 from perseus_tf.horovod.compression import Compression
+from perseus_tf.horovod import elastic
 from perseus_tf.horovod.functions import (
     broadcast_variables, broadcast_global_variables, broadcast_object, broadcast_object_fn,
     allgather_object)
@@ -43,4 +44,5 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "broadcast_object",
     "broadcast_object_fn", "allgather_object", "BroadcastGlobalVariablesHook",
     "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "elastic",
 ]

@@ -160,11 +160,13 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
-    """Sends `splits[r]` rows to rank r; returns (received tensor, received splits).
-
-    Without splits, dimension 0 is divided evenly among the ranks.
+    """Sends `splits[r]` rows to rank r. As in Horovod, returns the tensor
+    received when splits is None (dimension 0 is then divided evenly among
+    the ranks), and (received tensor, received splits) when splits is given.
     """
-    return ops.alltoall(tensor, splits=splits, name=name, **op_kwargs(process_set))
+    received, received_splits = ops.alltoall(tensor, splits=splits, name=name,
+                                             **op_kwargs(process_set))
+    return received if splits is None else (received, received_splits)
 
 
 def reducescatter(tensor, device_dense='', compression=Compression.none, op=Average, name=None,

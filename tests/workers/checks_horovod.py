@@ -100,6 +100,17 @@ def check_topology_and_build_flags():
     assert int(hvd.size_op()) == N and int(hvd.rank_op()) == R
     assert hvd.global_process_set.size() == N and hvd.global_process_set.included()
     assert hvd.global_process_set.ranks == list(range(N))
+    # HOROVOD_* variables, as horovodrun sets them
+    assert os.environ["HOROVOD_RANK"] == str(R) and os.environ["HOROVOD_SIZE"] == str(N)
+    assert os.environ["HOROVOD_LOCAL_RANK"] == str(hvd.local_rank())
+
+
+def check_elastic_is_a_clear_error():
+    import perseus_tf.horovod.keras as hvd_keras
+    for module in (hvd.elastic, hvd_keras.elastic):
+        for name in ("run", "TensorFlowKerasState", "KerasState", "CommitStateCallback"):
+            expect(NotImplementedError, lambda: getattr(module, name),
+                   f"elastic.{name}", "not supported", "perseusrun -np N")
 
 
 # ---- allreduce -------------------------------------------------------------
@@ -221,16 +232,79 @@ def check_broadcast_from_every_root():
 
 def check_alltoall_with_and_without_splits():
     rows = np.arange(N * 2, dtype=np.float32).reshape(N * 2, 1) + 100 * R
-    out, received = hvd.alltoall(tf.constant(rows))
-    np.testing.assert_array_equal(received.numpy(), [2] * N)
+    # Without splits Horovod returns the tensor alone; with splits (equal
+    # ones too) the tensor and the received splits.
+    out = hvd.alltoall(tf.constant(rows))
+    assert tf.is_tensor(out), type(out)
     np.testing.assert_array_equal(out.numpy().ravel(), np.concatenate(
         [np.arange(2 * R, 2 * R + 2) + 100 * r for r in range(N)]))
+    out2, received = hvd.alltoall(tf.constant(rows), splits=[2] * N)
+    np.testing.assert_array_equal(received.numpy(), [2] * N)
+    np.testing.assert_array_equal(out2.numpy(), out.numpy())
     splits = [(R + d) % 2 + 1 for d in range(N)]  # rank R sends splits[d] rows to d
     mine = np.full((sum(splits),), R, np.int32)
     out, received = hvd.alltoall(tf.constant(mine), splits=splits)
     expected_counts = [(r + R) % 2 + 1 for r in range(N)]
     np.testing.assert_array_equal(received.numpy(), expected_counts)
     np.testing.assert_array_equal(out.numpy(), np.repeat(np.arange(N), expected_counts))
+
+
+def check_graph_mode_gradients_and_zero_row_alltoall():
+    """TF1 Session graphs, with Horovod's gradient conventions: allgather
+    (first dimensions differ per rank, grouped too), broadcast from every
+    root, reducescatter (Sum and Average, grouped), alltoall and its
+    gradient, alltoall where some ranks send no rows, and an empty alltoall."""
+    rows = [3, 2, 7, 4][:N]
+    with tf.Graph().as_default():
+        fetch = {}
+        x = tf.ones([rows[R], 5]) * R
+        xs = [tf.ones([rows[R] + i, 2]) * (R + i) for i in range(3)]
+        ys = tf.concat([tf.ones([rows[r], 5]) * r for r in range(N)], 0)
+        fetch["allgather"] = tf.gradients(hvd.allgather(x), x, ys)[0]
+        gathered = hvd.grouped_allgather(xs)
+        gys = [tf.concat([tf.ones([rows[r] + i, 2]) * (r + i) for r in range(N)], 0)
+               for i in range(3)]
+        fetch["grouped_allgather"] = tf.gradients(gathered, xs, gys)
+        b = tf.ones([4, 3]) * R
+        fetch["broadcast"] = [tf.gradients(hvd.broadcast(b, root), b, tf.ones([4, 3]))[0]
+                              for root in range(N)]
+        rs = tf.ones([N * 4, 2])
+        fetch["reducescatter_sum"] = tf.gradients(
+            hvd.reducescatter(rs, op=hvd.Sum), rs, tf.ones([4, 2]))[0]
+        fetch["reducescatter_avg"] = tf.gradients(hvd.reducescatter(rs), rs, tf.ones([4, 2]))[0]
+        group = [tf.ones([N * 2, 3]), tf.ones([N, 1])]
+        fetch["grouped_reducescatter"] = tf.gradients(
+            hvd.grouped_reducescatter(group, op=hvd.Sum), group,
+            [tf.ones([2, 3]), tf.ones([1, 1])])
+        a = tf.ones([N * (R + 1), 2])
+        sent = [R + 1] * N
+        out, received = hvd.alltoall(a, splits=sent)
+        fetch["alltoall"] = (out, received, tf.gradients(out, a, tf.ones_like(out))[0])
+        active = R < max(1, N // 2)
+        z = tf.fill([N if active else 0, 4], R)
+        fetch["zero_rows"] = hvd.alltoall(z, splits=[1 if active else 0] * N)
+        fetch["empty"] = hvd.alltoall(tf.zeros([N, 0]))
+        with tf.compat.v1.Session() as sess:
+            got = sess.run(fetch)
+    np.testing.assert_array_equal(got["allgather"], np.ones([rows[R], 5]) * R)
+    for i, g in enumerate(got["grouped_allgather"]):
+        np.testing.assert_array_equal(g, np.ones([rows[R] + i, 2]) * (R + i))
+    for root, g in enumerate(got["broadcast"]):
+        np.testing.assert_array_equal(g, np.ones([4, 3]) * (1.0 if R == root else 0.0))
+    np.testing.assert_array_equal(got["reducescatter_sum"], np.full([N * 4, 2], float(N)))
+    np.testing.assert_array_equal(got["reducescatter_avg"], np.ones([N * 4, 2]))
+    np.testing.assert_array_equal(got["grouped_reducescatter"][0], np.full([N * 2, 3], float(N)))
+    np.testing.assert_array_equal(got["grouped_reducescatter"][1], np.full([N, 1], float(N)))
+    out, received, grad = got["alltoall"]
+    np.testing.assert_array_equal(received, [r + 1 for r in range(N)])
+    assert out.shape == (N * (N + 1) // 2, 2), out.shape
+    np.testing.assert_array_equal(grad, np.ones([N * (R + 1), 2]))
+    zout, zreceived = got["zero_rows"]
+    senders = [r for r in range(N) if r < max(1, N // 2)]
+    np.testing.assert_array_equal(zreceived, [1 if r in senders else 0 for r in range(N)])
+    np.testing.assert_array_equal(zout, np.repeat(np.array(senders, np.int32), 1)[:, None]
+                                  * np.ones([1, 4], np.int32))
+    assert got["empty"].shape == (N, 0), got["empty"].shape
 
 
 def check_reducescatter_average_by_default_and_grouped():

@@ -167,21 +167,28 @@ def check_gradients():
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(ptf.allreduce(x, op=ptf.Average)) * w[R]
     np.testing.assert_allclose(tape.gradient(loss, x).numpy(), [sum(w) / N] * 3, rtol=1e-6)
-    # allgather: loss_r = w_r * sum(gathered**2) -> d/dx_r = 2 x_r sum_s w_s
+    # Horovod's conventions. allgather: the ranks' gradients are averaged,
+    # then sliced: loss_r = w_r * sum(gathered**2) -> 2 x_r mean_s w_s
     xg = tf.Variable(np.arange(R + 1, dtype=np.float32) + 1)
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(ptf.allgather(xg) ** 2) * w[R]
-    np.testing.assert_allclose(tape.gradient(loss, xg).numpy(), 2 * xg.numpy() * sum(w))
-    # broadcast: only the root's input matters
+    np.testing.assert_allclose(tape.gradient(loss, xg).numpy(), 2 * xg.numpy() * sum(w) / N,
+                               rtol=1e-6)
+    # broadcast: only the root's input matters; it gets the average
     root = N - 1
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(ptf.broadcast(x, root_rank=root)) * w[R]
-    expected = sum(w) if R == root else 0.0
-    np.testing.assert_allclose(tape.gradient(loss, x).numpy(), [expected] * 3)
-    # reducescatter(sum) of an (N, 2) tensor: each rank keeps row R
+    expected = sum(w) / N if R == root else 0.0
+    np.testing.assert_allclose(tape.gradient(loss, x).numpy(), [expected] * 3, rtol=1e-6)
+    # reducescatter(sum) of an (N, 2) tensor: each rank keeps row R; the
+    # gradient is allgather(grad) times the size
     xr = tf.Variable(np.ones((N, 2), np.float32))
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(ptf.reducescatter(xr, op=ptf.Sum)) * w[R]
+    np.testing.assert_allclose(tape.gradient(loss, xr).numpy(),
+                               np.repeat(np.array(w, np.float32)[:, None], 2, 1) * N)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(ptf.reducescatter(xr, op=ptf.Average)) * w[R]
     np.testing.assert_allclose(tape.gradient(loss, xr).numpy(),
                                np.repeat(np.array(w, np.float32)[:, None], 2, 1))
     # alltoall: the gradient goes back to where each row came from
@@ -281,7 +288,7 @@ def check_process_sets():
             with tf.GradientTape() as tape:
                 loss = tf.reduce_sum(ptf.allgather(v, process_set_id=set_id) * 2.0)
             np.testing.assert_allclose(tape.gradient(loss, v).numpy(),
-                                       np.full([pos + 1], 2.0 * len(members)))
+                                       np.full([pos + 1], 2.0))
         else:
             _expect(tf.errors.InvalidArgumentError,
                     lambda: ptf.allreduce(tf.ones([1]), process_set_id=set_id),

@@ -83,6 +83,18 @@ def _fit_and_compare(n_examples, epochs):
     return model
 
 
+def check_cluster_resolver_as_multi_worker_mirrored_strategy():
+    """The tutorial's chief-only saving code reads these."""
+    resolver = STRATEGY.cluster_resolver
+    assert resolver is not None
+    assert (resolver.task_type, resolver.task_id) == ("worker", R)
+    spec = resolver.cluster_spec()
+    assert spec.jobs == ["worker"] and spec.num_tasks("worker") == N, spec.as_dict()
+    assert spec.as_dict()["worker"] == ["127.0.0.1"] * N, spec.as_dict()
+    is_chief = resolver.task_type == "worker" and resolver.task_id == 0
+    assert is_chief == (R == 0)
+
+
 def check_fit_equals_single_process_sgd():
     before = _native.stats()
     _fit_and_compare(96, epochs=3)

@@ -20,7 +20,7 @@ from perseus_tf.horovod._process_sets import (ProcessSet, global_process_set, ad
                                               remove_process_set)
 from perseus_tf.horovod.compression import Compression
 from perseus_tf.horovod import functions as _functions
-from perseus_tf.horovod.keras import callbacks
+from perseus_tf.horovod.keras import callbacks, elastic
 from perseus_tf.horovod.keras._optimizer import (_Settings, distributed_class,
                                                  keras_optimizer_classes)
 from perseus_tf.horovod.keras.callbacks import (
