@@ -27,7 +27,8 @@ except ImportError as e:  # pragma: no cover - only without a build
 (OP_ALLREDUCE, OP_ALLGATHER, OP_BROADCAST, OP_ALLTOALL, OP_REDUCESCATTER, OP_BARRIER,
  OP_JOIN) = range(7)
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4,
-               "int64": 5, "uint8": 6, "int8": 7, "bool": 8}
+               "int64": 5, "uint8": 6, "int8": 7, "bool": 8, "uint16": 9,
+               "int16": 10}
 
 
 def init(**overrides):

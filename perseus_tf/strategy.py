@@ -38,7 +38,7 @@ from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
-                  tf.uint8, tf.int8, tf.bool}
+                  tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
 
 
 # Set while a Keras 3 BatchNormalization creates its moving statistics.

@@ -128,6 +128,8 @@ bool MatchesCode(const py::dtype& dt, int code) {
     case DataType::kUint8: return kind == 'u' && size == 1;
     case DataType::kInt8: return kind == 'i' && size == 1;
     case DataType::kBool: return kind == 'b' && size == 1;
+    case DataType::kUint16: return kind == 'u' && size == 2;
+    case DataType::kInt16: return kind == 'i' && size == 2;
   }
   return false;
 }
@@ -150,9 +152,9 @@ void CheckCodes(const std::string& name, int op, int dtype, int reduce_op) {
     throw InvalidError("'" + name + "': op code " + std::to_string(op) + " is not 0 to " +
                        std::to_string(static_cast<int>(OpType::kJoin)));
   }
-  if (dtype < 0 || dtype > static_cast<int>(DataType::kBool)) {
+  if (dtype < 0 || dtype > static_cast<int>(DataType::kInt16)) {
     throw InvalidError("'" + name + "': dtype code " + std::to_string(dtype) + " is not 0 to " +
-                       std::to_string(static_cast<int>(DataType::kBool)));
+                       std::to_string(static_cast<int>(DataType::kInt16)));
   }
   if (reduce_op < 0 || reduce_op > static_cast<int>(ReduceOp::kProduct)) {
     throw InvalidError("'" + name + "': reduce_op " + std::to_string(reduce_op) + " is not 0 to " +

@@ -8,6 +8,8 @@ size_t DataTypeSize(DataType dtype) {
   switch (dtype) {
     case DataType::kFloat16:
     case DataType::kBFloat16:
+    case DataType::kUint16:
+    case DataType::kInt16:
       return 2;
     case DataType::kFloat32:
     case DataType::kInt32:
@@ -34,6 +36,8 @@ const char* DataTypeName(DataType dtype) {
     case DataType::kUint8: return "uint8";
     case DataType::kInt8: return "int8";
     case DataType::kBool: return "bool";
+    case DataType::kUint16: return "uint16";
+    case DataType::kInt16: return "int16";
   }
   return "unknown";
 }

@@ -19,6 +19,8 @@ enum class DataType : int32_t {
   kUint8 = 6,
   kInt8 = 7,
   kBool = 8,
+  kUint16 = 9,
+  kInt16 = 10,
 };
 
 enum class ReduceOp : int32_t {

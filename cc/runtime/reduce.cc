@@ -180,6 +180,8 @@ ReduceFn ForDtype(DataType dtype) {
     case DataType::kInt64: return &ReduceTyped<int64_t, Op>;
     case DataType::kUint8: return &ReduceTyped<uint8_t, Op>;
     case DataType::kInt8: return &ReduceTyped<int8_t, Op>;
+    case DataType::kUint16: return &ReduceTyped<uint16_t, Op>;
+    case DataType::kInt16: return &ReduceTyped<int16_t, Op>;
     case DataType::kBool: return nullptr;
   }
   return nullptr;
@@ -231,6 +233,8 @@ void ScaleBuffer(void* data, DataType dtype, size_t n, double factor) {
     case DataType::kInt64: ScaleTyped<int64_t>(data, n, factor); break;
     case DataType::kUint8: ScaleTyped<uint8_t>(data, n, factor); break;
     case DataType::kInt8: ScaleTyped<int8_t>(data, n, factor); break;
+    case DataType::kUint16: ScaleTyped<uint16_t>(data, n, factor); break;
+    case DataType::kInt16: ScaleTyped<int16_t>(data, n, factor); break;
     case DataType::kFloat16: {
       uint16_t* p = static_cast<uint16_t*>(data);
       for (size_t i = 0; i < n; ++i) {

@@ -1299,6 +1299,8 @@ void WriteValue(void* p, DataType dtype, double v) {
     case DataType::kFloat64: *static_cast<double*>(p) = v; break;
     case DataType::kInt32: *static_cast<int32_t*>(p) = static_cast<int32_t>(v + 0.5); break;
     case DataType::kInt64: *static_cast<int64_t*>(p) = static_cast<int64_t>(v + 0.5); break;
+    case DataType::kUint16: *static_cast<uint16_t*>(p) = static_cast<uint16_t>(v + 0.5); break;
+    case DataType::kInt16: *static_cast<int16_t*>(p) = static_cast<int16_t>(v + 0.5); break;
     default: *static_cast<uint8_t*>(p) = static_cast<uint8_t>(v + 0.5); break;
   }
 }
@@ -1319,6 +1321,8 @@ double ReadValue(const void* p, DataType dtype) {
     case DataType::kFloat64: return *static_cast<const double*>(p);
     case DataType::kInt32: return *static_cast<const int32_t*>(p);
     case DataType::kInt64: return static_cast<double>(*static_cast<const int64_t*>(p));
+    case DataType::kUint16: return *static_cast<const uint16_t*>(p);
+    case DataType::kInt16: return *static_cast<const int16_t*>(p);
     default: return *static_cast<const uint8_t*>(p);
   }
 }

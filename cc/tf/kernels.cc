@@ -38,6 +38,8 @@ Status ToPerseus(::tensorflow::DataType dt, DataType* out) {
     case DT_UINT8: *out = DataType::kUint8; break;
     case DT_INT8: *out = DataType::kInt8; break;
     case DT_BOOL: *out = DataType::kBool; break;
+    case DT_UINT16: *out = DataType::kUint16; break;
+    case DT_INT16: *out = DataType::kInt16; break;
     default:
       return errors::InvalidArgument("Perseus collectives do not support dtype ",
                                      DataTypeString(dt));

@@ -16,7 +16,7 @@ using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
 constexpr char kTypes[] =
-    "T: {half, bfloat16, float, double, int32, int64, uint8, int8, bool}";
+    "T: {half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16, bool}";
 
 // Output: the input's shape with an unknown first dimension.
 Status UnknownFirstDim(InferenceContext* c) {
@@ -49,7 +49,7 @@ REGISTER_OP("PerseusAllreduce")
     .Doc("Reduces a tensor across all ranks (0 sum, 1 average, 2 min, 3 max, 4 product).");
 
 REGISTER_OP("PerseusGroupedAllreduce")
-    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8, int8, bool})")
+    .Attr("T: list({half, bfloat16, float, double, int32, int64, uint8, int8, uint16, int16, bool})")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Attr("reduce_op: int = 0")

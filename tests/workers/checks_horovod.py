@@ -224,6 +224,29 @@ def check_allgather_and_grouped_allgather():
     np.testing.assert_array_equal(b.numpy(), np.arange(N, dtype=np.float32).reshape(N, 1))
 
 
+def check_int16_and_uint16_in_every_collective():
+    """Horovod's allgather, broadcast and alltoall take uint16 and int16;
+    ours reduce them too."""
+    for dt in (np.uint16, np.int16):
+        base = np.array([1, 300, 2000], dt)
+        mine = base + dt(R)
+        got = hvd.allreduce(tf.constant(mine), op=hvd.Sum)
+        assert got.dtype == tf.as_dtype(dt)
+        np.testing.assert_array_equal(got.numpy(), sum(base + dt(r) for r in range(N)))
+        np.testing.assert_array_equal(hvd.allreduce(tf.constant(mine), op=hvd.Max).numpy(),
+                                      base + dt(N - 1))
+        gathered = hvd.allgather(tf.constant(np.full([R + 1], 7 * R, dt)))
+        np.testing.assert_array_equal(
+            gathered.numpy(), np.concatenate([np.full([r + 1], 7 * r, dt) for r in range(N)]))
+        np.testing.assert_array_equal(hvd.broadcast(tf.constant(mine), N - 1).numpy(),
+                                      base + dt(N - 1))
+        out = hvd.alltoall(tf.constant(np.full([N], R + 40000 if dt == np.uint16 else -R, dt)))
+        np.testing.assert_array_equal(
+            out.numpy(), [r + 40000 if dt == np.uint16 else -r for r in range(N)])
+        scattered = hvd.reducescatter(tf.constant(np.ones([N, 2], dt) * dt(R + 1)), op=hvd.Sum)
+        np.testing.assert_array_equal(scattered.numpy(), np.full([1, 2], N * (N + 1) // 2, dt))
+
+
 def check_broadcast_from_every_root():
     for root in range(N):
         got = hvd.broadcast(tf.constant(data(R, (4,), np.float64, seed=root)), root)
