@@ -43,9 +43,18 @@ def init(**overrides):
             cfg.streams = _config.auto_streams(topo.local_size)
         if topo.host_store and _store_server is None:
             from perseus_tf.runner.store import StoreServer
-            _store_server = StoreServer("0.0.0.0", topo.store_port, topo.secret)
-            _store_server.start()
+            server = StoreServer("0.0.0.0", topo.store_port, topo.secret)
+            try:
+                server.start()
+            except OSError as e:
+                raise RuntimeError(
+                    f"Perseus rank {topo.rank}: cannot serve the rendezvous store on port "
+                    f"{topo.store_port} ({e.strerror}): is another process of this job also "
+                    f"rank 0 (PERSEUS_RANK / RANK set twice?), or another job using the port? "
+                    f"Set PERSEUS_MASTER_PORT to a free port (the same on every rank).") from e
+            _store_server = server
         _core.init(dict(
+            settings=shared_settings(cfg, topo),
             rank=topo.rank, size=topo.size, local_rank=topo.local_rank,
             local_size=topo.local_size, cross_rank=topo.cross_rank,
             cross_size=topo.cross_size, store_addr=topo.store_addr,
@@ -101,6 +110,24 @@ def _watch_launcher():
             os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="perseus-launcher-watch", daemon=True).start()
+
+
+# Settings each rank may choose for itself: its network interfaces, its
+# timeline file, and how it waits (cycle time, GLOO_TIMEOUT_SECONDS).
+_PER_RANK_SETTINGS = {"gloo_iface", "nccl_iface", "timeline", "cycle_time_ms",
+                      "timeout_seconds", "stall_check_seconds"}
+
+
+def shared_settings(cfg, topo):
+    """The settings every rank must share, as "NAME=value" lines: the world's
+    shape and every PERSEUS_* setting that changes what goes on the wire or
+    when. The runtime compares them across ranks at init."""
+    lines = [f"PERSEUS_SIZE={topo.size}", f"PERSEUS_CROSS_SIZE={topo.cross_size}"]
+    for field, (variable, *_rest) in sorted(_config.VARIABLES.items()):
+        if field not in _PER_RANK_SETTINGS:
+            value = getattr(cfg, field)
+            lines.append(f"{variable}={'unset' if value is None else value}")
+    return "\n".join(lines)
 
 
 def timeline_path(template, rank):

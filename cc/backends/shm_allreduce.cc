@@ -161,6 +161,15 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
     shm->segments_.back()->name = "/perseus-" + std::string(hex) + "-h" +
                                   std::to_string(cross_rank) + "-" + std::to_string(s);
   }
+  // Whatever ends this function (a peer that fails or times out during the
+  // control steps below throws), local rank 0 removes the names it created:
+  // nothing is left in /dev/shm.
+  struct UnlinkNames {
+    std::vector<std::string> names;
+    ~UnlinkNames() {
+      for (const auto& name : names) shm_unlink(name.c_str());
+    }
+  } created;
   // Local rank 0 creates its host's segments; the others map them once it has.
   if (ok && shm->rank_ == 0) {
     for (auto& seg : shm->segments_) {
@@ -169,6 +178,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
         ok = false;
         break;
       }
+      created.names.push_back(seg->name);
       Header* h = seg->header;
       h->key = hash;
       h->size = static_cast<uint32_t>(n);

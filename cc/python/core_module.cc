@@ -376,6 +376,7 @@ PYBIND11_MODULE(_core, m) {
       opts.fusion_granularity = o["fusion_granularity"].cast<int>();
     }
     if (o.contains("topk_ratio")) opts.topk_ratio = o["topk_ratio"].cast<double>();
+    if (o.contains("settings")) opts.settings = o["settings"].cast<std::string>();
     if (o.contains("topk_threshold_bytes")) {
       opts.topk_threshold_bytes = o["topk_threshold_bytes"].cast<int64_t>();
     }

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <sstream>
 
 #include "cc/backends/gloo_backend.h"
@@ -142,6 +143,104 @@ const char* Runtime::state_name() const {
   return "unknown";
 }
 
+namespace {
+
+std::map<std::string, std::string> ParseSettings(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const size_t eq = line.find('=');
+    if (eq != std::string::npos) out[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return out;
+}
+
+std::string Join(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
+}  // namespace
+
+// Before any connection: every process claims its rank (a second claim of
+// the same rank fails both at once), publishes the settings that must agree,
+// and reads every other rank's, failing at the first difference with the
+// variable and both values. Waits for ranks that have not started yet up to
+// `wait`, saying so on stderr every GLOO_TIMEOUT_SECONDS.
+Status Runtime::RollCall(const InitOptions& o, const std::string& prefix,
+                         std::chrono::milliseconds wait) {
+  const std::string me = std::to_string(o.rank);
+  const std::string claim = prefix + "/claim/" + me;
+  auto duplicate = [&]() {
+    return Status::Error(
+        StatusCode::kInvalidArgument,
+        "Perseus: two processes claim rank " + me + " of job " + o.job_id +
+            " (PERSEUS_RANK=" + me + " twice?). Every process of a job needs its own rank, " +
+            "0 to " + std::to_string(o.size - 1) + " (PERSEUS_SIZE=" + std::to_string(o.size) +
+            "); perseusrun assigns them.");
+  };
+  if (store_->Add(claim, 1) > 1) return duplicate();
+  store_->set(prefix + "/settings/" + me, std::vector<char>(o.settings.begin(), o.settings.end()));
+  const auto mine = ParseSettings(o.settings);
+  std::vector<bool> seen(o.size, false);
+  seen[o.rank] = true;
+  const auto start = std::chrono::steady_clock::now();
+  const auto note_every = std::chrono::milliseconds(
+      std::max<int64_t>(1000, static_cast<int64_t>(o.timeout_seconds * 1000)));
+  auto next_note = start + note_every;
+  for (;;) {
+    std::vector<int> missing;
+    for (int r = 0; r < o.size; ++r) {
+      if (seen[r]) continue;
+      std::vector<char> value;
+      if (!store_->TryGet(prefix + "/settings/" + std::to_string(r),
+                          std::chrono::milliseconds(missing.empty() ? 100 : 0), &value)) {
+        missing.push_back(r);
+        continue;
+      }
+      seen[r] = true;
+      const auto theirs = ParseSettings(std::string(value.begin(), value.end()));
+      std::string diff;
+      for (const auto& kv : mine) {
+        auto it = theirs.find(kv.first);
+        const std::string other = it == theirs.end() ? "(unset)" : it->second;
+        if (other != kv.second) {
+          diff += (diff.empty() ? "" : "; ") + kv.first + ": rank " + me + " has " + kv.second +
+                  ", rank " + std::to_string(r) + " has " + other;
+        }
+      }
+      if (!diff.empty()) {
+        return Status::Error(StatusCode::kInvalidArgument,
+                             "Perseus: ranks disagree on settings that must be the same on "
+                             "every rank: " + diff + ". Set them alike for every rank "
+                             "(perseusrun passes its environment to all ranks).");
+      }
+    }
+    if (missing.empty()) return Status::OK();
+    if (store_->Add(claim, 0) > 1) return duplicate();
+    const auto now = std::chrono::steady_clock::now();
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start).count();
+    if (now - start >= wait) {
+      return Status::Error(
+          StatusCode::kUnavailable,
+          "Perseus rank " + me + ": rank(s) " + Join(missing) + " of " +
+              std::to_string(o.size) + " did not start within " + std::to_string(waited) +
+              " s (PERSEUS_SIZE=" + std::to_string(o.size) + "; is every rank launched, " +
+              "with the same PERSEUS_JOB_ID and rendezvous address?)");
+    }
+    if (now >= next_note) {
+      std::fprintf(stderr,
+                   "Perseus rank %d: waiting for rank(s) %s to start (%lld s so far; gives up "
+                   "after %lld s)\n",
+                   o.rank, Join(missing).c_str(), static_cast<long long>(waited),
+                   static_cast<long long>(wait.count() / 1000));
+      next_note = now + note_every;
+    }
+  }
+}
+
 Status Runtime::Init(const InitOptions& options) {
   if (state_.load() == State::kRunning) return Status::OK();
   if (background_.joinable()) Shutdown();
@@ -182,6 +281,11 @@ Status Runtime::Init(const InitOptions& options) {
       // the store marks the rank gone (see IdentifyFailedRanks).
       if (options.process_set_id == 0) {
         store_->Own(options.job_id + "/rank" + std::to_string(options.rank));
+        Status called = RollCall(options, bo.key_prefix + "/rollcall", wait);
+        if (!called.ok()) {
+          store_.reset();
+          return called;
+        }
       }
     }
     backend_.reset(new GlooBackend(bo, store_.get()));

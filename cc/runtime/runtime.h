@@ -81,6 +81,9 @@ struct InitOptions {
   // |gradient + residual| elements; tensors under threshold bytes use
   // `topk_fallback` (the PERSEUS_ALLREDUCE_DTYPE code) instead.
   double topk_ratio = 0.01;
+  // Settings every rank must share, as "NAME=value" lines; compared at
+  // init (the world only) before any connection is made.
+  std::string settings;
   int64_t topk_threshold_bytes = 1 << 20;
   bool topk_fp16 = false;
   int topk_fallback = 0;
@@ -256,6 +259,8 @@ class Runtime {
   std::string IdentifyFailedRanks();
   void FailAllPending(const Status& status);
   void StopThreads();
+  Status RollCall(const InitOptions& o, const std::string& prefix,
+                  std::chrono::milliseconds wait);
 
   InitOptions options_;
   std::atomic<State> state_{State::kUninitialized};

@@ -1,0 +1,138 @@
+"""Launch mistakes, made by hand without perseusrun (as a user writing their
+own launcher would): each must fail fast on every rank with an error that
+names the rank or the variable and each side's value, and leave nothing in
+/dev/shm. The ranks start the runtime only (no TensorFlow), so each case
+takes about a second."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from perseus_tf.runner.store import StoreServer
+
+REPO = Path(__file__).resolve().parents[1]
+CHILD = r"""
+import os, sys, time
+from perseus_tf import _native
+start = time.monotonic()
+try:
+    _native.init()
+    print("INIT OK", flush=True)
+except Exception as e:
+    print(f"INIT FAILED after {time.monotonic() - start:.1f} s: {type(e).__name__}: {e}",
+          flush=True)
+    sys.exit(3)
+"""
+SECRET = b"k" * 32
+
+
+def _shm():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _start(envs, store_port=None):
+    procs = []
+    for extra in envs:
+        env = dict(os.environ, PYTHONPATH=str(REPO), GLOO_TIMEOUT_SECONDS="10",
+                   PERSEUS_JOB_ID=f"mistake{os.getpid()}")
+        for name in list(env):
+            if name.startswith(("PERSEUS_RANK", "PERSEUS_SIZE", "HOROVOD_", "OMPI_")):
+                del env[name]
+        if store_port is not None:
+            env.update(PERSEUS_RENDEZVOUS_ADDR="127.0.0.1",
+                       PERSEUS_RENDEZVOUS_PORT=str(store_port),
+                       PERSEUS_RENDEZVOUS_SECRET=SECRET.hex())
+        env.update(extra)
+        procs.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=60)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return procs, outs
+
+
+@pytest.fixture()
+def store():
+    server = StoreServer("127.0.0.1", 0, SECRET)
+    port = server.start()
+    yield port
+    server.stop()
+
+
+def _seconds(out):
+    return float(out.split("INIT FAILED after ")[1].split(" s")[0])
+
+
+def test_two_processes_claiming_one_rank_fail_at_once(store):
+    before = _shm()
+    procs, outs = _start([{"PERSEUS_RANK": "0", "PERSEUS_SIZE": "2"}] * 2, store)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 3, out
+        assert "two processes claim rank 0" in out and "PERSEUS_RANK=0 twice" in out, out
+        assert _seconds(out) < 8, out  # not the 300 s start wait
+    assert _shm() - before == set()
+
+
+def test_second_rank_zero_serving_the_store_gets_a_clear_error():
+    port = 20000 + os.getpid() % 20000
+    env = {"PERSEUS_RANK": "0", "PERSEUS_SIZE": "2", "PERSEUS_MASTER_ADDR": "127.0.0.1",
+           "PERSEUS_MASTER_PORT": str(port)}
+    blocker = StoreServer("127.0.0.1", port, SECRET)
+    blocker.start()
+    try:
+        procs, outs = _start([env])
+    finally:
+        blocker.stop()
+    assert procs[0].returncode == 3
+    assert "cannot serve the rendezvous store on port" in outs[0], outs[0]
+    assert "another process of this job also rank 0" in outs[0], outs[0]
+
+
+@pytest.mark.parametrize("variable,values", [
+    ("PERSEUS_SIZE", ("2", "3")),
+    ("PERSEUS_ALLREDUCE_STREAMS", ("2", "3")),
+    ("PERSEUS_SHM_ALLREDUCE", ("1", "0")),
+    ("PERSEUS_ALLREDUCE_DTYPE", ("1", "0")),
+])
+def test_settings_that_must_agree_are_compared_at_init(store, variable, values):
+    before = _shm()
+    envs = []
+    for rank, value in enumerate(values):
+        env = {"PERSEUS_RANK": str(rank), "PERSEUS_SIZE": "2", variable: value}
+        envs.append(env)
+    procs, outs = _start(envs, store)
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        other = 1 - rank
+        assert p.returncode == 3, out
+        assert "ranks disagree on settings" in out, out
+        assert (f"{variable}: rank {rank} has {values[rank]}, "
+                f"rank {other} has {values[other]}") in out, out
+        assert _seconds(out) < 8, out
+    assert _shm() - before == set()
+
+
+def test_a_missing_rank_is_named_while_waiting(store):
+    env = {"PERSEUS_RANK": "0", "PERSEUS_SIZE": "2", "GLOO_TIMEOUT_SECONDS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        env=dict(os.environ, PYTHONPATH=str(REPO), PERSEUS_JOB_ID="missing",
+                 PERSEUS_RENDEZVOUS_ADDR="127.0.0.1", PERSEUS_RENDEZVOUS_PORT=str(store),
+                 PERSEUS_RENDEZVOUS_SECRET=SECRET.hex(), **env),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(4)
+    finally:
+        proc.kill()
+        _, err = proc.communicate()
+    assert "Perseus rank 0: waiting for rank(s) 1 to start" in err, err
