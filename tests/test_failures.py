@@ -35,7 +35,7 @@ def _assert_last_rank_killed_and_named(proc, np_, victim=None):
         assert seconds < 20, f"rank {rank} took {seconds}s to notice"
 
 
-@pytest.mark.parametrize("np_,api", [(4, "core"), (2, "tf")])
+@pytest.mark.parametrize("np_,api", [(4, "core"), (2, "tf"), (2, "tf_function")])
 def test_killed_rank_is_named_by_every_survivor(np_, api):
     start = time.time()
     proc = launch(np_, [sys.executable, os.path.join(WORKERS, "failure_worker.py"), "kill", api],

@@ -1,6 +1,6 @@
 """One rank dies (SIGKILL) or hangs (SIGSTOP); the others must raise, naming it.
 
-Usage: failure_worker.py {kill|stop} {core|tf}. FAILURE_VICTIM picks the rank
+Usage: failure_worker.py {kill|stop} {core|tf|tf_function}. FAILURE_VICTIM picks the rank
 (default: the last), FAILURE_ELEMENTS the tensor size (core). Survivors print
 `REPORTED <seconds> <message>` once their collective fails.
 """
@@ -26,6 +26,25 @@ if api == "tf":
         ptf.allreduce(tf.ones([16]), name=f"step{i}")
 
     expected_error = tf.errors.UnavailableError
+elif api == "tf_function":
+    import tensorflow as tf
+
+    import perseus_tf as ptf
+
+    ptf.init()
+    rank, size = ptf.rank(), ptf.size()
+
+    @tf.function
+    def step(x):
+        return ptf.allreduce(x) * 2.0
+
+    def collective(i):
+        step(tf.ones([16]))
+
+    # Inside a tf.function, TF's executor turns UnavailableError from any op
+    # that is not one of its own Send/Recv/collective ops into InternalError
+    # (same message); README says so.
+    expected_error = tf.errors.InternalError
 else:
     from perseus_tf import _native
     from perseus_tf._native import _core
@@ -54,6 +73,6 @@ try:
     for i in range(1, 10**6):
         collective(i)
 except expected_error as e:
-    print(f"REPORTED {time.time() - start:.1f} {e}", flush=True)
+    print(f"REPORTED {time.time() - start:.1f} {' '.join(str(e).split())}", flush=True)
     sys.exit(1)
 print("NOT REPORTED", flush=True)
