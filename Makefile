@@ -10,23 +10,33 @@ TF_VERSION_OLD ?= 2.15.*
 PY := $(VENV)/bin/python
 PY_OLD := $(VENV_OLD)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-SYSTEM_PACKAGES := libgloo-dev bazel-bootstrap g++ python3-venv iproute2
+# What building and running needs; the test suite also builds with Bazel
+# (bazel-bootstrap, which brings a JDK) and makes network namespaces (iproute2).
+SYSTEM_PACKAGES := libgloo-dev g++ python3-venv
+TEST_PACKAGES := bazel-bootstrap iproute2
+NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h') setup.py tools/build_native.py
 
-.PHONY: demo test test-new test-old system native native-old bazel clean
+.PHONY: demo test test-new test-old system system-test install-packages native native-old bazel clean
 
 demo: native
 	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
 
 test: test-new test-old
 
-test-new: native
+test-new: native system-test
 	$(PY) -m pytest tests -q
 
-test-old: native-old
+test-old: native-old system-test
 	PERSEUS_SKIP_BAZEL_TEST=1 $(PY_OLD) -m pytest tests -q
 
 system:
-	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@$(MAKE) --no-print-directory install-packages PACKAGES="$(SYSTEM_PACKAGES)"
+
+system-test:
+	@$(MAKE) --no-print-directory install-packages PACKAGES="$(SYSTEM_PACKAGES) $(TEST_PACKAGES)"
+
+install-packages:
+	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
@@ -38,8 +48,11 @@ $(VENV)/.deps: | system
 	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest scikit-learn tensorboard setuptools wheel
 	touch $@
 
-native: $(VENV)/.deps
+# Rebuilt only when a native source changed (a second `make demo` starts at once).
+native: $(VENV)/.native
+$(VENV)/.native: $(VENV)/.deps $(NATIVE_SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
 
 $(VENV_OLD)/.deps: | system
 	$(PYTHON) -m venv $(VENV_OLD)
@@ -47,11 +60,13 @@ $(VENV_OLD)/.deps: | system
 	$(PY_OLD) -m pip install -q "tensorflow==$(TF_VERSION_OLD)" "numpy<2" pybind11 pytest scikit-learn setuptools wheel
 	touch $@
 
-native-old: $(VENV_OLD)/.deps
+native-old: $(VENV_OLD)/.native
+$(VENV_OLD)/.native: $(VENV_OLD)/.deps $(NATIVE_SOURCES)
 	$(PY_OLD) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
 
-bazel: $(VENV)/.deps
+bazel: $(VENV)/.deps system-test
 	JOBS=2 PYTHON=$(PY) tools/bazel_build.sh build/bazel-out
 
 clean:
-	rm -rf build perseus_tf/*.so *.egg-info
+	rm -rf build perseus_tf/*.so *.egg-info $(VENV)/.native $(VENV_OLD)/.native

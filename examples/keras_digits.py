@@ -41,6 +41,15 @@ def main():
         2000, seed=0).batch(args.global_batch)
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.global_batch)
 
+    if perseus_tf.rank() == 0:
+        ranks = strategy.num_replicas_in_sync
+        print(f"Training a small neural network (64 pixels -> 128 hidden units -> 10 digits) "
+              f"to read handwritten digits: scikit-learn's 8x8 digit images, "
+              f"{len(x_train)} for training and {len(x_test)} held out to check accuracy. "
+              f"{ranks} ranks (processes) share each batch of {args.global_batch} images "
+              f"({args.global_batch // ranks} each) and average their gradients through "
+              f"Perseus; {args.epochs} epochs.", flush=True)
+
     with strategy.scope():
         model = keras.Sequential([
             keras.Input(shape=(64,)),
@@ -58,7 +67,8 @@ def main():
                       f"accuracy {logs['accuracy']:.4f} val_accuracy {logs['val_accuracy']:.4f} "
                       f"({strategy.num_replicas_in_sync} ranks)", flush=True)
 
-    model.fit(train, validation_data=test, epochs=args.epochs, verbose=0,
+    # The dataset shuffles itself; Keras warns if fit is asked to (its default).
+    model.fit(train, validation_data=test, epochs=args.epochs, verbose=0, shuffle=False,
               callbacks=[PrintOnRankZero()])
     stats = perseus_tf.stats()
     if perseus_tf.rank() == 0:

@@ -21,6 +21,27 @@ def test_examples_train_on_two_ranks(script, metric):
     assert len(lines) == 4 and all(l.startswith("[0] ") for l in lines), proc.stdout
     accuracy = float(re.search(metric + r" ([\d.]+)", lines[-1]).group(1))
     assert accuracy > 0.85, lines
+    if script == "keras_digits.py":  # what `make demo` shows
+        assert re.search(r"^\[0\] Training a small neural network .* handwritten digits: "
+                         r".* 2 ranks \(processes\) share each batch", proc.stdout, re.M), \
+            proc.stdout
+        assert "shuffle=True" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_make_demo_installs_no_bazel_and_rebuilds_only_when_sources_change(tmp_path):
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    for stamp in (".deps", ".native"):
+        (venv / stamp).write_text("")
+    def plan():
+        return subprocess.run(["make", "-n", "demo", f"VENV={venv}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60).stdout
+    fresh = plan()
+    assert "perseusrun -np 2" in fresh and "pip install" not in fresh, fresh
+    assert "bazel" not in fresh, fresh
+    os.utime(venv / ".native", (0, 0))  # older than every native source
+    stale = plan()
+    assert "pip install -q --no-build-isolation --no-deps -e ." in stale, stale
 
 
 def _digits(env, np_=2, hosts=None):
