@@ -132,3 +132,24 @@ def test_bazel_build_produces_working_libraries(tmp_path):
                           env=rank_env({"PYTHONPATH": str(tmp_path / "pkg")}),
                           capture_output=True, text=True, timeout=180, cwd=str(tmp_path))
     assert proc.stdout.count("BAZEL OK") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_horovod_example_porting_edits():
+    """tools/run_horovod_examples.py changes Horovod's scripts only where
+    README's porting notes say."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        from run_horovod_examples import port
+    finally:
+        sys.path.pop(0)
+    source = ("import horovod\nimport horovod.tensorflow.keras as hvd\n"
+              "hvd.broadcast_variables(opt.variables(), root_rank=0)\n"
+              "model.compile(loss=l, optimizer=opt,\n    experimental_run_tf_function=False)\n"
+              "ModelCheckpoint('./checkpoint-{epoch}.h5')\n")
+    assert port(source, keras3=True) == (
+        "import perseus_tf.horovod as horovod\nimport perseus_tf.horovod.keras as hvd\n"
+        "hvd.broadcast_variables(opt.variables, root_rank=0)\n"
+        "model.compile(loss=l, optimizer=opt)\n"
+        "ModelCheckpoint('./checkpoint-{epoch}.keras')\n")
+    assert port("import horovod.tensorflow as hvd\nopt.variables()\n", keras3=False) == \
+        "import perseus_tf.horovod as hvd\nopt.variables()\n"

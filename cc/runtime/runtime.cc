@@ -315,6 +315,7 @@ Status Runtime::Init(const InitOptions& options) {
                          "Perseus could not connect rank " + std::to_string(options.rank) +
                              " of " + std::to_string(options.size) + ": " + e.what());
   }
+  if (options.process_set_id == 0 && options.size > 1) StartHeartbeat();
   std::vector<int> world_ranks = options.global_ranks;
   negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes, world_ranks,
                                    [this](int64_t b) { return PlanBucketBytes(b); }));
@@ -380,6 +381,7 @@ void Runtime::Shutdown() {
   StopThreads();
   FailAllPending(Status::Error(StatusCode::kUnavailable,
                                "Perseus was shut down before this collective ran"));
+  StopHeartbeat();
   shm_.reset();
   backend_.reset();
   store_.reset();
@@ -1971,6 +1973,48 @@ void Runtime::Fail(const std::string& what) {
   FailAllPending(status);
 }
 
+std::string Runtime::HeartbeatKey(int world_rank) const {
+  return options_.job_id + "/heartbeat/" + std::to_string(world_rank);
+}
+
+void Runtime::StartHeartbeat() {
+  StopHeartbeat();
+  try {
+    heartbeat_store_.reset(new StoreClient(options_.store_addr, options_.store_port,
+                                           options_.secret, std::chrono::milliseconds(1000)));
+    heartbeat_store_->SetIoTimeout(std::chrono::milliseconds(3000));
+  } catch (const std::exception&) {
+    heartbeat_store_.reset();  // failures are then told apart by the census alone
+    return;
+  }
+  heartbeat_stop_ = false;
+  const std::string key = HeartbeatKey(WorldRank(options_.rank));
+  heartbeat_ = std::thread([this, key] {
+    std::unique_lock<std::mutex> lock(heartbeat_mu_);
+    while (!heartbeat_stop_) {
+      lock.unlock();
+      try {
+        heartbeat_store_->Add(key, 1);
+      } catch (const std::exception&) {
+        return;  // the store is gone: nothing left to tell
+      }
+      lock.lock();
+      heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(250),
+                             [this] { return heartbeat_stop_; });
+    }
+  });
+}
+
+void Runtime::StopHeartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(heartbeat_mu_);
+    heartbeat_stop_ = true;
+  }
+  heartbeat_cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  heartbeat_store_.reset();
+}
+
 std::string Runtime::IdentifyFailedRanks() {
   if (!store_) return "";
   try {
@@ -1981,6 +2025,18 @@ std::string Runtime::IdentifyFailedRanks() {
         job + group + "/gen" + std::to_string(generation_) + "/census/rank";
     store_->set(census + std::to_string(options_.rank), {'1'});
     std::vector<char> ignored;
+    // Every live process beats every 250 ms, even while blocked in a
+    // collective; take a first reading now, a second after the dead check.
+    StoreClient* beats = heartbeat_store_ ? heartbeat_store_.get() : nullptr;
+    std::vector<int64_t> first(options_.size, -1);
+    const auto first_at = Clock::now();
+    if (beats) {
+      try {
+        for (int r = 0; r < options_.size; ++r) first[r] = beats->Add(HeartbeatKey(WorldRank(r)), 0);
+      } catch (const std::exception&) {
+        beats = nullptr;
+      }
+    }
     // A rank that died closed its store connection; the store may take a
     // moment to notice, so look for up to a second.
     auto deadline = Clock::now() + std::chrono::seconds(1);
@@ -2000,7 +2056,23 @@ std::string Runtime::IdentifyFailedRanks() {
     }
     if (!dead.empty()) return RankList(dead) + (dead.size() == 1 ? " exited or lost its connection"
                                                                 : " exited or lost their connection");
-    // Nobody died: the ranks that are alive reach this point at about the
+    // Nobody died. A rank whose heartbeat did not move in 1.5 s (six beats)
+    // is stopped: this names it about 1.5 s after the timeout.
+    if (beats) {
+      std::this_thread::sleep_until(first_at + std::chrono::milliseconds(1500));
+      std::vector<int> stopped;
+      try {
+        for (int r = 0; r < options_.size; ++r) {
+          if (r == options_.rank) continue;
+          if (beats->Add(HeartbeatKey(WorldRank(r)), 0) == first[r]) stopped.push_back(WorldRank(r));
+        }
+        if (!stopped.empty()) return RankList(stopped) + " stopped responding";
+        return "";
+      } catch (const std::exception&) {
+        // the store stopped answering: fall back to the census
+      }
+    }
+    // No heartbeats: the ranks that are alive reach this point at about the
     // same time (they all timed out); the one that never does is stuck.
     auto census_deadline = Clock::now() + std::chrono::seconds(10);
     std::vector<int> silent;

@@ -268,6 +268,17 @@ class Runtime {
   int generation_ = 0;
 
   std::unique_ptr<StoreClient> store_;
+  // The world's liveness beat: a thread adds to this rank's counter in the
+  // store every few hundred ms over its own connection. A rank whose counter
+  // stops is stopped (SIGSTOP, a debugger), not merely slow or dead.
+  std::unique_ptr<StoreClient> heartbeat_store_;
+  std::thread heartbeat_;
+  std::mutex heartbeat_mu_;
+  std::condition_variable heartbeat_cv_;
+  bool heartbeat_stop_ = false;
+  std::string HeartbeatKey(int world_rank) const;
+  void StartHeartbeat();
+  void StopHeartbeat();
   std::unique_ptr<GlooBackend> backend_;
   std::unique_ptr<ShmAllreduce> shm_;  // among this host's ranks
   std::unique_ptr<Negotiator> negotiator_;

@@ -1,5 +1,7 @@
 #include "cc/runtime/store_client.h"
 
+#include <sys/time.h>
+
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -98,6 +100,14 @@ void StoreClient::SendAll(const void* data, size_t n) {
     p += k;
     n -= static_cast<size_t>(k);
   }
+}
+
+void StoreClient::SetIoTimeout(std::chrono::milliseconds timeout) {
+  timeval tv{};
+  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
+  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
+  setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
 void StoreClient::RecvAll(void* data, size_t n) {

@@ -39,6 +39,9 @@ class StoreClient : public gloo::rendezvous::Store {
   bool TryGet(const std::string& key, std::chrono::milliseconds timeout,
               std::vector<char>* value);
   int64_t Add(const std::string& key, int64_t delta);
+  // Reads and writes that take longer than this fail (0: wait forever), so
+  // a store whose process is stopped cannot block the caller.
+  void SetIoTimeout(std::chrono::milliseconds timeout);
   void Own(const std::string& label);
 
  private:
