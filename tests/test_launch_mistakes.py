@@ -136,3 +136,64 @@ def test_a_missing_rank_is_named_while_waiting(store):
         proc.kill()
         _, err = proc.communicate()
     assert "Perseus rank 0: waiting for rank(s) 1 to start" in err, err
+
+
+def _stray_connections_during_init(store_server, port):
+    """Starts 2 ranks; while they connect, opens and closes a TCP connection
+    to every listening address Gloo publishes in the store (as a port scan
+    would). Returns (outputs, ports hit)."""
+    import socket
+    import struct
+    values = store_server._server.table._values
+    procs = []
+    job = f"stray{time.monotonic_ns()}"
+    for rank in (0, 1):
+        env = dict(os.environ, PYTHONPATH=str(REPO), GLOO_TIMEOUT_SECONDS="10",
+                   PERSEUS_JOB_ID=job, PERSEUS_RANK=str(rank),
+                   PERSEUS_SIZE="2", PERSEUS_RENDEZVOUS_ADDR="127.0.0.1",
+                   PERSEUS_RENDEZVOUS_PORT=str(port), PERSEUS_RENDEZVOUS_SECRET=SECRET.hex())
+        procs.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    hit, tried = set(), set()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        for key, value in list(values.items()):
+            # Gloo's address list of a rank: sockaddr_storage + sequence, 136 bytes each
+            # Only the first attempt's addresses: the retry must then succeed.
+            if key in tried or not key.rsplit(b"/", 1)[-1].isdigit() or len(value) % 136 \
+                    or b"/retry" in key:
+                continue
+            tried.add(key)
+            for at in range(0, len(value), 136):
+                if struct.unpack_from("<H", value, at)[0] == socket.AF_INET:
+                    gloo_port = struct.unpack_from(">H", value, at + 2)[0]
+                    try:
+                        socket.create_connection(("127.0.0.1", gloo_port), timeout=1).close()
+                        hit.add(gloo_port)
+                    except OSError:
+                        pass
+        time.sleep(0.001)
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=90)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append("TIMED OUT: " + p.communicate()[0])
+    return outs, hit
+
+
+def test_a_stray_connection_during_init_costs_a_retry_not_the_job():
+    server = StoreServer("127.0.0.1", 0, SECRET)
+    port = server.start()
+    try:
+        for _ in range(3):
+            outs, hit = _stray_connections_during_init(server, port)
+            for out in outs:
+                assert "INIT OK" in out, out
+            if any("connecting again (attempt 2 of 3)" in out for out in outs):
+                return  # the stray connection broke a pair, and the ranks recovered
+    finally:
+        server.stop()
+    raise AssertionError(f"no stray connection reached a listening Gloo port in time: {hit}")

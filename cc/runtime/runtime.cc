@@ -241,6 +241,99 @@ Status Runtime::RollCall(const InitOptions& o, const std::string& prefix,
   }
 }
 
+// Builds the Gloo backend on a helper thread and waits at most
+// GLOO_TIMEOUT_SECONDS + 10 s: Gloo's pair set-up can block without a
+// deadline of its own after a foreign connection. Returns "" or the error.
+// When it gives up, the helper thread is left blocked: the store client it
+// uses is deliberately kept alive (leaked) so that it never touches freed
+// memory, and this rank votes for another attempt with a new client.
+std::string Runtime::ConnectWithDeadline(const GlooBackendOptions& bo) {
+  struct Attempt {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    std::unique_ptr<GlooBackend> backend;
+    std::string error;
+  };
+  auto attempt = std::make_shared<Attempt>();
+  StoreClient* store = store_.get();
+  std::thread([attempt, bo, store] {
+    std::unique_ptr<GlooBackend> backend;
+    std::string error;
+    try {
+      backend.reset(new GlooBackend(bo, store));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(attempt->mu);
+    attempt->backend = std::move(backend);
+    attempt->error = error;
+    attempt->done = true;
+    attempt->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(attempt->mu);
+  if (!attempt->cv.wait_for(lock, bo.timeout + std::chrono::seconds(10),
+                            [&] { return attempt->done; })) {
+    // The blocked thread still uses the store client: keep it alive (its
+    // connection also still stands for this rank) and go on with a new one.
+    store_.release();
+    store_.reset(new StoreClient(options_.store_addr, options_.store_port, options_.secret,
+                                 std::max(bo.timeout, std::chrono::milliseconds(300000))));
+    return "connecting to the other ranks did not finish within GLOO_TIMEOUT_SECONDS + 10 s "
+           "(Gloo is stuck on a connection)";
+  }
+  backend_ = std::move(attempt->backend);
+  return attempt->error;
+}
+
+// Gloo's TCP pairs take the first connection that reaches their listening
+// port: a foreign connect-and-close there (a port scan, a health check)
+// fails that pair on both of its ranks. Every rank votes in the store after
+// connecting; if any failed, all drop what they made and connect again
+// under fresh keys (three attempts), so a stray connection costs a retry,
+// not the job. Throws when the last attempt fails.
+void Runtime::ConnectBackend(GlooBackendOptions* bo) {
+  if (!store_) {
+    backend_.reset(new GlooBackend(*bo, nullptr));
+    return;
+  }
+  const std::string base = bo->key_prefix;
+  const int kAttempts = 3;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    bo->key_prefix = attempt ? base + "/retry" + std::to_string(attempt) : base;
+    std::string error = ConnectWithDeadline(*bo);
+    const std::string votes = base + "/connected" + std::to_string(attempt) + "/";
+    store_->set(votes + std::to_string(options_.rank), {error.empty() ? '1' : '0'});
+    std::vector<int> failed;
+    const auto deadline = Clock::now() + bo->timeout + std::chrono::seconds(30);
+    for (int r = 0; r < options_.size; ++r) {
+      std::vector<char> vote;
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (!store_->TryGet(votes + std::to_string(r), std::max(left, std::chrono::milliseconds(0)),
+                          &vote)) {
+        throw std::runtime_error("rank " + std::to_string(r) +
+                                 " did not finish connecting within GLOO_TIMEOUT_SECONDS + 30 s" +
+                                 (error.empty() ? std::string() : " (here: " + error + ")"));
+      }
+      if (vote.empty() || vote[0] != '1') failed.push_back(r);
+    }
+    if (failed.empty()) return;
+    backend_.reset();
+    if (attempt + 1 == kAttempts) {
+      throw std::runtime_error(
+          (error.empty() ? RankList(failed) + " could not connect" : error) +
+          " (after " + std::to_string(kAttempts) + " attempts)");
+    }
+    if (options_.rank == failed.front()) {
+      std::fprintf(stderr,
+                   "Perseus: connecting the ranks failed on %s (%s; a foreign "
+                   "connection to a listening port?); connecting again (attempt %d of %d)\n",
+                   RankList(failed).c_str(), error.empty() ? "see that rank" : error.c_str(),
+                   attempt + 2, kAttempts);
+    }
+  }
+}
+
 Status Runtime::Init(const InitOptions& options) {
   if (state_.load() == State::kRunning) return Status::OK();
   if (background_.joinable()) Shutdown();
@@ -288,7 +381,7 @@ Status Runtime::Init(const InitOptions& options) {
         }
       }
     }
-    backend_.reset(new GlooBackend(bo, store_.get()));
+    ConnectBackend(&bo);
     shm_.reset();
     // Shared memory inside each host: for the whole allreduce when the job
     // is one host, for the host phases of the two-level one otherwise.

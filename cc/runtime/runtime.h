@@ -31,6 +31,7 @@
 namespace perseus {
 
 class GlooBackend;
+struct GlooBackendOptions;
 class ShmAllreduce;
 class StoreClient;
 
@@ -259,6 +260,8 @@ class Runtime {
   std::string IdentifyFailedRanks();
   void FailAllPending(const Status& status);
   void StopThreads();
+  void ConnectBackend(GlooBackendOptions* bo);
+  std::string ConnectWithDeadline(const GlooBackendOptions& bo);
   Status RollCall(const InitOptions& o, const std::string& prefix,
                   std::chrono::milliseconds wait);
 
