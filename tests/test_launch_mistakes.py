@@ -197,3 +197,14 @@ def test_a_stray_connection_during_init_costs_a_retry_not_the_job():
     finally:
         server.stop()
     raise AssertionError(f"no stray connection reached a listening Gloo port in time: {hit}")
+
+
+def test_failed_init_leaves_no_shared_memory_segments(store):
+    """Rank 1 dies after connecting, while local rank 0 has made the shared
+    segments and waits for it: rank 0's init fails and removes them."""
+    before = {n for n in _shm() if n.startswith("perseus-")}
+    env = {"PERSEUS_SIZE": "2", "PERSEUS_TEST_EXIT_BEFORE_SHM": "1"}
+    procs, outs = _start([dict(env, PERSEUS_RANK="0"), dict(env, PERSEUS_RANK="1")], store)
+    assert procs[1].returncode == 7, outs[1]
+    assert procs[0].returncode == 3 and "INIT FAILED" in outs[0], outs[0]
+    assert {n for n in _shm() if n.startswith("perseus-")} - before == set()

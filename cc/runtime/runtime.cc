@@ -388,6 +388,10 @@ Status Runtime::Init(const InitOptions& options) {
     if (options.shm && options.process_set_id == 0 && options.local_size > 1 &&
         (options.cross_size == 1 || backend_->hierarchical())) {
       std::string why_not;
+      // Test hook: this rank dies while the others set up shared memory.
+      if (const char* die = std::getenv("PERSEUS_TEST_EXIT_BEFORE_SHM")) {
+        if (std::atoi(die) == options.rank) std::_Exit(7);
+      }
       shm_ = ShmAllreduce::Connect(*backend_, bo.key_prefix, options.local_rank,
                                    options.local_size, options.cross_rank, bo.streams,
                                    bo.timeout, &why_not);
