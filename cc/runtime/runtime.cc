@@ -145,6 +145,12 @@ const char* Runtime::state_name() const {
 
 namespace {
 
+// How long a store read waits at start-up for ranks that have not started:
+// importing TensorFlow on a loaded machine can take minutes.
+std::chrono::milliseconds StartupStoreWait(std::chrono::milliseconds gloo_timeout) {
+  return std::max(gloo_timeout, std::chrono::milliseconds(300000));
+}
+
 std::map<std::string, std::string> ParseSettings(const std::string& text) {
   std::map<std::string, std::string> out;
   std::istringstream in(text);
@@ -278,7 +284,7 @@ std::string Runtime::ConnectWithDeadline(const GlooBackendOptions& bo) {
     // connection also still stands for this rank) and go on with a new one.
     store_.release();
     store_.reset(new StoreClient(options_.store_addr, options_.store_port, options_.secret,
-                                 std::max(bo.timeout, std::chrono::milliseconds(300000))));
+                                 StartupStoreWait(bo.timeout)));
     return "connecting to the other ranks did not finish within GLOO_TIMEOUT_SECONDS + 10 s "
            "(Gloo is stuck on a connection)";
   }
@@ -368,7 +374,7 @@ Status Runtime::Init(const InitOptions& options) {
   bo.hierarchy = options.process_set_id == 0;
   try {
     if (options.size > 1) {
-      auto wait = std::max(bo.timeout, std::chrono::milliseconds(300000));
+      auto wait = StartupStoreWait(bo.timeout);
       store_.reset(new StoreClient(options.store_addr, options.store_port, options.secret, wait));
       // The world's connection stands for this process: when it closes,
       // the store marks the rank gone (see IdentifyFailedRanks).
