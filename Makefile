@@ -11,9 +11,12 @@ PY := $(VENV)/bin/python
 PY_OLD := $(VENV_OLD)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # What building and running needs; the test suite also builds with Bazel
-# (bazel-bootstrap, which brings a JDK) and makes network namespaces (iproute2).
+# (bazel-bootstrap, which brings a JDK), makes hosts out of network namespaces
+# (iproute2) that run sshd (openssh-server; ssh and ssh-keygen come with it),
+# and starts ranks through mpirun (openmpi-bin) and a Slurm cluster of its own
+# (slurm-wlm, munge).
 SYSTEM_PACKAGES := libgloo-dev g++ python3-venv
-TEST_PACKAGES := bazel-bootstrap iproute2
+TEST_PACKAGES := bazel-bootstrap iproute2 openssh-server openmpi-bin slurm-wlm munge
 NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h') setup.py tools/build_native.py
 
 .PHONY: demo test test-new test-old system system-test install-packages native native-old bazel clean

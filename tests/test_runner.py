@@ -376,23 +376,70 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
 def test_help_explains_every_flag(capsys):
     assert launcher.main(["-h"]) == 0
     text = capsys.readouterr().out
-    for flag in ("-np", "-H", "--gloo", "--mpi", "--grace-seconds", "--verbose"):
+    for flag in ("-np", "-H", "--hostfile", "-p", "--ssh-port", "-i", "--ssh-identity-file",
+                 "--network-interface", "--start-timeout", "-x", "--gloo", "--mpi",
+                 "--grace-seconds", "--verbose"):
         assert flag in text
 
 
-def test_mpi_is_rejected(capsys):
-    assert launcher.main(["--mpi", "-np", "2", "true"]) == 2
-    err = capsys.readouterr().err
-    assert "mpirun" in err and "not supported yet" in err and "Gloo" in err
+def test_hostfile_in_open_mpi_format(tmp_path):
+    text = ("# two hosts\n\nnode-a slots=2\n  node-b slots=3 max_slots=4  # comment\n"
+            "node-c\n")
+    assert launcher.parse_hostfile(text) == [("node-a", 2), ("node-b", 3), ("node-c", 1)]
+    for bad, needle in (("node-a slots=x\n", "slots must be an integer"),
+                        ("node-a cpus=2\n", "cannot read 'cpus=2'"),
+                        ("a\na slots=2\n", "listed twice"),
+                        ("# nothing\n", "lists no host")):
+        with pytest.raises(launcher.UsageError, match=needle):
+            launcher.parse_hostfile(bad, "hf")
+    path = tmp_path / "hosts"
+    path.write_text("localhost slots=2\n")
+    args = launcher._parse_args(launcher.build_parser(),
+                                ["-np", "2", "--hostfile", str(path), "true"])
+    assert [(h.name, h.slots, h.local) for h in args.hosts] == [("localhost", 2, True)]
 
 
-def test_remote_host_is_rejected(capsys):
-    # Documentation addresses (RFC 5737); use one that is not this machine's.
-    remote = next(a for a in ("203.0.113.9", "198.51.100.9", "192.0.2.99")
-                  if not launcher._can_bind(a))
-    assert launcher.main(["-np", "2", "-H", f"{remote}:2", "true"]) == 2
-    err = capsys.readouterr().err
-    assert remote in err and "ssh" in err and "not supported yet" in err
+def test_exports_and_forwarded_environment(monkeypatch):
+    base = {"PERSEUS_X": "1", "GLOO_TIMEOUT_SECONDS": "5", "NCCL_DEBUG": "INFO",
+            "PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v", "LD_LIBRARY_PATH": "/l",
+            "HOME": "/root", "SECRET_TOKEN": "s", "PERSEUS_RENDEZVOUS_SECRET": "abc",
+            "FOO": "bar"}
+    env = launcher.forwarded_env(base, ["FOO", "BAZ=1=2"])
+    assert env == {"PERSEUS_X": "1", "GLOO_TIMEOUT_SECONDS": "5", "NCCL_DEBUG": "INFO",
+                   "PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v",
+                   "LD_LIBRARY_PATH": "/l", "FOO": "bar", "BAZ": "1=2",
+                   "TF_CPP_MIN_LOG_LEVEL": "2"}
+    with pytest.raises(launcher.UsageError, match="-x NOPE: NOPE is not set"):
+        launcher.export_values(base, ["NOPE"])
+    with pytest.raises(launcher.UsageError, match="NAME must be"):
+        launcher.export_values(base, ["1BAD=2"])
+
+
+def test_remote_command_keeps_the_secret_off_the_command_line():
+    text = launcher.remote_command({"PERSEUS_RANK": "1", "A": "x y"}, ["python", "t.py", "a b"],
+                                   "/work dir")
+    assert text.startswith("cd '/work dir' && exec env ")
+    assert "'A=x y'" in text and "PERSEUS_RANK=1" in text and "'a b'" in text
+    assert "perseus_tf.runner.remote -- python t.py" in text
+    assert "SECRET" not in text
+
+
+def test_mpirun_command_line(monkeypatch):
+    args = launcher._parse_args(launcher.build_parser(), [
+        "--mpi", "-np", "4", "-H", "localhost:4", "-p", "2222", "--network-interface", "lo",
+        "-x", "FOO=1", "python", "t.py"])
+    cmd = launcher.mpirun_command(args, "127.0.0.1", 5000, "job",
+                                  ["PERSEUS_RENDEZVOUS_SECRET", "FOO"])
+    text = " ".join(cmd)
+    assert cmd[:3] == ["mpirun", "-np", "4"] and "-H localhost:4" in text
+    assert "-mca plm_rsh_args -p 2222" in text and "-mca oob_tcp_if_include lo" in text
+    assert "-x PERSEUS_RENDEZVOUS_SECRET -x FOO" in text
+    assert text.endswith("perseus_tf.runner.remote --mpi -- python t.py")
+
+
+def test_unresolvable_host_is_rejected(capsys):
+    assert launcher.main(["-np", "2", "-H", "no-such-host.invalid:2", "true"]) == 2
+    assert "cannot resolve host 'no-such-host.invalid'" in capsys.readouterr().err
 
 
 def test_more_ranks_than_slots_is_rejected(capsys):

@@ -1,23 +1,31 @@
 """The ``perseusrun`` launcher: runs N ranks of a training command.
 
-perseusrun places the ranks on the hosts given with ``-H``, serves the
+perseusrun places the ranks on the hosts given with ``-H`` or ``--hostfile``
+(inside a Slurm allocation, by default the allocation's nodes), serves the
 rendezvous store (store.py) through which the ranks find each other, and
-starts one child process per rank. A child learns its place in the job only
-from the PERSEUS_* environment variables set here. While the job runs,
-perseusrun prefixes every output line with ``[rank] ``, forwards SIGINT and
-SIGTERM to the ranks, and when one rank fails it stops the others.
+starts one process per rank: directly on this machine, over ssh on other
+hosts (remote.py runs there and owns the rank), or all through Open MPI's
+``mpirun`` with ``--mpi``. A rank learns its place in the job only from the
+PERSEUS_* environment variables set here. While the job runs, perseusrun
+prefixes every output line with ``[rank] ``, forwards SIGINT and SIGTERM to
+the ranks, and when one rank fails it stops the others.
 
-Only hosts that are this machine are supported for now; starting ranks on
-other machines over ssh, or through mpirun, will come later.
+Remote hosts are assumed to look like this one: the same working directory,
+the same Python at the same path with perseus_tf importable, as horovodrun
+assumes. The job's secret reaches remote ranks on ssh's standard input,
+never on a command line.
 """
 
 import argparse
 import dataclasses
+import fcntl
 import ipaddress
 import os
 import secrets
+import shlex
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -27,9 +35,15 @@ from perseus_tf.runner.store import StoreServer
 
 PROG = "perseusrun"
 DEFAULT_GRACE_S = 10.0
+DEFAULT_START_TIMEOUT_S = 30.0
 # Time between SIGTERM and SIGKILL when stopping ranks that outlived a failure.
 KILL_DELAY_S = 5.0
 POLL_INTERVAL_S = 0.05
+# What remote ranks get of perseusrun's environment without -x.
+FORWARD_PREFIXES = ("PERSEUS_", "GLOO_", "NCCL_")
+FORWARD_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV",
+                 "TF_CPP_MIN_LOG_LEVEL")
+SECRET_VARIABLE = "PERSEUS_RENDEZVOUS_SECRET"
 
 
 class UsageError(Exception):
@@ -38,11 +52,13 @@ class UsageError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-    """One ``-H`` entry: the name as written, its IPv4 address and its slots."""
+    """One host of the job: the name as written, its IPv4 address, its
+    slots, and whether it is this machine (ranks start without ssh)."""
 
     name: str
     addr: str
     slots: int
+    local: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,19 +81,24 @@ class Placement:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        usage=f"{PROG} -np N [-H HOST:SLOTS,...] [options] [--] COMMAND [ARGS...]",
-        description="Run COMMAND as N data-parallel Perseus-TF ranks.",
+        usage=f"{PROG} -np N [-H HOST:SLOTS,... | --hostfile FILE] [options] [--] "
+              "COMMAND [ARGS...]",
+        description="Run COMMAND as N data-parallel Perseus-TF ranks, on this "
+                    "machine or on several over ssh (or mpirun with --mpi).",
         epilog=(
             "Each rank gets PERSEUS_RANK, PERSEUS_SIZE, PERSEUS_LOCAL_RANK, "
             "PERSEUS_LOCAL_SIZE, PERSEUS_CROSS_RANK, PERSEUS_CROSS_SIZE, "
             "PERSEUS_HOST_ADDR, PERSEUS_JOB_ID and the PERSEUS_RENDEZVOUS_"
             "ADDR/PORT/SECRET of the store served by perseusrun, and the "
             "HOROVOD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE/CROSS_RANK/CROSS_SIZE/"
-            "HOSTNAME that horovodrun sets; TF_CPP_MIN_LOG_LEVEL defaults to 2; "
-            "the rest of the environment is inherited. Output lines (and "
-            "progress-bar updates ending in a carriage return) are prefixed "
-            "with '[RANK] '. SIGINT and SIGTERM are forwarded to every rank; "
-            "ranks get SIGTERM if perseusrun itself dies. "
+            "HOSTNAME that horovodrun sets; TF_CPP_MIN_LOG_LEVEL defaults to 2. "
+            "Ranks on this machine inherit the whole environment; remote ranks "
+            "get PERSEUS_*, GLOO_*, NCCL_*, PYTHONPATH, PATH, LD_LIBRARY_PATH, "
+            "VIRTUAL_ENV and what -x names, and run in the same working "
+            "directory with the same Python: hosts must share paths. Output "
+            "lines (and progress-bar updates ending in a carriage return) are "
+            "prefixed with '[RANK] '. SIGINT and SIGTERM are forwarded to every "
+            "rank; ranks on every host stop if perseusrun itself dies. "
             "perseusrun exits 0 when every rank exits 0, otherwise with the "
             "status of the first rank that failed (128+N for signal N)."),
     )
@@ -86,17 +107,42 @@ def build_parser() -> argparse.ArgumentParser:
         help="number of ranks to start")
     parser.add_argument(
         "-H", "--hosts", default=None, metavar="HOST:SLOTS,...",
-        help="comma-separated hosts, each with the number of ranks it may run "
-             "(SLOTS, default 1); ranks fill the hosts in the order given. "
-             "Default: localhost:N. Only this machine is supported for now: "
-             "localhost, 127.x.y.z, or a name or address of this machine")
+        help="comma-separated hosts (names or IPv4 addresses), each with the "
+             "number of ranks it may run (SLOTS, default 1); ranks fill the "
+             "hosts in the order given. Hosts that are not this machine are "
+             "reached over ssh. Default: the nodes of the Slurm allocation "
+             "(SLURM_JOB_NODELIST) when inside one, else localhost:N")
+    parser.add_argument(
+        "--hostfile", default=None, metavar="FILE",
+        help="hosts in Open MPI's hostfile format, one per line: 'HOST "
+             "slots=N' (or just HOST for one slot); '#' starts a comment")
+    parser.add_argument(
+        "-p", "--ssh-port", type=int, default=None, metavar="PORT",
+        help="port of sshd on the remote hosts (default: ssh's own)")
+    parser.add_argument(
+        "-i", "--ssh-identity-file", default=None, metavar="FILE",
+        help="private key for ssh to the remote hosts")
+    parser.add_argument(
+        "--network-interface", default=None, metavar="NAME",
+        help="the network interface (e.g. eth0) the store and Gloo use on "
+             "every host; default: the address of this machine that routes to "
+             "the other hosts")
+    parser.add_argument(
+        "--start-timeout", type=float, default=DEFAULT_START_TIMEOUT_S, metavar="S",
+        help="seconds to reach every remote host (checked in parallel before "
+             f"any rank starts); default {DEFAULT_START_TIMEOUT_S:g}")
+    parser.add_argument(
+        "-x", dest="export", action="append", default=[], metavar="NAME[=VALUE]",
+        help="also give the ranks NAME from perseusrun's environment, or "
+             "NAME=VALUE (repeatable, as mpirun's -x)")
     parser.add_argument(
         "--gloo", action="store_true",
-        help="start the ranks with perseusrun's own launcher and rendezvous "
-             "(the default; the flag exists for symmetry with --mpi)")
+        help="start the ranks with perseusrun's own launcher (ssh for remote "
+             "hosts) and rendezvous; the default")
     parser.add_argument(
         "--mpi", action="store_true",
-        help="start the ranks through mpirun (not supported yet)")
+        help="start the ranks through Open MPI's mpirun (same -np, -H, "
+             "--hostfile, ssh and -x options); perseusrun still serves the store")
     parser.add_argument(
         "--grace-seconds", type=float, default=DEFAULT_GRACE_S, metavar="S",
         help="after a rank fails, how long the other ranks get to exit on "
@@ -104,12 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
              f"{KILL_DELAY_S:g} s later); default {DEFAULT_GRACE_S:g}")
     parser.add_argument(
         "--verbose", action="store_true",
-        help="print rank placement, the rendezvous port and each rank's exit")
+        help="print rank placement, the rendezvous port, the commands run "
+             "and each rank's exit")
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, metavar="COMMAND",
         help="the program to run in every rank, with its arguments; put it "
              "after '--' if it could be mistaken for a perseusrun flag")
     return parser
+
+
+def _add_entry(entries, name, slots, where):
+    if not name or slots < 1:
+        raise UsageError(f"{where}: {name!r} must be HOST with SLOTS >= 1")
+    if any(name == seen for seen, _ in entries):
+        raise UsageError(f"{where}: host {name!r} is listed twice")
+    entries.append((name, slots))
 
 
 def parse_hosts(spec: str) -> list:
@@ -130,10 +185,54 @@ def parse_hosts(spec: str) -> list:
         if not name or slots < 1:
             raise UsageError(
                 f"-H/--hosts: {item!r} must be HOST:SLOTS with SLOTS >= 1")
-        if any(name == seen for seen, _ in entries):
-            raise UsageError(f"-H/--hosts: host {name!r} is listed twice")
-        entries.append((name, slots))
+        _add_entry(entries, name, slots, "-H/--hosts")
     return entries
+
+
+def parse_hostfile(text: str, path: str = "hostfile") -> list:
+    """Parses Open MPI's hostfile format: ``host [slots=N] [max_slots=M]``
+    per line, '#' comments and blank lines ignored."""
+    entries = []
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        where = f"--hostfile {path}, line {number}"
+        slots = 1
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            if not sep or key not in ("slots", "max_slots", "max-slots"):
+                raise UsageError(f"{where}: cannot read {word!r} (expected slots=N)")
+            try:
+                count = int(value)
+            except ValueError:
+                raise UsageError(f"{where}: {key} must be an integer, not {value!r}") from None
+            if key == "slots":
+                slots = count
+        _add_entry(entries, words[0], slots, where)
+    if not entries:
+        raise UsageError(f"--hostfile {path}: lists no host")
+    return entries
+
+
+def slurm_hosts(environ) -> list:
+    """The hosts of the Slurm allocation this runs in, with their task
+    counts as slots, or [] outside an allocation."""
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return []
+    from perseus_tf.runner import slurm
+    try:
+        names = slurm.expand_hostlist(nodelist)
+        tasks = environ.get("SLURM_TASKS_PER_NODE")
+        slots = slurm.expand_tasks_per_node(tasks) if tasks else [1] * len(names)
+    except ValueError as err:
+        raise UsageError(f"SLURM_JOB_NODELIST: {err}") from None
+    if len(slots) != len(names):
+        raise UsageError(
+            f"SLURM_TASKS_PER_NODE={tasks!r} gives {len(slots)} nodes but "
+            f"SLURM_JOB_NODELIST={nodelist!r} lists {len(names)}")
+    return list(zip(names, slots))
 
 
 # --------------------------------------------------------------------------
@@ -150,25 +249,43 @@ def _can_bind(addr: str) -> bool:
             return False
 
 
-def resolve_local_host(name: str) -> str:
-    """Returns the IPv4 address of a host that is this machine.
-
-    Raises UsageError for a host that cannot be resolved or that is another
-    machine, since ranks cannot be started remotely yet.
-    """
+def resolve_host(name: str) -> Host:
+    """The Host for a -H name (slots filled in by the caller): its IPv4
+    address, and whether it is this machine."""
     if name == "localhost":
-        return "127.0.0.1"
+        return Host(name, "127.0.0.1", 1, True)
     try:
         addr = socket.getaddrinfo(name, None, socket.AF_INET)[0][4][0]
     except (socket.gaierror, UnicodeError):
         raise UsageError(
             f"-H/--hosts: cannot resolve host {name!r} to an IPv4 address") from None
-    if ipaddress.ip_address(addr).is_loopback or _can_bind(addr):
-        return addr
-    raise UsageError(
-        f"-H/--hosts: host {name!r} ({addr}) is not this machine; starting "
-        f"ranks on remote hosts over ssh is not supported yet (use localhost "
-        f"or this machine's names and addresses)")
+    local = ipaddress.ip_address(addr).is_loopback or _can_bind(addr)
+    return Host(name, addr, 1, local)
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface name on this machine."""
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), SIOCGIFADDR,
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError as err:
+            raise UsageError(
+                f"--network-interface {name}: no IPv4 address on this machine "
+                f"({err.strerror})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_address(peer: str) -> str:
+    """The address of this machine that packets to peer leave from (no
+    packet is sent: connecting a UDP socket only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect((peer, 9))
+        except OSError as err:
+            raise UsageError(f"no route from this machine to {peer}: {err.strerror}") from None
+        return sock.getsockname()[0]
 
 
 def place_ranks(np: int, hosts: list) -> list:
@@ -196,11 +313,10 @@ def place_ranks(np: int, hosts: list) -> list:
     return placements
 
 
-def rank_env(base: dict, placement: Placement, rendezvous_addr: str,
-             rendezvous_port: int, secret: bytes, job_id: str) -> dict:
-    """The environment of one rank: base plus the PERSEUS_* contract."""
-    env = dict(base)
-    env.update({
+def rank_contract(placement: Placement, rendezvous_addr: str,
+                  rendezvous_port: int, job_id: str) -> dict:
+    """The variables that tell one rank its place (the secret aside)."""
+    env = {
         "PERSEUS_RANK": str(placement.rank),
         "PERSEUS_SIZE": str(placement.size),
         "PERSEUS_LOCAL_RANK": str(placement.local_rank),
@@ -209,15 +325,12 @@ def rank_env(base: dict, placement: Placement, rendezvous_addr: str,
         "PERSEUS_CROSS_SIZE": str(placement.cross_size),
         "PERSEUS_RENDEZVOUS_ADDR": rendezvous_addr,
         "PERSEUS_RENDEZVOUS_PORT": str(rendezvous_port),
-        "PERSEUS_RENDEZVOUS_SECRET": secret.hex(),
         "PERSEUS_JOB_ID": job_id,
         "PERSEUS_HOST_ADDR": placement.host.addr,
-        # Ranks check that this process is alive (they stop when it is gone).
-        "PERSEUS_LAUNCHER_PID": str(os.getpid()),
         # Ranks' output goes through pipes; without this Python would hold
         # it back in block buffers and the forwarded lines would lag.
         "PYTHONUNBUFFERED": "1",
-    })
+    }
     # What horovodrun gives its workers, for scripts (and tests) that read it.
     env.update({
         "HOROVOD_RANK": str(placement.rank),
@@ -230,11 +343,102 @@ def rank_env(base: dict, placement: Placement, rendezvous_addr: str,
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
     })
+    return env
+
+
+def rank_env(base: dict, placement: Placement, rendezvous_addr: str,
+             rendezvous_port: int, secret: bytes, job_id: str) -> dict:
+    """The environment of a rank on this machine: base plus the contract."""
+    env = dict(base)
+    env.update(rank_contract(placement, rendezvous_addr, rendezvous_port, job_id))
+    env[SECRET_VARIABLE] = secret.hex()
+    # Ranks check that this process is alive (they stop when it is gone).
+    env["PERSEUS_LAUNCHER_PID"] = str(os.getpid())
     # TF's C++ start-up lines (and a "failed call to cuInit" on machines
     # without a GPU) times N ranks drown the job's output; the user's own
     # setting wins.
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     return env
+
+
+def forwarded_env(base: dict, exports: list) -> dict:
+    """What remote ranks get of perseusrun's environment: the default
+    names and prefixes, then -x NAME[=VALUE] entries."""
+    env = {k: v for k, v in base.items()
+           if (k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES) and k != SECRET_VARIABLE}
+    env.update(export_values(base, exports))
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return env
+
+
+def export_values(base: dict, exports: list) -> dict:
+    values = {}
+    for item in exports:
+        name, sep, value = item.partition("=")
+        if not name or not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise UsageError(f"-x {item!r}: NAME must be an environment variable name")
+        if not sep:
+            if name not in base:
+                raise UsageError(f"-x {name}: {name} is not set in perseusrun's environment")
+            value = base[name]
+        values[name] = value
+    return values
+
+
+def ssh_base(args, connect_timeout: float) -> list:
+    cmd = ["ssh", "-o", "BatchMode=yes",
+           "-o", f"ConnectTimeout={max(1, int(connect_timeout))}"]
+    if args.ssh_port:
+        cmd += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file:
+        cmd += ["-i", args.ssh_identity_file]
+    return cmd
+
+
+def remote_command(env: dict, command: list, cwd: str, probe: bool = False) -> str:
+    """The shell command ssh runs on a remote host for one rank: remote.py
+    reads the secret from its standard input and owns the rank. With probe,
+    it only checks that remote.py can start there."""
+    assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
+    runner = [sys.executable, "-m", "perseus_tf.runner.remote"]
+    runner += ["--probe"] if probe else ["--"] + list(command)
+    return (f"cd {shlex.quote(cwd)} && exec env {assignments} "
+            + " ".join(shlex.quote(part) for part in runner))
+
+
+def check_hosts(args, hosts: list) -> None:
+    """Reaches every remote host over ssh, all at once, within
+    --start-timeout, and checks that perseus_tf's runner imports there with
+    this Python; raises UsageError naming every host that failed."""
+    env = forwarded_env(os.environ, [])
+    probe = remote_command({k: env[k] for k in ("PYTHONPATH", "PATH") if k in env},
+                           [], os.getcwd(), probe=True)
+    checks = []
+    for host in hosts:
+        cmd = ssh_base(args, args.start_timeout) + [host.name, probe]
+        checks.append((host, subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True)))
+    deadline = time.monotonic() + args.start_timeout
+    failures = []
+    for host, proc in checks:
+        try:
+            out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            failures.append(f"  {host.name}: no answer within --start-timeout "
+                            f"{args.start_timeout:g} s")
+            continue
+        if proc.returncode == 255:
+            failures.append(f"  {host.name}: ssh: {(err or out).strip() or 'exit status 255'}")
+        elif proc.returncode != 0:
+            failures.append(
+                f"  {host.name}: {sys.executable} cannot import perseus_tf there "
+                f"(hosts must share paths and the virtualenv): {(err or out).strip()[-300:]}")
+    if failures:
+        raise UsageError("cannot start ranks on " + str(len(failures)) + " host"
+                         + ("s" if len(failures) > 1 else "") + ":\n" + "\n".join(failures))
 
 
 # --------------------------------------------------------------------------
@@ -245,13 +449,20 @@ def _log(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
 
-def describe_status(returncode: int) -> str:
+def describe_status(returncode: int, remote: bool = False) -> str:
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
         return f"killed by signal {name}"
+    if remote and returncode == 255:
+        return "lost: ssh failed or the connection broke (exit status 255)"
+    if remote and 128 < returncode < 128 + 65:
+        try:
+            return f"killed by signal {signal.Signals(returncode - 128).name}"
+        except ValueError:
+            pass
     return f"failed with exit status {returncode}"
 
 
@@ -322,42 +533,70 @@ def _die_with_launcher(launcher_pid: int):
         os._exit(1)
 
 
+@dataclasses.dataclass
+class _Child:
+    proc: subprocess.Popen
+    label: str        # "rank 3" or "mpirun"
+    where: str        # "" on this machine, else " on HOST"
+    remote: bool
+
+
 class RankGroup:
     """The child processes of one job and the threads forwarding their output."""
 
     def __init__(self, verbose: bool = False):
-        self.procs = []
+        self.children = []
         self._readers = []
         self._verbose = verbose
         self._stdout_lock = threading.Lock()
         self._stderr_lock = threading.Lock()
 
-    def spawn(self, rank: int, command: list, env: dict) -> None:
+    @property
+    def procs(self):
+        return [c.proc for c in self.children]
+
+    def spawn(self, rank: int, command: list, env: dict, *, host: str = "",
+              remote: bool = False, stdin_data: bytes = None, label: str = None,
+              prefix: bool = True) -> None:
         # Each rank gets its own process group, so that a Ctrl-C typed in the
         # terminal reaches perseusrun alone and perseusrun decides what the
         # ranks receive; signalling the group also reaches a rank's children.
+        # This must run on the main thread: the parent-death signal follows
+        # the thread that made the child.
         launcher_pid = os.getpid()
         proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL,
+            command, env=env,
+            stdin=subprocess.PIPE if stdin_data is not None else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True,
             preexec_fn=lambda: _die_with_launcher(launcher_pid))
-        self.procs.append(proc)
-        prefix = f"[{rank}] ".encode()
+        if stdin_data is not None:
+            # The secret goes to remote.py; the pipe then stays open, and its
+            # end (perseusrun gone) tells remote.py to stop the rank.
+            try:
+                proc.stdin.write(stdin_data)
+                proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+        self.children.append(_Child(proc, label or f"rank {rank}",
+                                    f" on {host}" if host else "", remote))
+        tag = f"[{rank}] ".encode() if prefix else b""
         for pipe, stream, lock in ((proc.stdout, sys.stdout, self._stdout_lock),
                                    (proc.stderr, sys.stderr, self._stderr_lock)):
             reader = threading.Thread(
-                target=_forward_lines, args=(pipe, stream, prefix, lock),
+                target=_forward_lines, args=(pipe, stream, tag, lock),
                 name=f"perseusrun-rank{rank}-output", daemon=True)
             reader.start()
             self._readers.append(reader)
 
     def signal_running(self, signum: int) -> None:
-        """Sends signum to the process group of every rank not yet reaped."""
-        for proc in self.procs:
-            if proc.returncode is None:
+        """Sends signum to the process group of every child not yet reaped.
+        For a remote rank that child is ssh: ssh ends, and remote.py stops
+        the rank on its host when its input closes."""
+        for child in self.children:
+            if child.proc.returncode is None:
                 try:
-                    os.killpg(proc.pid, signum)
+                    os.killpg(child.proc.pid, signum)
                 except (ProcessLookupError, PermissionError):
                     pass
 
@@ -368,25 +607,31 @@ class RankGroup:
         then SIGKILL. stop_now starts that sequence at once (without grace).
         """
         exited = set()
-        failed_rank = None
+        failed = None
         term_at = time.monotonic() if stop_now else None
         kill_at = None
-        while len(exited) < len(self.procs):
+        while len(exited) < len(self.children):
             now = time.monotonic()
-            for rank, proc in enumerate(self.procs):
-                if rank in exited or proc.poll() is None:
+            for index, child in enumerate(self.children):
+                proc = child.proc
+                if index in exited or proc.poll() is None:
                     continue
-                exited.add(rank)
+                exited.add(index)
+                if proc.stdin:
+                    try:
+                        proc.stdin.close()
+                    except OSError:
+                        pass
                 if self._verbose:
-                    _log(f"rank {rank} (pid {proc.pid}) exited with "
+                    _log(f"{child.label}{child.where} (pid {proc.pid}) exited with "
                          f"status {proc.returncode}")
-                if proc.returncode != 0 and failed_rank is None:
-                    failed_rank = rank
-                    _log(f"rank {rank} (pid {proc.pid}) "
-                         f"{describe_status(proc.returncode)}")
+                if proc.returncode != 0 and failed is None:
+                    failed = index
+                    _log(f"{child.label}{child.where} (pid {proc.pid}) "
+                         f"{describe_status(proc.returncode, child.remote)}")
                     if term_at is None:
                         term_at = now + grace_s
-            if len(exited) == len(self.procs):
+            if len(exited) == len(self.children):
                 break
             if term_at is not None and now >= term_at:
                 _log("stopping the remaining ranks (SIGTERM)")
@@ -399,9 +644,9 @@ class RankGroup:
                 kill_at = None
             time.sleep(POLL_INTERVAL_S)
         self._drain_output()
-        if failed_rank is None:
+        if failed is None:
             return 0
-        status = self.procs[failed_rank].returncode
+        status = self.children[failed].proc.returncode
         return status if status > 0 else 128 - status
 
     def _drain_output(self) -> None:
@@ -421,23 +666,95 @@ def _parse_args(parser: argparse.ArgumentParser, argv: list):
     # REMAINDER keeps the '--' that separates perseusrun's flags from COMMAND.
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
-    if args.mpi:
-        raise UsageError("--mpi: starting ranks through mpirun is not supported "
-                         "yet; use the default Gloo launcher (--gloo or no flag)")
+    if args.mpi and args.gloo:
+        raise UsageError("--mpi and --gloo exclude each other")
     if not args.command:
         raise UsageError("no COMMAND given to run in the ranks")
     if args.np < 1:
         raise UsageError("-np must be at least 1")
     if args.grace_seconds < 0:
         raise UsageError("--grace-seconds must not be negative")
-    entries = parse_hosts(args.hosts) if args.hosts else [("localhost", args.np)]
+    if args.start_timeout <= 0:
+        raise UsageError("--start-timeout must be positive")
+    if args.ssh_port is not None and not 1 <= args.ssh_port <= 65535:
+        raise UsageError(f"-p/--ssh-port {args.ssh_port}: must be from 1 to 65535")
+    if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
+        raise UsageError(f"-i/--ssh-identity-file {args.ssh_identity_file}: no such file")
+    export_values(os.environ, args.export)  # reject bad -x entries early
+    if args.hosts and args.hostfile:
+        raise UsageError("give -H/--hosts or --hostfile, not both")
+    if args.hostfile:
+        try:
+            with open(args.hostfile) as f:
+                entries = parse_hostfile(f.read(), args.hostfile)
+        except OSError as err:
+            raise UsageError(f"--hostfile {args.hostfile}: {err.strerror}") from None
+        flag = "--hostfile"
+    elif args.hosts:
+        entries, flag = parse_hosts(args.hosts), "-H/--hosts"
+    else:
+        entries, flag = slurm_hosts(os.environ), "the Slurm allocation (SLURM_JOB_NODELIST)"
+        if not entries:
+            entries, flag = [("localhost", args.np)], "-H"
     total_slots = sum(slots for _, slots in entries)
     if total_slots < args.np:
         raise UsageError(f"-np {args.np} is more than the {total_slots} slots "
-                         f"given by -H/--hosts")
-    args.hosts = [Host(name, resolve_local_host(name), slots)
+                         f"given by {flag}")
+    args.hosts = [dataclasses.replace(resolve_host(name), slots=slots)
                   for name, slots in entries]
+    if args.network_interface:
+        interface_address(args.network_interface)  # exists here
     return args
+
+
+def _addresses(args, placements):
+    """(store bind address, rendezvous address, placements with each host's
+    address as the other hosts reach it)."""
+    hosts = []
+    for p in placements:
+        if p.host not in hosts:
+            hosts.append(p.host)
+    remote = [h for h in hosts if not h.local]
+    if args.network_interface:
+        mine = interface_address(args.network_interface)
+    elif remote:
+        mine = route_address(remote[0].addr)
+    elif all(ipaddress.ip_address(h.addr).is_loopback for h in hosts):
+        mine = "127.0.0.1"
+    else:
+        mine = next(h.addr for h in hosts if not ipaddress.ip_address(h.addr).is_loopback)
+    if not (remote or args.network_interface or args.mpi):
+        # One machine: the store listens where every local rank reaches it.
+        return mine, mine, placements
+    # Ranks on other hosts cannot reach a loopback address of this one.
+    fixed = {h: (dataclasses.replace(h, addr=mine)
+                 if h.local and (ipaddress.ip_address(h.addr).is_loopback
+                                 or args.network_interface) else h) for h in hosts}
+    return mine, mine, [dataclasses.replace(p, host=fixed[p.host]) for p in placements]
+
+
+def mpirun_command(args, store_addr, port, job_id, names) -> list:
+    """The mpirun command of --mpi: values travel in mpirun's environment
+    (-x NAME), so the secret is never on a command line."""
+    cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none", "--map-by", "slot",
+           "-wdir", os.getcwd()]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["-H", ",".join(f"{h.name}:{h.slots}" for h in args.hosts)]
+    rsh = []
+    if args.ssh_port:
+        rsh += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file:
+        rsh += ["-i", args.ssh_identity_file]
+    if rsh:
+        cmd += ["-mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in rsh)]
+    if args.network_interface:
+        cmd += ["-mca", "oob_tcp_if_include", args.network_interface,
+                "-mca", "btl_tcp_if_include", args.network_interface]
+    for name in names:
+        cmd += ["-x", name]
+    cmd += [sys.executable, "-m", "perseus_tf.runner.remote", "--mpi", "--"] + args.command
+    return cmd
 
 
 def main(argv=None) -> int:
@@ -445,6 +762,14 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = _parse_args(parser, sys.argv[1:] if argv is None else list(argv))
+        placements = place_ranks(args.np, args.hosts)
+        bind_addr, rendezvous_addr, placements = _addresses(args, placements)
+        remote_hosts = []
+        for p in placements:
+            if not p.host.local and p.host not in remote_hosts:
+                remote_hosts.append(p.host)
+        if remote_hosts and not args.mpi:
+            check_hosts(args, remote_hosts)
     except UsageError as err:
         parser.print_usage(sys.stderr)
         print(f"{PROG}: error: {err}", file=sys.stderr)
@@ -453,12 +778,9 @@ def main(argv=None) -> int:
         # argparse exits for -h and for malformed flags; main reports a status.
         return exit_.code if isinstance(exit_.code, int) else 2
 
-    placements = place_ranks(args.np, args.hosts)
-    all_loopback = all(ipaddress.ip_address(p.host.addr).is_loopback
-                       for p in placements)
     secret = secrets.token_bytes(32)
     job_id = secrets.token_hex(8)
-    store = StoreServer("127.0.0.1" if all_loopback else "0.0.0.0", 0, secret)
+    store = StoreServer(bind_addr, 0, secret)
     port = store.start()
     group = RankGroup(verbose=args.verbose)
     received = []
@@ -473,24 +795,38 @@ def main(argv=None) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if args.verbose:
-            _log(f"job {job_id}, rendezvous store on port {port}")
+            _log(f"job {job_id}, rendezvous store on {bind_addr} port {port}")
+        if args.mpi:
+            return _run_mpi(args, group, rendezvous_addr, port, secret, job_id)
+        forward_base = forwarded_env(os.environ, args.export)
+        local_extra = export_values(os.environ, args.export)
+        if args.network_interface:
+            forward_base.setdefault("PERSEUS_GLOO_NETWORK_INTERFACE", args.network_interface)
+            local_extra.setdefault("PERSEUS_GLOO_NETWORK_INTERFACE", args.network_interface)
         for p in placements:
             if received:
                 break  # interrupted while starting: do not start more ranks
-            # The rank runs on this machine, so its host's address reaches the
-            # store when that listens on 0.0.0.0; when it listens on 127.0.0.1
-            # only, 127.0.0.2 would not. Remote ranks will need the launcher's
-            # routable address instead.
-            rendezvous_addr = "127.0.0.1" if all_loopback else p.host.addr
             if args.verbose:
                 _log(f"rank {p.rank} on {p.host.name} ({p.host.addr}): local "
                      f"{p.local_rank}/{p.local_size}, cross "
                      f"{p.cross_rank}/{p.cross_size}")
-            env = rank_env(os.environ, p, rendezvous_addr, port, secret, job_id)
             try:
-                group.spawn(p.rank, args.command, env)
+                if p.host.local:
+                    env = rank_env(dict(os.environ, **local_extra), p, rendezvous_addr,
+                                   port, secret, job_id)
+                    group.spawn(p.rank, args.command, env,
+                                host=p.host.name if remote_hosts else "")
+                else:
+                    env = dict(forward_base)
+                    env.update(rank_contract(p, rendezvous_addr, port, job_id))
+                    remote = remote_command(env, args.command, os.getcwd())
+                    cmd = ssh_base(args, args.start_timeout) + [p.host.name, remote]
+                    if args.verbose:
+                        _log(f"rank {p.rank}: {' '.join(shlex.quote(c) for c in cmd)}")
+                    group.spawn(p.rank, cmd, dict(os.environ), host=p.host.name,
+                                remote=True, stdin_data=secret.hex().encode() + b"\n")
             except OSError as err:
-                _log(f"cannot start {args.command[0]!r}: {err}")
+                _log(f"cannot start rank {p.rank}: {err}")
                 group.supervise(args.grace_seconds, stop_now=True)
                 return 127
         return group.supervise(args.grace_seconds)
@@ -498,3 +834,30 @@ def main(argv=None) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         store.stop()
+
+
+def _run_mpi(args, group, rendezvous_addr, port, secret, job_id) -> int:
+    env = dict(os.environ)
+    env.update(export_values(os.environ, args.export))
+    env.update({
+        "PERSEUS_RENDEZVOUS_ADDR": rendezvous_addr,
+        "PERSEUS_RENDEZVOUS_PORT": str(port),
+        SECRET_VARIABLE: secret.hex(),
+        "PERSEUS_JOB_ID": job_id,
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.network_interface:
+        env.setdefault("PERSEUS_GLOO_NETWORK_INTERFACE", args.network_interface)
+    names = sorted({k for k in env if k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES}
+                   | {item.partition("=")[0] for item in args.export})
+    cmd = mpirun_command(args, rendezvous_addr, port, job_id, names)
+    if args.verbose:
+        _log("mpirun: " + " ".join(shlex.quote(c) for c in cmd))
+    try:
+        # remote.py --mpi prefixes each rank's lines itself.
+        group.spawn(0, cmd, env, label="mpirun", prefix=False)
+    except OSError as err:
+        _log(f"cannot start mpirun (is Open MPI installed? Debian: openmpi-bin): {err}")
+        return 127
+    return group.supervise(args.grace_seconds)

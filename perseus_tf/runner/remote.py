@@ -1,0 +1,186 @@
+"""What perseusrun runs on a remote host (over ssh) or, with --mpi, under
+mpirun: it starts one rank and owns it.
+
+Over ssh (``python -m perseus_tf.runner.remote -- COMMAND...``):
+- The first line of standard input is the job's secret (hex). It becomes
+  the rank's PERSEUS_RENDEZVOUS_SECRET; it is never on a command line.
+- The rest of standard input stays open while perseusrun lives. When it
+  closes (perseusrun exited, was killed, or the ssh connection broke), the
+  rank's process group gets SIGTERM, then SIGKILL after a few seconds: no
+  rank outlives its launcher on any host.
+- SIGINT, SIGTERM and SIGHUP are passed to the rank's process group.
+- The exit status is the rank's (128+N when signal N killed it), which ssh
+  hands back to perseusrun.
+
+Under mpirun (``--mpi``): the rank's place comes from Open MPI's variables;
+this adds horovodrun's HOROVOD_* variables from them and prefixes the rank's
+output lines with ``[rank] `` as perseusrun does. mpirun itself stops the
+ranks when perseusrun is gone.
+
+``--probe`` only exits 0: perseusrun's check that this Python and
+perseus_tf are there before it starts anything.
+
+Only the standard library is imported here (no TensorFlow): it must start
+fast and stay small beside the rank.
+"""
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+SECRET_WAIT_S = 30.0
+KILL_DELAY_S = 3.0
+
+
+def _usage() -> int:
+    print("usage: python -m perseus_tf.runner.remote [--mpi] -- COMMAND [ARGS...]\n"
+          "       (started by perseusrun; see perseus_tf/runner/remote.py)", file=sys.stderr)
+    return 2
+
+
+def _read_secret() -> str:
+    """The first line of standard input, read without Python's buffering so
+    that the rest of the stream stays for the end-of-input watch."""
+    fd = sys.stdin.fileno()
+    data = b""
+    deadline = time.monotonic() + SECRET_WAIT_S
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise SystemExit("perseus remote: no job secret on standard input within "
+                             f"{SECRET_WAIT_S:g} s (this is started by perseusrun)")
+        chunk = os.read(fd, 1)
+        if not chunk:
+            raise SystemExit("perseus remote: standard input closed before the job secret")
+        data += chunk
+    secret = data.decode().strip()
+    if not secret or any(c not in "0123456789abcdef" for c in secret):
+        raise SystemExit("perseus remote: the job secret on standard input is not hex")
+    return secret
+
+
+def _parent_death_signal():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _stop(proc, why: str = "") -> None:
+    """SIGTERM to the rank's process group, SIGKILL if it is still there
+    KILL_DELAY_S later."""
+    if proc.poll() is not None:
+        return
+    if why:
+        try:
+            print(f"perseus remote: {why}; stopping rank (pid {proc.pid})",
+                  file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + KILL_DELAY_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return
+            time.sleep(0.05)
+
+
+def _watch_input(proc) -> None:
+    fd = sys.stdin.fileno()
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+    _stop(proc, "perseusrun is gone (its connection closed)")
+
+
+def _status(returncode: int) -> int:
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _horovod_from_ompi(env: dict) -> None:
+    rank = env.get("OMPI_COMM_WORLD_RANK")
+    if rank is None:
+        return
+    size = int(env.get("OMPI_COMM_WORLD_SIZE", "1"))
+    local_size = int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
+    env.setdefault("HOROVOD_RANK", rank)
+    env.setdefault("HOROVOD_SIZE", str(size))
+    env.setdefault("HOROVOD_LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    env.setdefault("HOROVOD_LOCAL_SIZE", str(local_size))
+    env.setdefault("HOROVOD_CROSS_RANK", str(int(rank) // max(1, local_size)))
+    env.setdefault("HOROVOD_CROSS_SIZE", str(max(1, size // max(1, local_size))))
+    env.setdefault("HOROVOD_CONTROLLER", "gloo")
+    env.setdefault("HOROVOD_CPU_OPERATIONS", "gloo")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv == ["--probe"]:
+        return 0
+    mpi = argv[:1] == ["--mpi"]
+    if mpi:
+        argv = argv[1:]
+    if argv[:1] != ["--"] or len(argv) < 2:
+        return _usage()
+    command = argv[1:]
+    env = dict(os.environ)
+    if mpi:
+        _horovod_from_ompi(env)
+    else:
+        env["PERSEUS_RENDEZVOUS_SECRET"] = _read_secret()
+    env["PERSEUS_LAUNCHER_PID"] = str(os.getpid())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+
+    pipes = subprocess.PIPE if mpi else None
+    try:
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                stdout=pipes, stderr=pipes, start_new_session=True,
+                                preexec_fn=_parent_death_signal)
+    except OSError as err:
+        print(f"perseus remote: cannot start {command[0]!r}: {err}", file=sys.stderr)
+        return 127
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    readers = []
+    if mpi:
+        from perseus_tf.runner.launcher import _forward_lines
+        prefix = f"[{env.get('OMPI_COMM_WORLD_RANK', '?')}] ".encode()
+        lock = threading.Lock()
+        for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            t = threading.Thread(target=_forward_lines, args=(pipe, stream, prefix, lock),
+                                 daemon=True)
+            t.start()
+            readers.append(t)
+    else:
+        threading.Thread(target=_watch_input, args=(proc,), daemon=True).start()
+    while True:
+        try:
+            proc.wait()
+            break
+        except InterruptedError:
+            continue
+    for t in readers:
+        t.join(2.0)
+    return _status(proc.returncode)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

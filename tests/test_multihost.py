@@ -1,0 +1,192 @@
+"""Across real hosts: network namespaces on this machine, each with its own
+address and sshd (tests/netns_hosts.py). perseusrun reaches the second host
+over ssh; failures (unreachable host, wrong key, a killed remote rank, a
+killed perseusrun) are named, on time, and leave no process on any host.
+
+Needs root; without it the tests skip with the reason.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import ROOT, WORKERS, check_names, rank_env
+from netns_hosts import NetnsHosts, missing_requirements
+
+CHECKS = check_names("checks_multihost")
+PERSEUSRUN = [sys.executable, "-m", "perseus_tf.runner"]
+# Plain sums, so that distributed training equals one process to 1e-6.
+JOB_ENV = {"PERSEUS_ALLREDUCE_DTYPE": "1", "GLOO_TIMEOUT_SECONDS": "30",
+           "PERSEUS_STALL_TIMEOUT_SECONDS": "60"}
+
+_why_not = missing_requirements()
+pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"cross-host tests: {_why_not}")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with NetnsHosts(2) as h:
+        yield h
+
+
+def _env(hosts, extra=None):
+    env = rank_env(dict(JOB_ENV, **(extra or {})))
+    return hosts.ssh_env(env)
+
+
+def _no_process_left(hosts, within_s):
+    deadline = time.monotonic() + within_s
+    while True:
+        left = {h: hosts.pids(h) for h in range(len(hosts.names))}
+        if not any(left.values()):
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise AssertionError("processes left: " + "; ".join(
+                f"host {h}: {hosts.describe(p)}" for h, p in left.items() if p))
+        time.sleep(0.2)
+
+
+def _results(out, np_):
+    results = {}
+    for rank in range(np_):
+        path = os.path.join(out, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[rank] = json.load(f)
+    return results
+
+
+def _assert_checks(results, proc_text, np_=4):
+    problems = []
+    for check in CHECKS:
+        for rank in range(np_):
+            outcome = results.get(rank, {}).get(check)
+            if outcome != "ok":
+                problems.append(f"{check} rank {rank}: {outcome}")
+    assert not problems, "\n".join(problems) + "\n--- output ---\n" + proc_text[-4000:]
+
+
+@pytest.fixture(scope="module")
+def ssh_job(hosts, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ssh_job"))
+    a, b = hosts.addrs
+    cmd = PERSEUSRUN + ["-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
+                        "-x", "EXPECT_SOURCE=perseusrun", "-x", f"EXPECT_SUBNET={hosts.subnet}",
+                        "--", sys.executable, os.path.join(WORKERS, "run_checks.py"),
+                        "checks_multihost", out]
+    start = time.monotonic()
+    proc = hosts.exec(0, *cmd, check=False, env=_env(hosts), cwd=ROOT, timeout=300)
+    took = time.monotonic() - start
+    print(f"perseusrun over ssh, 2 hosts x 2 ranks: {took:.1f} s")
+    return proc, _results(out, 4), took
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_perseusrun_over_ssh_two_hosts(ssh_job, check):
+    proc, results, _ = ssh_job
+    for rank in range(4):
+        assert results.get(rank, {}).get(check) == "ok", (
+            f"rank {rank}: {results.get(rank, {}).get(check)}\n" + proc.stdout[-3000:]
+            + proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_ssh_output_prefixed_and_secret_not_on_any_command_line(hosts):
+    # A remote rank reports its own command line and its parents' (what `ps`
+    # shows on its host) and the secret it got; the secret is in none of them.
+    script = ("import os,sys\n"
+              "pid=os.getpid(); lines=[]\n"
+              "while pid>1:\n"
+              "  lines.append(open(f'/proc/{pid}/cmdline','rb').read().replace(b'\\0',b' ').decode().replace(chr(10),' '))\n"
+              "  pid=int(open(f'/proc/{pid}/stat').read().split(')')[1].split()[1])\n"
+              "print('SECRET', os.environ['PERSEUS_RENDEZVOUS_SECRET'])\n"
+              "print('CMDLINES', ' || '.join(lines))\n")
+    a, b = hosts.addrs
+    proc = hosts.exec(0, *PERSEUSRUN, "-np", "2", "-H", f"{a}:1,{b}:1", "-i", hosts.key, "--",
+                      sys.executable, "-c", script, check=False, env=_env(hosts), cwd=ROOT,
+                      timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    secrets = {line.split()[2] for line in lines if line.startswith("[1] SECRET")}
+    cmdlines = [line for line in lines if line.startswith("[1] CMDLINES")]
+    assert len(secrets) == 1 and len(cmdlines) == 1, proc.stdout
+    secret = secrets.pop()
+    assert len(secret) == 64 and secret not in cmdlines[0], cmdlines[0]
+    assert "perseus_tf.runner.remote" in cmdlines[0] and "sshd" in cmdlines[0], cmdlines[0]
+    assert any(line.startswith("[0] SECRET") for line in lines), proc.stdout
+
+
+def test_unreachable_host_and_wrong_key_fail_within_start_timeout(hosts):
+    a, b = hosts.addrs
+    nobody = a.rsplit(".", 1)[0] + ".200"  # on the subnet, no host answers
+    start = time.monotonic()
+    proc = hosts.exec(0, *PERSEUSRUN, "-np", "3", "-H", f"{a}:1,{b}:1,{nobody}:1",
+                      "-i", hosts.other_key, "--start-timeout", "4", "--", "true",
+                      check=False, env=_env(hosts), cwd=ROOT, timeout=60)
+    took = time.monotonic() - start
+    print(f"unreachable host + wrong key reported in {took:.1f} s (--start-timeout 4)")
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr
+    # Both bad hosts in one error, each with ssh's own words.
+    assert "cannot start ranks on 2 hosts" in err, err
+    assert f"{b}: ssh: " in err and "Permission denied" in err, err
+    assert f"{nobody}: " in err and ("timed out" in err or "no answer" in err
+                                     or "No route" in err), err
+    assert took < 4 + 3, took
+    _no_process_left(hosts, 5)
+
+
+def test_killed_remote_rank_ends_the_job_naming_rank_and_host(hosts, tmp_path):
+    a, b = hosts.addrs
+    script = ("import os,time,signal\n"
+              "import perseus_tf as ptf, tensorflow as tf\n"
+              "ptf.init()\n"
+              "if ptf.rank() == 3:\n"
+              "    time.sleep(1); os.kill(os.getpid(), signal.SIGKILL)\n"
+              "while True:\n"
+              "    ptf.allreduce(tf.ones([4]), name='loop')\n")
+    start = time.monotonic()
+    proc = hosts.exec(0, *PERSEUSRUN, "-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
+                      "--grace-seconds", "20", "--", sys.executable, "-c", script,
+                      check=False, env=_env(hosts, {"GLOO_TIMEOUT_SECONDS": "10"}),
+                      cwd=ROOT, timeout=120)
+    took = time.monotonic() - start
+    print(f"remote rank SIGKILLed: job over in {took:.1f} s")
+    err = proc.stderr
+    assert proc.returncode == 137, err[-3000:]
+    assert f"rank 3 on {b}" in err and "killed by signal SIGKILL" in err, err[-3000:]
+    # The other ranks name the dead rank too (the runtime's failure report).
+    assert "rank 3" in err, err[-3000:]
+    _no_process_left(hosts, 15)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_killed_perseusrun_leaves_no_rank_on_any_host(hosts, how):
+    a, b = hosts.addrs
+    script = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
+    launcher = hosts.popen(0, PERSEUSRUN + ["-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
+                                            "--", sys.executable, "-c", script],
+                           env=_env(hosts), cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 60
+        while seen < 4 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            seen += line.endswith("up\n")
+        assert seen == 4, "ranks did not start"
+        assert len(hosts.pids(1)) >= 2  # the remote ranks run
+        # `ip netns exec` execs perseusrun: launcher.pid is perseusrun.
+        killed_at = time.monotonic()
+        os.kill(launcher.pid, getattr(signal, how))
+        launcher.wait(15)
+        gone_at = _no_process_left(hosts, 15)
+        print(f"perseusrun {how}: no process on any host after {gone_at - killed_at:.1f} s")
+    finally:
+        launcher.kill()
+        launcher.communicate()
