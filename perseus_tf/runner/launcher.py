@@ -768,7 +768,7 @@ def main(argv=None) -> int:
         for p in placements:
             if not p.host.local and p.host not in remote_hosts:
                 remote_hosts.append(p.host)
-        if remote_hosts and not args.mpi:
+        if remote_hosts:
             check_hosts(args, remote_hosts)
     except UsageError as err:
         parser.print_usage(sys.stderr)

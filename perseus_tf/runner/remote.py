@@ -14,8 +14,8 @@ Over ssh (``python -m perseus_tf.runner.remote -- COMMAND...``):
 
 Under mpirun (``--mpi``): the rank's place comes from Open MPI's variables;
 this adds horovodrun's HOROVOD_* variables from them and prefixes the rank's
-output lines with ``[rank] `` as perseusrun does. mpirun itself stops the
-ranks when perseusrun is gone.
+output lines with ``[rank] `` as perseusrun does. When mpirun (or its orted
+daemon) is gone, this gets SIGTERM from the kernel and stops the rank.
 
 ``--probe`` only exits 0: perseusrun's check that this Python and
 perseus_tf are there before it starts anything.
@@ -136,7 +136,20 @@ def main(argv=None) -> int:
     command = argv[1:]
     env = dict(os.environ)
     if mpi:
+        # The parent is mpirun or its orted: when it is gone, so is the job.
+        parent = os.getppid()
+        _parent_death_signal()
+        if os.getppid() != parent:
+            return 1
         _horovod_from_ompi(env)
+        store = env.get("PERSEUS_RENDEZVOUS_ADDR")
+        if store and not env.get("PERSEUS_HOST_ADDR"):
+            # This host's address as the others reach it: the one that
+            # routes to the store (no packet is sent).
+            import socket
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((store, 9))
+                env["PERSEUS_HOST_ADDR"] = sock.getsockname()[0]
     else:
         env["PERSEUS_RENDEZVOUS_SECRET"] = _read_secret()
     env["PERSEUS_LAUNCHER_PID"] = str(os.getpid())
@@ -179,6 +192,12 @@ def main(argv=None) -> int:
             continue
     for t in readers:
         t.join(2.0)
+    if mpi and proc.returncode != 0:
+        # mpirun names the rank but not where it ran: say it, as perseusrun does.
+        from perseus_tf.runner.launcher import describe_status
+        where = env.get("PERSEUS_HOST_ADDR") or os.uname().nodename
+        print(f"perseus: rank {env.get('OMPI_COMM_WORLD_RANK', '?')} on {where} "
+              f"{describe_status(proc.returncode)}", file=sys.stderr, flush=True)
     return _status(proc.returncode)
 
 
