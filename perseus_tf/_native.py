@@ -31,27 +31,44 @@ DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32":
                "int16": 10}
 
 
-def init(**overrides):
-    """Starts this process's runtime from the environment (idempotent)."""
+def init(cluster=None, **overrides):
+    """Starts this process's runtime from the environment (idempotent).
+
+    Args:
+      cluster: a TF_CONFIG-shaped dict (config.cluster_from_resolver) that
+        places this process instead of the environment. If the runtime is
+        already running as another rank or size, this raises RuntimeError.
+      **overrides: options by Config field name; they win over PERSEUS_*.
+
+    Under a foreign launcher (no perseusrun) rank 0 serves the rendezvous
+    store: on the store address itself when it is loopback (one machine) or
+    assigned to this machine, else on PERSEUS_GLOO_NETWORK_INTERFACE's
+    address if set, else on every interface (0.0.0.0: a Kubernetes service
+    address, say, belongs to no pod); clients must hold the job's secret.
+    """
     global _store_server, _config_in_use, _topology
     with _lock:
         if _core.is_initialized():
+            if cluster is not None:
+                _check_same_world(cluster)
             return
         cfg = _config.load_config(overrides)
-        topo = _config.load_topology()
+        topo = _config.load_topology(cluster=cluster)
         if cfg.streams is None:
             cfg.streams = _config.auto_streams(topo.local_size)
         if topo.host_store and _store_server is None:
             from perseus_tf.runner.store import StoreServer
-            server = StoreServer("0.0.0.0", topo.store_port, topo.secret)
+            bind = _config.store_bind_address(topo, cfg.gloo_iface)
+            server = StoreServer(host=bind, port=topo.store_port, secret=topo.secret)
             try:
                 server.start()
             except OSError as e:
                 raise RuntimeError(
                     f"Perseus rank {topo.rank}: cannot serve the rendezvous store on port "
-                    f"{topo.store_port} ({e.strerror}): is another process of this job also "
-                    f"rank 0 (PERSEUS_RANK / RANK set twice?), or another job using the port? "
-                    f"Set PERSEUS_MASTER_PORT to a free port (the same on every rank).") from e
+                    f"{topo.store_port} of {bind} ({e.strerror}): is another process of this "
+                    f"job also rank 0 (PERSEUS_RANK / RANK set twice?), or another job using "
+                    f"the port? Set PERSEUS_MASTER_PORT to a free port (the same on every "
+                    f"rank).") from e
             _store_server = server
         _core.init(dict(
             settings=shared_settings(cfg, topo),
@@ -77,6 +94,20 @@ def init(**overrides):
             downsample_n=cfg.downsample_n_elements, gradient_momentum=cfg.gradient_momentum))
         _config_in_use, _topology = cfg, topo
         _watch_launcher()
+
+
+def _check_same_world(cluster):
+    """A cluster given after the runtime started must place this process
+    where it already is."""
+    wanted = _config.find_contract(cluster=cluster)
+    running = _core.topology()
+    if (wanted.rank, wanted.size) != (running["rank"], running["size"]):
+        source = _topology.source if _topology is not None else "the environment"
+        raise RuntimeError(
+            f"Perseus already runs as rank {running['rank']} of {running['size']} (from "
+            f"{source}), but the cluster resolver makes this process rank {wanted.rank} of "
+            f"{wanted.size}: pass the resolver to the first PerseusStrategy (or "
+            f"perseus_tf.init) of the process, or make it agree with the environment")
 
 
 _LAUNCHER_GONE_GRACE_S = 5.0

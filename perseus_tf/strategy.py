@@ -242,11 +242,23 @@ def _cluster_resolver():
 
 
 class PerseusStrategy(tf.distribute.MirroredStrategy):
-    """Data parallelism across perseusrun's processes, one replica per process.
+    """Data parallelism across processes, one replica per process.
+
+    The processes are started by perseusrun, mpirun, Slurm's srun, torchrun
+    (or anything that sets its variables) or a TF_CONFIG scheduler; see
+    perseus_tf.config for how each finds its rank.
 
     Args:
       devices: local devices this process drives (default: its CPU).
       cross_device_ops: defaults to PerseusCrossDeviceOps().
+      cluster_resolver: a tf.distribute.cluster_resolver ClusterResolver
+        (TFConfigClusterResolver, SlurmClusterResolver, SimpleClusterResolver),
+        as MultiWorkerMirroredStrategy takes: the process's rank and the world
+        come from its cluster_spec(), task_type and task_id (the chief first,
+        then the workers), instead of the environment; rank 0 serves the
+        rendezvous store at the first address (see perseus_tf.config). It is
+        then `strategy.cluster_resolver`. The runtime must not already run
+        as another rank.
       **options: runtime options by field name (see perseus_tf.config.Config,
         e.g. streams=2, timeout_seconds=30); they override PERSEUS_* variables
         and take effect when this is the first thing to start the runtime.
@@ -255,12 +267,15 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
 
     _collective_key_base = 0
 
-    def __init__(self, devices=None, cross_device_ops=None, **options):
+    def __init__(self, devices=None, cross_device_ops=None, cluster_resolver=None,
+                 **options):
         # Read once: rejects unknown or invalid options even when the runtime
         # is already running, and gives this instance's accumulation setting
         # (the environment's, or the accumulate_n_steps option).
         cfg = config.load_config(options)
-        _native.init(**options)
+        cluster = None if cluster_resolver is None else \
+            config.cluster_from_resolver(cluster_resolver)
+        _native.init(cluster=cluster, **options)
         extended = PerseusExtended(self, devices=devices, cross_device_ops=cross_device_ops)
         tf.distribute.Strategy.__init__(self, extended)
         self._accumulate_n_steps = cfg.accumulate_n_steps
@@ -269,7 +284,10 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
                 f"accumulate_n_steps={self._accumulate_n_steps} (PERSEUS_ACCUMULATE_N_STEPS) "
                 f"needs one device per process; this strategy drives {len(extended._devices)} "
                 "(use devices=None, or accumulate_n_steps=1)")
+        # The host allgather runs on every rank alike, resolver or not.
         extended._cluster_resolver = _cluster_resolver()
+        if cluster_resolver is not None:
+            extended._cluster_resolver = cluster_resolver
         _keras_mixed.install()
         _gradients.install()
         _install_batch_norm_statistics()

@@ -121,15 +121,19 @@ def test_ssh_output_prefixed_and_secret_not_on_any_command_line(hosts):
     assert any(line.startswith("[0] SECRET") for line in lines), proc.stdout
 
 
-def test_unreachable_host_and_wrong_key_fail_within_start_timeout(hosts):
+MODES = {"ssh": [], "mpi": ["--mpi"]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unreachable_host_and_wrong_key_fail_within_start_timeout(hosts, mode):
     a, b = hosts.addrs
     nobody = a.rsplit(".", 1)[0] + ".200"  # on the subnet, no host answers
     start = time.monotonic()
-    proc = hosts.exec(0, *PERSEUSRUN, "-np", "3", "-H", f"{a}:1,{b}:1,{nobody}:1",
+    proc = hosts.exec(0, *PERSEUSRUN, *MODES[mode], "-np", "3", "-H", f"{a}:1,{b}:1,{nobody}:1",
                       "-i", hosts.other_key, "--start-timeout", "4", "--", "true",
                       check=False, env=_env(hosts), cwd=ROOT, timeout=60)
     took = time.monotonic() - start
-    print(f"unreachable host + wrong key reported in {took:.1f} s (--start-timeout 4)")
+    print(f"{mode}: unreachable host + wrong key reported in {took:.1f} s (--start-timeout 4)")
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr
     # Both bad hosts in one error, each with ssh's own words.
@@ -141,7 +145,8 @@ def test_unreachable_host_and_wrong_key_fail_within_start_timeout(hosts):
     _no_process_left(hosts, 5)
 
 
-def test_killed_remote_rank_ends_the_job_naming_rank_and_host(hosts, tmp_path):
+@pytest.mark.parametrize("mode", MODES)
+def test_killed_remote_rank_ends_the_job_naming_rank_and_host(hosts, mode):
     a, b = hosts.addrs
     script = ("import os,time,signal\n"
               "import perseus_tf as ptf, tensorflow as tf\n"
@@ -151,25 +156,31 @@ def test_killed_remote_rank_ends_the_job_naming_rank_and_host(hosts, tmp_path):
               "while True:\n"
               "    ptf.allreduce(tf.ones([4]), name='loop')\n")
     start = time.monotonic()
-    proc = hosts.exec(0, *PERSEUSRUN, "-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
-                      "--grace-seconds", "20", "--", sys.executable, "-c", script,
+    proc = hosts.exec(0, *PERSEUSRUN, *MODES[mode], "-np", "4", "-H", f"{a}:2,{b}:2",
+                      "-i", hosts.key, "--grace-seconds", "20", "--", sys.executable, "-c", script,
                       check=False, env=_env(hosts, {"GLOO_TIMEOUT_SECONDS": "10"}),
                       cwd=ROOT, timeout=120)
     took = time.monotonic() - start
-    print(f"remote rank SIGKILLed: job over in {took:.1f} s")
-    err = proc.stderr
-    assert proc.returncode == 137, err[-3000:]
-    assert f"rank 3 on {b}" in err and "killed by signal SIGKILL" in err, err[-3000:]
+    print(f"{mode}: remote rank SIGKILLed: job over in {took:.1f} s")
+    err = proc.stderr + proc.stdout
+    assert proc.returncode != 0, err[-3000:]
+    if mode == "ssh":
+        assert proc.returncode == 137, err[-3000:]
+        assert f"rank 3 on {b}" in err and "killed by signal SIGKILL" in err, err[-3000:]
+    else:  # remote.py names rank and host beside mpirun's own report
+        assert f"rank 3 on {b} killed by signal SIGKILL" in err, err[-3000:]
+        assert "mpirun" in err and "exited with status 137" not in err, err[-3000:]
     # The other ranks name the dead rank too (the runtime's failure report).
     assert "rank 3" in err, err[-3000:]
     _no_process_left(hosts, 15)
 
 
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "SIGINT"])
-def test_killed_perseusrun_leaves_no_rank_on_any_host(hosts, how):
+@pytest.mark.parametrize("mode,how", [("ssh", "SIGKILL"), ("ssh", "SIGTERM"), ("ssh", "SIGINT"),
+                                      ("mpi", "SIGKILL"), ("mpi", "SIGTERM")])
+def test_killed_perseusrun_leaves_no_rank_on_any_host(hosts, mode, how):
     a, b = hosts.addrs
     script = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
-    launcher = hosts.popen(0, PERSEUSRUN + ["-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
+    launcher = hosts.popen(0, PERSEUSRUN + MODES[mode] + ["-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
                                             "--", sys.executable, "-c", script],
                            env=_env(hosts), cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -186,7 +197,100 @@ def test_killed_perseusrun_leaves_no_rank_on_any_host(hosts, how):
         os.kill(launcher.pid, getattr(signal, how))
         launcher.wait(15)
         gone_at = _no_process_left(hosts, 15)
-        print(f"perseusrun {how}: no process on any host after {gone_at - killed_at:.1f} s")
+        print(f"{mode}: perseusrun {how}: no process on any host after "
+              f"{gone_at - killed_at:.1f} s")
     finally:
         launcher.kill()
         launcher.communicate()
+
+
+# ---------------------------------------------------------------------------
+# The same checks under other launchers: perseusrun --mpi, a plain mpirun,
+# and processes started by hand with what Kubernetes operators set.
+
+def _run_checks_cmd(out):
+    return [sys.executable, os.path.join(WORKERS, "run_checks.py"), "checks_multihost", out]
+
+
+def _by_hand(hosts, envs, out, timeout=300):
+    """Starts one process per rank, rank r on host r // 2, with envs[r]."""
+    procs = []
+    try:
+        for rank, extra in enumerate(envs):
+            procs.append(hosts.popen(rank // 2, _run_checks_cmd(out), env=_env(hosts, extra),
+                                     cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + timeout
+        texts = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [p.returncode for p in procs], "\n".join(f"--- rank {r} ---\n{t[-2000:]}"
+                                                   for r, t in enumerate(texts))
+
+
+def _contract_envs(hosts, kind, port):
+    a, b = hosts.addrs
+    common = {"EXPECT_SUBNET": hosts.subnet, "PERSEUS_RENDEZVOUS_SECRET": "multihost-test-secret"}
+    envs = []
+    for rank in range(4):
+        env = dict(common)
+        if kind == "tf_config":
+            addrs = [f"{a}:{port}", f"{a}:{port + 1}", f"{b}:{port + 2}", f"{b}:{port + 3}"]
+            cluster = {"chief": addrs[:1], "worker": addrs[1:]}
+            task = {"type": "chief", "index": 0} if rank == 0 else \
+                {"type": "worker", "index": rank - 1}
+            env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
+        else:  # torchrun-style, as a Kubeflow PyTorchJob sets them
+            env.update({"RANK": rank, "WORLD_SIZE": 4, "LOCAL_RANK": rank % 2,
+                        "LOCAL_WORLD_SIZE": 2, "MASTER_ADDR": a, "MASTER_PORT": port})
+        env["EXPECT_SOURCE"] = kind
+        envs.append(env)
+    return envs
+
+
+@pytest.mark.parametrize("kind", ["tf_config", "torchrun"])
+def test_kubernetes_contracts_by_hand(hosts, tmp_path, kind):
+    port = 21000 + os.getpid() % 1000
+    start = time.monotonic()
+    codes, text = _by_hand(hosts, _contract_envs(hosts, kind, port), str(tmp_path))
+    print(f"{kind} by hand, 2 hosts x 2 ranks: {time.monotonic() - start:.1f} s")
+    _assert_checks(_results(str(tmp_path), 4), text)
+    assert codes == [0] * 4, text
+
+
+def test_perseusrun_mpi_two_hosts(hosts, tmp_path):
+    a, b = hosts.addrs
+    # --network-interface: Gloo, the store and Open MPI all use eth0.
+    cmd = PERSEUSRUN + ["--mpi", "-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
+                        "--network-interface", "eth0", "--verbose",
+                        "-x", "EXPECT_SOURCE=mpirun", "-x", f"EXPECT_SUBNET={hosts.subnet}",
+                        "--"] + _run_checks_cmd(str(tmp_path))
+    start = time.monotonic()
+    proc = hosts.exec(0, *cmd, check=False, env=_env(hosts), cwd=ROOT, timeout=300)
+    print(f"perseusrun --mpi, 2 hosts x 2 ranks: {time.monotonic() - start:.1f} s")
+    _assert_checks(_results(str(tmp_path), 4), proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[3] " in proc.stdout + proc.stderr  # remote.py prefixes mpirun's ranks
+    assert f"rendezvous store on {a} port" in proc.stderr, proc.stderr[-3000:]
+    assert "-mca btl_tcp_if_include eth0" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_plain_mpirun_two_hosts(hosts, tmp_path):
+    a, b = hosts.addrs
+    env = _env(hosts, {"EXPECT_SOURCE": "mpirun", "EXPECT_SUBNET": hosts.subnet,
+                       "PERSEUS_RENDEZVOUS_SECRET": "multihost-test-secret"})
+    cmd = ["mpirun", "--allow-run-as-root", "-np", "4", "-H", f"{a}:2,{b}:2",
+           "-mca", "plm_rsh_args", f"-i {hosts.key}", "-x", f"PERSEUS_MASTER_ADDR={a}",
+           "-x", "PERSEUS_RENDEZVOUS_SECRET", "-x", "PYTHONPATH", "-x", "EXPECT_SOURCE",
+           "-x", "EXPECT_SUBNET"]
+    for name in JOB_ENV:
+        cmd += ["-x", name]
+    start = time.monotonic()
+    proc = hosts.exec(0, *cmd, *_run_checks_cmd(str(tmp_path)), check=False, env=env,
+                      cwd=ROOT, timeout=300)
+    print(f"plain mpirun, 2 hosts x 2 ranks: {time.monotonic() - start:.1f} s")
+    _assert_checks(_results(str(tmp_path), 4), proc.stdout + proc.stderr)
+    assert proc.returncode == 0, proc.stderr[-3000:]
