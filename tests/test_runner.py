@@ -5,6 +5,8 @@ tests check only the launcher's contract: environment, output, failures and
 signals, and the store's wire protocol.
 """
 
+import hashlib
+import hmac
 import json
 import os
 import queue
@@ -473,12 +475,6 @@ def store():
     server.stop()
 
 
-def connect_raw(port, secret=SECRET):
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    sock.sendall(struct.pack("<I", len(secret)) + secret)
-    return sock
-
-
 def recv_exact(sock, n):
     data = b""
     while len(data) < n:
@@ -488,10 +484,28 @@ def recv_exact(sock, n):
     return data
 
 
+def mac(secret, *parts):
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def connect_raw(port, secret=SECRET, client_nonce=b"c" * 32):
+    """Connects and answers the store's challenge byte by byte, as the C++
+    client does; returns the socket and the server's nonce. The verdict is
+    left for the caller to read."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    hello = recv_exact(sock, 8 + 32)
+    assert hello[:8] == b"PERSEUS\x02"
+    server_nonce = hello[8:]
+    sock.sendall(client_nonce
+                 + mac(secret, b"perseus-store client proof", server_nonce, client_nonce))
+    return sock, server_nonce
+
+
 def test_store_rejects_wrong_secret(store):
     with pytest.raises(PermissionError):
         StoreClient("127.0.0.1", store.port, b"x" * 32)
-    with connect_raw(store.port, b"wrong") as sock:
+    sock, _ = connect_raw(store.port, b"wrong")
+    with sock:
         assert sock.recv(1) == b"\x00"
         assert sock.recv(1) == b""  # closed after the rejection
 
@@ -499,14 +513,18 @@ def test_store_rejects_wrong_secret(store):
 def test_store_drops_silent_client(store):
     with socket.create_connection(("127.0.0.1", store.port), timeout=10) as sock:
         start = time.monotonic()
+        assert len(recv_exact(sock, 8 + 32)) == 40  # the challenge, then nothing
         assert sock.recv(1) == b""
         assert time.monotonic() - start < 5
 
 
 def test_store_wire_format(store):
     # The exact bytes the C++ client sends and receives.
-    with connect_raw(store.port) as sock:
-        assert sock.recv(1) == b"\x01"
+    client_nonce = bytes(range(32))
+    sock, server_nonce = connect_raw(store.port, client_nonce=client_nonce)
+    with sock:
+        assert recv_exact(sock, 1 + 32) == b"\x01" + mac(
+            SECRET, b"perseus-store server proof", client_nonce, server_nonce)
         sock.sendall(b"\x01" + struct.pack("<I", 1) + b"k"
                      + struct.pack("<Q", 3) + b"abc")
         assert recv_exact(sock, 1) == b"\x00"

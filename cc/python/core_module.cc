@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "cc/runtime/common.h"
+#include "cc/runtime/hmac_sha256.h"
 #include "cc/runtime/reduce.h"
 #include "cc/runtime/runtime.h"
 
@@ -450,6 +451,11 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   m.def("f16c_available", &CpuHasF16C);
+  // The store handshake's MAC, exposed so tests can check it against hmac.
+  m.def("hmac_sha256", [](py::bytes key, py::bytes data) {
+    const Sha256Digest mac = HmacSha256(std::string(key), std::string(data));
+    return py::bytes(reinterpret_cast<const char*>(mac.data()), mac.size());
+  }, py::arg("key"), py::arg("data"));
 
   py::class_<Handle>(m, "Handle")
       .def("wait", &Handle::Wait)

@@ -6,20 +6,94 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <fcntl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <thread>
+
+#include "cc/runtime/hmac_sha256.h"
 
 namespace perseus {
 namespace {
 
 enum Command : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kOwn = 4 };
 
+// The handshake (store.py's module docstring describes it in full).
+constexpr char kHelloMagic[7] = {'P', 'E', 'R', 'S', 'E', 'U', 'S'};
+constexpr uint8_t kProtocolVersion = 2;
+constexpr size_t kHelloBytes = sizeof(kHelloMagic) + 1;
+constexpr size_t kNonceBytes = 32;
+constexpr char kClientProofLabel[] = "perseus-store client proof";
+constexpr char kServerProofLabel[] = "perseus-store server proof";
+// How long connecting may keep failing before the constructor gives up.
+constexpr auto kConnectWindow = std::chrono::seconds(30);
+// A store answers each handshake step at once; this only bounds a server
+// that accepted and then went silent (the store itself drops a client that
+// has not finished within its own 10 s).
+constexpr auto kHandshakeTimeout = std::chrono::milliseconds(10000);
+
+// Reads or writes all n bytes; false on error, timeout or end of stream.
+bool SendFully(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool RecvFully(int fd, void* data, size_t n) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    ssize_t k = ::read(fd, p, n);  // a socket, or /dev/urandom
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) return false;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+// Nonces: from getrandom(2), or /dev/urandom where the kernel lacks it.
+void RandomBytes(uint8_t* out, size_t n) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t k = ::getrandom(out + got, n - got, 0);
+    if (k < 0 && errno == EINTR) continue;
+    if (k <= 0) break;
+    got += static_cast<size_t>(k);
+  }
+  if (got == n) return;
+  int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  const bool ok = fd >= 0 && RecvFully(fd, out, n);
+  if (fd >= 0) ::close(fd);
+  if (!ok) throw std::runtime_error("cannot read random bytes for the rendezvous handshake");
+}
+
+Sha256Digest Proof(const std::string& secret, const char* label, const uint8_t* first_nonce,
+                   const uint8_t* second_nonce) {
+  std::string message(label);
+  message.append(reinterpret_cast<const char*>(first_nonce), kNonceBytes);
+  message.append(reinterpret_cast<const char*>(second_nonce), kNonceBytes);
+  return HmacSha256(secret, message);
+}
+
 void AppendKey(std::vector<char>* buf, const std::string& key) {
+  if (key.size() > kStoreMaxKeyBytes) {
+    throw std::runtime_error("rendezvous key of " + std::to_string(key.size()) +
+                             " bytes is over the store's limit of " +
+                             std::to_string(kStoreMaxKeyBytes));
+  }
   uint32_t n = static_cast<uint32_t>(key.size());
   const char* p = reinterpret_cast<const char*>(&n);
   buf->insert(buf->end(), p, p + 4);
@@ -41,18 +115,22 @@ StoreClient::StoreClient(const std::string& host, int port,
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+  addrinfo* found = nullptr;
+  int rc = getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
   if (rc != 0) {
     throw std::runtime_error("cannot resolve rendezvous address " + where_ + ": " +
                              gai_strerror(rc));
   }
-  // The launcher may still be starting its server: retry for a while.
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  std::unique_ptr<addrinfo, void (*)(addrinfo*)> res(found, freeaddrinfo);
+  // The launcher may still be starting its server, or the store may be
+  // closing new connections while a flood of strangers fills its quota of
+  // unauthenticated ones: try again, backing off, for a while.
+  const auto deadline = std::chrono::steady_clock::now() + kConnectWindow;
+  auto backoff = std::chrono::milliseconds(50);
   std::string last_error;
-  while (fd_ < 0) {
-    for (addrinfo* ai = res; ai && fd_ < 0; ai = ai->ai_next) {
-      int fd = ::socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+  for (;;) {
+    for (addrinfo* ai = res.get(); ai && fd_ < 0; ai = ai->ai_next) {
+      int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
       if (fd < 0) continue;
       if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
         fd_ = fd;
@@ -61,28 +139,80 @@ StoreClient::StoreClient(const std::string& host, int port,
         ::close(fd);
       }
     }
-    if (fd_ >= 0 || std::chrono::steady_clock::now() > deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (fd_ >= 0) {
+      int one = 1;
+      setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      bool done = false;
+      try {
+        done = Authenticate(secret, &last_error);
+      } catch (...) {
+        ::close(fd_);
+        fd_ = -1;
+        throw;
+      }
+      if (done) return;
+      ::close(fd_);
+      fd_ = -1;
+    }
+    if (std::chrono::steady_clock::now() > deadline) break;
+    // Jitter spreads out the retries of many ranks turned away together.
+    uint8_t jitter = 0;
+    RandomBytes(&jitter, 1);
+    std::this_thread::sleep_for(backoff / 2 + backoff * jitter / 512);
+    backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
   }
-  freeaddrinfo(res);
-  if (fd_ < 0) {
-    throw std::runtime_error("cannot connect to the rendezvous store at " + where_ +
-                             " (" + last_error +
-                             "); is perseusrun running, and are "
-                             "PERSEUS_RENDEZVOUS_ADDR/PORT right?");
+  throw std::runtime_error("cannot connect to the rendezvous store at " + where_ + " (" +
+                           last_error +
+                           "); is perseusrun running, and are "
+                           "PERSEUS_RENDEZVOUS_ADDR/PORT right?");
+}
+
+bool StoreClient::Authenticate(const std::string& secret, std::string* why_not) {
+  SetIoTimeout(kHandshakeTimeout);
+  uint8_t hello[kHelloBytes + kNonceBytes];
+  if (!RecvFully(fd_, hello, sizeof(hello))) {
+    *why_not = "the store closed the connection before the handshake; busy?";
+    return false;
   }
-  int one = 1;
-  setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  std::vector<char> hello;
-  AppendKey(&hello, secret);
-  SendAll(hello.data(), hello.size());
-  uint8_t ok = 0;
-  RecvAll(&ok, 1);
-  if (ok != 1) {
+  if (std::memcmp(hello, kHelloMagic, sizeof(kHelloMagic)) != 0 ||
+      hello[kHelloBytes - 1] != kProtocolVersion) {
+    throw std::runtime_error(
+        "the server at " + where_ + " does not speak version " +
+        std::to_string(kProtocolVersion) +
+        " of the Perseus rendezvous protocol: is PERSEUS_RENDEZVOUS_PORT right, and do "
+        "perseusrun and every rank run the same Perseus-TF version?");
+  }
+  const uint8_t* server_nonce = hello + kHelloBytes;
+  uint8_t answer[kNonceBytes + kSha256Bytes];
+  uint8_t* client_nonce = answer;
+  RandomBytes(client_nonce, kNonceBytes);
+  const Sha256Digest proof = Proof(secret, kClientProofLabel, server_nonce, client_nonce);
+  std::memcpy(answer + kNonceBytes, proof.data(), proof.size());
+  uint8_t verdict = 0;
+  if (!SendFully(fd_, answer, sizeof(answer)) || !RecvFully(fd_, &verdict, 1)) {
+    *why_not = "the store closed the connection during the handshake; busy?";
+    return false;
+  }
+  if (verdict != 1) {
     throw std::runtime_error("the rendezvous store at " + where_ +
                              " rejected this process: PERSEUS_RENDEZVOUS_SECRET "
                              "does not match the job's secret");
   }
+  Sha256Digest server_proof;
+  if (!RecvFully(fd_, server_proof.data(), server_proof.size())) {
+    *why_not = "the store closed the connection during the handshake; busy?";
+    return false;
+  }
+  const Sha256Digest expected = Proof(secret, kServerProofLabel, client_nonce, server_nonce);
+  if (!ConstantTimeEqual(server_proof.data(), expected.data(), expected.size())) {
+    throw std::runtime_error("the server at " + where_ +
+                             " is not this job's rendezvous store: it accepted this process "
+                             "without proving that it knows the job's secret (are "
+                             "PERSEUS_RENDEZVOUS_ADDR/PORT right?)");
+  }
+  // Requests may wait on a GET for as long as the caller asks.
+  SetIoTimeout(std::chrono::milliseconds(0));
+  return true;
 }
 
 StoreClient::~StoreClient() {
@@ -90,15 +220,8 @@ StoreClient::~StoreClient() {
 }
 
 void StoreClient::SendAll(const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t k = ::send(fd_, p, n, MSG_NOSIGNAL);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
-    }
-    p += k;
-    n -= static_cast<size_t>(k);
+  if (!SendFully(fd_, data, n)) {
+    throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
   }
 }
 
@@ -111,19 +234,17 @@ void StoreClient::SetIoTimeout(std::chrono::milliseconds timeout) {
 }
 
 void StoreClient::RecvAll(void* data, size_t n) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    ssize_t k = ::recv(fd_, p, n, 0);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) {
-      throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
-    }
-    p += k;
-    n -= static_cast<size_t>(k);
+  if (!RecvFully(fd_, data, n)) {
+    throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
   }
 }
 
 void StoreClient::set(const std::string& key, const std::vector<char>& data) {
+  if (data.size() > kStoreMaxValueBytes) {
+    throw std::runtime_error("rendezvous value of " + std::to_string(data.size()) +
+                             " bytes for key '" + key + "' is over the store's limit of " +
+                             std::to_string(kStoreMaxValueBytes));
+  }
   std::vector<char> msg{static_cast<char>(kSet)};
   AppendKey(&msg, key);
   AppendPod<uint64_t>(&msg, data.size());

@@ -2,13 +2,21 @@
 // launcher) hosts. Gloo exchanges connection addresses through it, and the
 // runtime uses it to find out which rank failed.
 //
-// Wire protocol (little-endian), implemented in perseus_tf/runner/store.py:
-//   connect: u32 len + secret  -> u8 1 accepted / 0 rejected
+// Wire protocol (little-endian), implemented in perseus_tf/runner/store.py,
+// whose docstring is the reference:
+//   handshake (the secret never crosses the network):
+//     server: "PERSEUS" u8 version(2), 32-byte server nonce
+//     client: 32-byte client nonce,
+//             HMAC-SHA256(secret, "perseus-store client proof" + snonce + cnonce)
+//     server: u8 1, HMAC-SHA256(secret, "perseus-store server proof" + cnonce + snonce)
+//             | u8 0 and close (wrong secret)
 //   SET=1 u32 klen key u64 vlen value        -> u8 0
 //   GET=2 u32 klen key u32 timeout_ms        -> u8 0 u64 vlen value | u8 1 (timeout)
 //   ADD=3 u32 klen key i64 delta             -> i64 new value
 //   OWN=4 u32 llen label                     -> u8 0; when this connection
 //         closes, the server sets "__closed__/<label>" (how a dead rank shows)
+//   Keys (and labels) over kStoreMaxKeyBytes and values over
+//   kStoreMaxValueBytes make the server close the connection.
 #pragma once
 
 #include <chrono>
@@ -21,10 +29,19 @@
 
 namespace perseus {
 
+// Limits the store enforces (MAX_KEY_LEN / MAX_VALUE_LEN in store.py); the
+// runtime's largest value, a rank's Gloo address list, is about 140 bytes
+// per rank of the job.
+constexpr size_t kStoreMaxKeyBytes = 64 << 10;
+constexpr size_t kStoreMaxValueBytes = 256 << 20;
+
 class StoreClient : public gloo::rendezvous::Store {
  public:
-  // Connects and authenticates; throws std::runtime_error with a message
-  // naming the address on failure.
+  // Connects and authenticates, trying again for up to 30 s while the
+  // connection is refused or closed before the store's verdict (the store is
+  // not up yet, or is shedding a flood of unauthenticated connections).
+  // Throws std::runtime_error with a message naming the address on failure,
+  // at once when the store rejects the secret or fails to prove it knows it.
   StoreClient(const std::string& host, int port, const std::string& secret,
               std::chrono::milliseconds wait_timeout);
   ~StoreClient() override;
@@ -45,6 +62,9 @@ class StoreClient : public gloo::rendezvous::Store {
   void Own(const std::string& label);
 
  private:
+  // One handshake on fd_; false when the connection broke or stalled before
+  // the verdict (worth another try), throws when trying again cannot help.
+  bool Authenticate(const std::string& secret, std::string* why_not);
   void SendAll(const void* data, size_t n);
   void RecvAll(void* data, size_t n);
 

@@ -4,15 +4,34 @@
 it (address, port and secret come from the ``PERSEUS_RENDEZVOUS_*``
 environment variables), publishes what its peers need to reach it and waits
 for theirs. :class:`StoreClient` is the Python side of the same protocol, used
-by tests and by Python code.
+by tests and by Python code; cc/runtime/store_client.cc is the C++ side.
+
+The store may listen on an address other machines reach, so it assumes that
+strangers connect to it: the job's secret never crosses the network, and
+nothing a peer sends before it has proven that it knows the secret can make
+the store hold more than a fixed amount of memory, threads or time.
 
 Wire protocol (TCP, every integer little-endian):
 
-Handshake
-    The client sends ``u32 len`` and ``len`` secret bytes. The server answers
-    one byte: 1 accepted, 0 rejected (and then closes). A client that has not
-    sent its secret within the handshake timeout (10 s) is dropped. Nothing
-    else is served before a correct secret.
+Handshake (challenge-response; HMAC is HMAC-SHA256 keyed with the secret)
+    1. The server sends ``b"PERSEUS"``, ``u8 version`` (2) and a fresh
+       32-byte random nonce ``SN``.
+    2. The client answers with its own 32-byte random nonce ``CN`` and
+       ``HMAC(b"perseus-store client proof" + SN + CN)`` (32 bytes).
+    3. The server compares that with ``hmac.compare_digest``. If it matches,
+       it answers ``u8 1`` and ``HMAC(b"perseus-store server proof" + CN +
+       SN)``, which the client checks: it then knows it reached this job's
+       store and not an impostor. Otherwise it answers ``u8 0`` and closes.
+    A recorded client answer is worthless on a new connection, whose ``SN``
+    differs; the two labels keep either side's proof from serving as the
+    other's. The whole handshake must end within the handshake timeout
+    (10 s), counted from when the server takes the connection up, not per
+    read: a client that trickles bytes is dropped on time. At most 128
+    connections may be in the handshake at once; the server closes further
+    ones at once, without starting a thread, and clients try again (within
+    their connect window) when a connection closes before the verdict, but
+    not after a rejection. Nothing else is served before a successful
+    handshake.
 
 Requests (any number, one at a time), each starting with ``u8 cmd``
     SET=1  ``u32 keylen, key, u64 vallen, value`` -> ``u8 0``.
@@ -27,15 +46,22 @@ Requests (any number, one at a time), each starting with ``u8 cmd``
            by ``label`` (a rank). When it closes, for whatever reason, the
            server sets ``__closed__/<label>``: that is how the surviving
            ranks learn which rank died.
-    Any other command, an ADD on a key whose value is not 8 bytes, or an ADD
-    that overflows i64 makes the server close the connection.
+    Any other command, a key or label over 64 KiB, a value over 256 MiB, an
+    ADD on a key whose value is not 8 bytes, or an ADD that overflows i64
+    makes the server close the connection. (The runtime's largest value is
+    a rank's Gloo address list, about 140 bytes per rank of the job: 1.4 MB
+    at 10,000 ranks.)
 """
 
+import hashlib
 import hmac
+import os
+import random
 import socket
 import socketserver
 import struct
 import threading
+import time
 
 CMD_SET = 1
 CMD_GET = 2
@@ -46,10 +72,27 @@ CLOSED_PREFIX = b"__closed__/"
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
 
+PROTOCOL_VERSION = 2
+HELLO = b"PERSEUS" + bytes([PROTOCOL_VERSION])
+NONCE_LEN = 32
+MAC_LEN = 32
+CLIENT_PROOF_LABEL = b"perseus-store client proof"
+SERVER_PROOF_LABEL = b"perseus-store server proof"
+ACCEPTED = b"\x01"
+REJECTED = b"\x00"
+
+# For the whole handshake, from accepting the connection to the verdict.
 HANDSHAKE_TIMEOUT_S = 10.0
-# A peer that has not authenticated yet must not be able to make us allocate
-# gigabytes by announcing a huge secret; real secrets are 32 bytes.
-MAX_SECRET_LEN = 4096
+# Connections the kernel completes before we accept them. socketserver's
+# default of 5 makes a burst of ranks wait for SYN retransmissions (1 s, then
+# 3 s ...); the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 1024
+# Connections accepted but not yet authenticated, each with a thread: beyond
+# this, new connections are closed at once and their clients try again.
+MAX_PENDING_HANDSHAKES = 128
+# Limits on what authenticated peers send; larger frames close the connection.
+MAX_KEY_LEN = 64 << 10
+MAX_VALUE_LEN = 256 << 20
 
 _U32_MAX = 2**32 - 1
 _I64_MIN = -(2**63)
@@ -114,6 +157,35 @@ def _read_exact(rfile, n: int) -> bytes:
     return data
 
 
+def _proof(secret: bytes, label: bytes, first_nonce: bytes, second_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + first_nonce + second_nonce, hashlib.sha256).digest()
+
+
+def _time_left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handshake did not finish in time")
+    return left
+
+
+def _send_before(sock, data: bytes, deadline: float) -> None:
+    sock.settimeout(_time_left(deadline))
+    sock.sendall(data)
+
+
+def _recv_before(sock, n: int, deadline: float) -> bytes:
+    """Reads exactly n bytes, all of them before deadline (not per read)."""
+    chunks = []
+    while n:
+        sock.settimeout(_time_left(deadline))
+        chunk = sock.recv(n)
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
 class _Handler(socketserver.StreamRequestHandler):
     """Serves one client connection: handshake, then requests until it leaves."""
 
@@ -136,8 +208,12 @@ class _Handler(socketserver.StreamRequestHandler):
         # Nagle's algorithm hold them back.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.settimeout(self.server.handshake_timeout_s)
-            if not self._handshake():
+            try:
+                authenticated = self._handshake(
+                    time.monotonic() + self.server.handshake_timeout_s)
+            finally:
+                self.server.end_handshake(sock)
+            if not authenticated:
                 return
             # Ranks may keep an idle connection open for the whole job.
             sock.settimeout(None)
@@ -149,16 +225,27 @@ class _Handler(socketserver.StreamRequestHandler):
             # serving everyone else.
             pass
 
-    def _handshake(self) -> bool:
-        (length,) = struct.unpack("<I", _read_exact(self.rfile, 4))
-        secret = _read_exact(self.rfile, length) if length <= MAX_SECRET_LEN else b""
-        accepted = length <= MAX_SECRET_LEN and hmac.compare_digest(
-            secret, self.server.secret)
-        self.wfile.write(b"\x01" if accepted else b"\x00")
-        return accepted
+    def _handshake(self, deadline: float) -> bool:
+        # Reads the raw socket, not self.rfile: its buffer is not used yet,
+        # and a read must not wait past the deadline.
+        sock = self.connection
+        secret = self.server.secret
+        server_nonce = os.urandom(NONCE_LEN)
+        _send_before(sock, HELLO + server_nonce, deadline)
+        answer = _recv_before(sock, NONCE_LEN + MAC_LEN, deadline)
+        client_nonce, client_proof = answer[:NONCE_LEN], answer[NONCE_LEN:]
+        expected = _proof(secret, CLIENT_PROOF_LABEL, server_nonce, client_nonce)
+        if not hmac.compare_digest(client_proof, expected):
+            _send_before(sock, REJECTED, deadline)
+            return False
+        _send_before(sock, ACCEPTED + _proof(secret, SERVER_PROOF_LABEL, client_nonce,
+                                             server_nonce), deadline)
+        return True
 
     def _read_key(self) -> bytes:
         (keylen,) = struct.unpack("<I", _read_exact(self.rfile, 4))
+        if keylen > MAX_KEY_LEN:
+            raise _ProtocolError(f"key of {keylen} bytes")
         return _read_exact(self.rfile, keylen)
 
     def _serve_one(self) -> bool:
@@ -170,6 +257,8 @@ class _Handler(socketserver.StreamRequestHandler):
         if cmd[0] == CMD_SET:
             key = self._read_key()
             (vallen,) = struct.unpack("<Q", _read_exact(self.rfile, 8))
+            if vallen > MAX_VALUE_LEN:
+                raise _ProtocolError(f"value of {vallen} bytes")
             table.set(key, _read_exact(self.rfile, vallen))
             self.wfile.write(bytes([STATUS_OK]))
         elif cmd[0] == CMD_GET:
@@ -193,18 +282,51 @@ class _Handler(socketserver.StreamRequestHandler):
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
-    """Thread-per-connection server that remembers its open connections."""
+    """Thread-per-connection server that remembers its open connections and
+    bounds the ones still in the handshake."""
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address, secret: bytes, handshake_timeout_s: float):
+    def __init__(self, address, secret: bytes, handshake_timeout_s: float,
+                 max_pending_handshakes: int):
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
+        self.max_pending_handshakes = max_pending_handshakes
         self.table = _Table()
         self._connections = set()
+        self._in_handshake = set()
         self._connections_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request(self, request, client_address):
+        # Runs on the serving thread, before any thread of the connection's
+        # own: over the cap, closing costs no thread and no read.
+        with self._connections_lock:
+            admitted = len(self._in_handshake) < self.max_pending_handshakes
+            if admitted:
+                self._in_handshake.add(request)
+        if not admitted:
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.end_handshake(request)
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            # Whatever happened (even a failure before handle()), the
+            # connection no longer holds a handshake slot.
+            self.end_handshake(request)
+
+    def end_handshake(self, sock) -> None:
+        with self._connections_lock:
+            self._in_handshake.discard(sock)
 
     def track(self, sock, add: bool) -> None:
         with self._connections_lock:
@@ -227,19 +349,27 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 class StoreServer:
     """The rendezvous store that perseusrun serves to the ranks of a job.
 
-    ``start()`` binds and serves from a daemon thread; ``stop()`` closes the
-    listening socket and every client connection. The protocol is described
-    in this module's docstring.
+    ``start()`` binds ``host`` only and serves from a daemon thread;
+    ``stop()`` closes the listening socket and every client connection. The
+    protocol is described in this module's docstring.
+
+    Args:
+      host, port: the address to listen on (port 0: any free port).
+      secret: the job's secret; clients prove they know it.
+      handshake_timeout_s: total time a connection has to authenticate.
+      max_pending_handshakes: connections allowed in the handshake at once.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  secret: bytes = b"",
-                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES):
         if not secret:
             raise ValueError("StoreServer needs a non-empty secret")
         self._address = (host, port)
         self._secret = bytes(secret)
         self._handshake_timeout_s = handshake_timeout_s
+        self._max_pending_handshakes = max_pending_handshakes
         self._server = None
         self._thread = None
 
@@ -255,7 +385,8 @@ class StoreServer:
         if self._server is not None:
             raise RuntimeError("StoreServer is already started")
         self._server = _TCPServer(self._address, self._secret,
-                                  self._handshake_timeout_s)
+                                  self._handshake_timeout_s,
+                                  self._max_pending_handshakes)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
             name="perseus-store", daemon=True)
@@ -285,29 +416,78 @@ class StoreServer:
 class StoreClient:
     """A connection to a StoreServer, for Python code and tests.
 
-    Raises PermissionError when the server rejects the secret. The client may
-    be shared between threads; requests are sent one at a time.
+    Connecting tries again, for up to connect_timeout_s, while the store
+    refuses or closes the connection before its verdict (it is not up yet,
+    or it is shedding a flood). Raises PermissionError at once when the
+    store rejects the secret, or when the server does not speak the protocol
+    or fails to prove that it knows the secret (it is not this job's store),
+    and ConnectionError when connect_timeout_s runs out. The client may be
+    shared between threads; requests are sent one at a time.
     """
 
     def __init__(self, host: str, port: int, secret: bytes,
                  connect_timeout_s: float = 30.0):
         self._lock = threading.Lock()
-        self._sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        self._where = f"{host}:{port}"
+        secret = bytes(secret)
+        deadline = time.monotonic() + connect_timeout_s
+        backoff = 0.05
+        while True:
+            try:
+                self._sock = self._connect(host, port, secret, deadline)
+                return
+            except (ConnectionError, TimeoutError) as err:
+                # Refused, reset, or closed before the verdict: try again.
+                if time.monotonic() + backoff / 2 > deadline:
+                    raise ConnectionError(
+                        f"cannot connect to the rendezvous store at {self._where} "
+                        f"({err})") from err
+            time.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, 1.0)
+
+    def _connect(self, host, port, secret, deadline) -> socket.socket:
+        sock = socket.create_connection(
+            (host, port), timeout=max(deadline - time.monotonic(), 0.001))
         try:
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock.sendall(struct.pack("<I", len(secret)) + bytes(secret))
-            if self._recv_exact(1) != b"\x01":
-                raise PermissionError("the rendezvous store rejected the secret")
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # A store answers each step at once; this bounds a silent server.
+            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            hello = _recv_exact_from(sock, len(HELLO) + NONCE_LEN)
+            if hello[:len(HELLO)] != HELLO:
+                raise PermissionError(
+                    f"the server at {self._where} does not speak version "
+                    f"{PROTOCOL_VERSION} of the Perseus rendezvous protocol: is the "
+                    "port right, and do perseusrun and every rank run the same "
+                    "Perseus-TF version?")
+            server_nonce = hello[len(HELLO):]
+            client_nonce = os.urandom(NONCE_LEN)
+            sock.sendall(client_nonce + _proof(secret, CLIENT_PROOF_LABEL,
+                                               server_nonce, client_nonce))
+            if _recv_exact_from(sock, 1) != ACCEPTED:
+                raise PermissionError(
+                    f"the rendezvous store at {self._where} rejected this process: "
+                    "PERSEUS_RENDEZVOUS_SECRET (the secret given) does not match "
+                    "the job's secret")
+            expected = _proof(secret, SERVER_PROOF_LABEL, client_nonce, server_nonce)
+            if not hmac.compare_digest(_recv_exact_from(sock, MAC_LEN), expected):
+                raise PermissionError(
+                    f"the server at {self._where} is not this job's rendezvous "
+                    "store: it did not prove that it knows the job's secret (are "
+                    "PERSEUS_RENDEZVOUS_ADDR/PORT right?)")
             # A GET may legitimately wait for a long time; the server answers
             # every request, or closes the connection when it goes away.
-            self._sock.settimeout(None)
+            sock.settimeout(None)
+            return sock
         except BaseException:
-            self._sock.close()
+            sock.close()
             raise
 
     def set(self, key: str, value: bytes) -> None:
         """Stores value under key, replacing any previous value."""
         value = bytes(value)
+        if len(value) > MAX_VALUE_LEN:
+            raise ValueError(f"a value of {len(value)} bytes is over the store's "
+                             f"limit of {MAX_VALUE_LEN}")
         request = (bytes([CMD_SET]) + self._encode_key(key)
                    + struct.pack("<Q", len(value)) + value)
         with self._lock:
@@ -350,14 +530,21 @@ class StoreClient:
     @staticmethod
     def _encode_key(key: str) -> bytes:
         raw = key.encode("utf-8")
+        if len(raw) > MAX_KEY_LEN:
+            raise ValueError(f"a key of {len(raw)} bytes is over the store's "
+                             f"limit of {MAX_KEY_LEN}")
         return struct.pack("<I", len(raw)) + raw
 
     def _recv_exact(self, n: int) -> bytes:
-        chunks = []
-        while n:
-            chunk = self._sock.recv(min(n, 1 << 20))
-            if not chunk:
-                raise ConnectionError("the rendezvous store closed the connection")
-            chunks.append(chunk)
-            n -= len(chunk)
-        return b"".join(chunks)
+        return _recv_exact_from(self._sock, n)
+
+
+def _recv_exact_from(sock, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the rendezvous store closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
