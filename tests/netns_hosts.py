@@ -26,6 +26,7 @@ import tempfile
 import time
 
 SSHD = "/usr/sbin/sshd"
+ALT_SSH_PORT = 2222  # every sshd also listens here, for perseusrun -p
 
 
 def _run(*cmd, check=True, **kw):
@@ -88,7 +89,7 @@ class NetnsHosts:
             _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", host_key)
             config = os.path.join(self.dir, f"sshd_config{i}")
             with open(config, "w") as f:
-                f.write(f"Port 22\nListenAddress {addr}\nHostKey {host_key}\n"
+                f.write(f"Port 22\nPort {ALT_SSH_PORT}\nListenAddress {addr}\nHostKey {host_key}\n"
                         f"PidFile {self.dir}/sshd{i}.pid\n"
                         f"AuthorizedKeysFile {self.dir}/authorized_keys\n"
                         "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"

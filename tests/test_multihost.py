@@ -16,7 +16,7 @@ import time
 import pytest
 
 from harness import ROOT, WORKERS, check_names, rank_env
-from netns_hosts import NetnsHosts, missing_requirements
+from netns_hosts import ALT_SSH_PORT, NetnsHosts, missing_requirements
 
 CHECKS = check_names("checks_multihost")
 PERSEUSRUN = [sys.executable, "-m", "perseus_tf.runner"]
@@ -96,7 +96,7 @@ def test_perseusrun_over_ssh_two_hosts(ssh_job, check):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_ssh_output_prefixed_and_secret_not_on_any_command_line(hosts):
+def test_hostfile_ssh_port_prefixed_output_and_secret_on_no_command_line(hosts):
     # A remote rank reports its own command line and its parents' (what `ps`
     # shows on its host) and the secret it got; the secret is in none of them.
     script = ("import os,sys\n"
@@ -107,9 +107,15 @@ def test_ssh_output_prefixed_and_secret_not_on_any_command_line(hosts):
               "print('SECRET', os.environ['PERSEUS_RENDEZVOUS_SECRET'])\n"
               "print('CMDLINES', ' || '.join(lines))\n")
     a, b = hosts.addrs
-    proc = hosts.exec(0, *PERSEUSRUN, "-np", "2", "-H", f"{a}:1,{b}:1", "-i", hosts.key, "--",
+    # Also: hosts from an Open MPI hostfile, and sshd on another port (-p).
+    hostfile = os.path.join(hosts.dir, "hostfile")
+    with open(hostfile, "w") as f:
+        f.write(f"# the test's hosts\n{a} slots=1\n\n{b} slots=1  # remote\n")
+    proc = hosts.exec(0, *PERSEUSRUN, "-np", "2", "--hostfile", hostfile, "-p",
+                      str(ALT_SSH_PORT), "-i", hosts.key, "--verbose", "--",
                       sys.executable, "-c", script, check=False, env=_env(hosts), cwd=ROOT,
                       timeout=60)
+    assert f"-p {ALT_SSH_PORT}" in proc.stderr, proc.stderr
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     secrets = {line.split()[2] for line in lines if line.startswith("[1] SECRET")}
