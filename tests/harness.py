@@ -24,12 +24,46 @@ def rank_env(extra=None):
     env.setdefault("GLOO_TIMEOUT_SECONDS", "60")
     # A failed check can leave ranks making different calls: error, not hang.
     env.setdefault("PERSEUS_STALL_TIMEOUT_SECONDS", "60")
+    return apply_env(env, extra)
+
+
+def apply_env(env, extra):
+    """env updated by extra, where a None value removes the variable."""
     for key, value in (extra or {}).items():
         if value is None:
             env.pop(key, None)
         else:
             env[key] = str(value)
     return env
+
+
+def collect(procs, timeout):
+    """Waits for every process (one shared deadline) and returns their
+    stdout texts; kills any still running when the wait ends, even by an
+    exception."""
+    import time
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return outs
+
+
+def read_results(out, np_):
+    """{rank: {check: outcome}} from the rank<R>.json files run_checks.py wrote."""
+    results = {}
+    for rank in range(np_):
+        path = os.path.join(out, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results[rank] = json.load(f)
+    return results
 
 
 def launch(np_, argv, env=None, timeout=300, hosts=None):
@@ -70,12 +104,7 @@ def run_checks(module, np_, env=None, timeout=600, hosts=None):
     with tempfile.TemporaryDirectory() as out:
         proc = launch(np_, [sys.executable, os.path.join(WORKERS, "run_checks.py"), module, out],
                       env=env, timeout=timeout, hosts=hosts)
-        results = {}
-        for rank in range(np_):
-            path = os.path.join(out, f"rank{rank}.json")
-            if os.path.exists(path):
-                with open(path) as f:
-                    results[rank] = json.load(f)
+        results = read_results(out, np_)
     return CheckResults(np_, results, proc)
 
 

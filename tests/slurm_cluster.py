@@ -24,6 +24,8 @@ import subprocess
 import tempfile
 import time
 
+from harness import apply_env
+
 PACKAGES = "slurm-wlm munge"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "salloc", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
@@ -86,12 +88,7 @@ class SlurmCluster:
         env = {k: v for k, v in (os.environ if base is None else base).items()
                if not k.startswith("SLURM_")}
         env["SLURM_CONF"] = self.conf
-        for key, value in (extra or {}).items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = str(value)
-        return env
+        return apply_env(env, extra)
 
     def run(self, argv, env=None, timeout=120, **kwargs):
         """Runs a command (srun, salloc, ...) against this cluster."""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import collect
+
 from perseus_tf.runner.store import StoreServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,16 +52,7 @@ def _start(envs, store_port=None):
         procs.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=60)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return procs, outs
+    return procs, collect(procs, 60)
 
 
 @pytest.fixture()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from harness import ROOT, WORKERS, check_names, rank_env
+from harness import ROOT, WORKERS, check_names, collect, rank_env, read_results
 from netns_hosts import ALT_SSH_PORT, NetnsHosts, missing_requirements
 
 CHECKS = check_names("checks_multihost")
@@ -51,16 +51,6 @@ def _no_process_left(hosts, within_s):
         time.sleep(0.2)
 
 
-def _results(out, np_):
-    results = {}
-    for rank in range(np_):
-        path = os.path.join(out, f"rank{rank}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results[rank] = json.load(f)
-    return results
-
-
 def _assert_checks(results, proc_text, np_=4):
     problems = []
     for check in CHECKS:
@@ -83,7 +73,7 @@ def ssh_job(hosts, tmp_path_factory):
     proc = hosts.exec(0, *cmd, check=False, env=_env(hosts), cwd=ROOT, timeout=300)
     took = time.monotonic() - start
     print(f"perseusrun over ssh, 2 hosts x 2 ranks: {took:.1f} s")
-    return proc, _results(out, 4), took
+    return proc, read_results(out, 4), took
 
 
 @pytest.mark.parametrize("check", CHECKS)
@@ -226,13 +216,8 @@ def _by_hand(hosts, envs, out, timeout=300):
             procs.append(hosts.popen(rank // 2, _run_checks_cmd(out), env=_env(hosts, extra),
                                      cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + timeout
-        texts = [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        texts = collect(procs, timeout)
     return [p.returncode for p in procs], "\n".join(f"--- rank {r} ---\n{t[-2000:]}"
                                                    for r, t in enumerate(texts))
 
@@ -263,7 +248,7 @@ def test_kubernetes_contracts_by_hand(hosts, tmp_path, kind):
     start = time.monotonic()
     codes, text = _by_hand(hosts, _contract_envs(hosts, kind, port), str(tmp_path))
     print(f"{kind} by hand, 2 hosts x 2 ranks: {time.monotonic() - start:.1f} s")
-    _assert_checks(_results(str(tmp_path), 4), text)
+    _assert_checks(read_results(str(tmp_path), 4), text)
     assert codes == [0] * 4, text
 
 
@@ -277,7 +262,7 @@ def test_perseusrun_mpi_two_hosts(hosts, tmp_path):
     start = time.monotonic()
     proc = hosts.exec(0, *cmd, check=False, env=_env(hosts), cwd=ROOT, timeout=300)
     print(f"perseusrun --mpi, 2 hosts x 2 ranks: {time.monotonic() - start:.1f} s")
-    _assert_checks(_results(str(tmp_path), 4), proc.stdout + proc.stderr)
+    _assert_checks(read_results(str(tmp_path), 4), proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[3] " in proc.stdout + proc.stderr  # remote.py prefixes mpirun's ranks
     assert f"rendezvous store on {a} port" in proc.stderr, proc.stderr[-3000:]
@@ -298,5 +283,5 @@ def test_plain_mpirun_two_hosts(hosts, tmp_path):
     proc = hosts.exec(0, *cmd, *_run_checks_cmd(str(tmp_path)), check=False, env=env,
                       cwd=ROOT, timeout=300)
     print(f"plain mpirun, 2 hosts x 2 ranks: {time.monotonic() - start:.1f} s")
-    _assert_checks(_results(str(tmp_path), 4), proc.stdout + proc.stderr)
+    _assert_checks(read_results(str(tmp_path), 4), proc.stdout + proc.stderr)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import collect
+
 from perseus_tf import _core
 from perseus_tf.runner import store as store_module
 from perseus_tf.runner.store import StoreClient, StoreServer
@@ -149,16 +151,7 @@ def start_ranks(port, secret, n=2, extra=None):
         procs.append(subprocess.Popen([sys.executable, "-c", RANK_CHILD], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=90)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return procs, outs
+    return procs, collect(procs, 90)
 
 
 class FakeStore:
