@@ -643,7 +643,7 @@ def interface_address(name):
     return socket.inet_ntoa(packed[20:24])
 
 
-def _can_bind(ip):
+def can_bind(ip):
     """True if ip is assigned to this machine (only those can be bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -675,7 +675,7 @@ def store_bind_address(topology, gloo_iface=""):
     ip = _resolve(topology.store_addr, "the rendezvous address")
     if _store_is_loopback(topology.store_addr, topology.cross_size):
         return ip
-    if not _is_loopback_ip(ip) and _can_bind(ip):
+    if not _is_loopback_ip(ip) and can_bind(ip):
         return ip
     if gloo_iface:
         return interface_address(gloo_iface)

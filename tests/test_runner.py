@@ -430,8 +430,7 @@ def test_mpirun_command_line(monkeypatch):
     args = launcher._parse_args(launcher.build_parser(), [
         "--mpi", "-np", "4", "-H", "localhost:4", "-p", "2222", "--network-interface", "lo",
         "-x", "FOO=1", "python", "t.py"])
-    cmd = launcher.mpirun_command(args, "127.0.0.1", 5000, "job",
-                                  ["PERSEUS_RENDEZVOUS_SECRET", "FOO"])
+    cmd = launcher.mpirun_command(args, ["PERSEUS_RENDEZVOUS_SECRET", "FOO"])
     text = " ".join(cmd)
     assert cmd[:3] == ["mpirun", "-np", "4"] and "-H localhost:4" in text
     assert "-mca plm_rsh_args -p 2222" in text and "-mca oob_tcp_if_include lo" in text

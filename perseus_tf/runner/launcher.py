@@ -18,19 +18,18 @@ never on a command line.
 
 import argparse
 import dataclasses
-import fcntl
 import ipaddress
 import os
 import secrets
 import shlex
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
 
+from perseus_tf import config as _config
 from perseus_tf.runner.store import StoreServer
 
 PROG = "perseusrun"
@@ -239,16 +238,6 @@ def slurm_hosts(environ) -> list:
 # Hosts and rank placement
 
 
-def _can_bind(addr: str) -> bool:
-    """True if addr is assigned to this machine: only those can be bound."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((addr, 0))
-            return True
-        except OSError:
-            return False
-
-
 def resolve_host(name: str) -> Host:
     """The Host for a -H name (slots filled in by the caller): its IPv4
     address, and whether it is this machine."""
@@ -259,33 +248,26 @@ def resolve_host(name: str) -> Host:
     except (socket.gaierror, UnicodeError):
         raise UsageError(
             f"-H/--hosts: cannot resolve host {name!r} to an IPv4 address") from None
-    local = ipaddress.ip_address(addr).is_loopback or _can_bind(addr)
+    local = ipaddress.ip_address(addr).is_loopback or _config.can_bind(addr)
     return Host(name, addr, 1, local)
 
 
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface name on this machine."""
-    SIOCGIFADDR = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            packed = fcntl.ioctl(sock.fileno(), SIOCGIFADDR,
-                                 struct.pack("256s", name.encode()[:15]))
-        except OSError as err:
-            raise UsageError(
-                f"--network-interface {name}: no IPv4 address on this machine "
-                f"({err.strerror})") from None
-    return socket.inet_ntoa(packed[20:24])
+    try:
+        return _config.interface_address(name)
+    except _config.ConfigError:
+        raise UsageError(f"--network-interface {name}: no IPv4 address on this machine "
+                         "(names: " + ", ".join(sorted(n for _, n in socket.if_nameindex()))
+                         + ")") from None
 
 
 def route_address(peer: str) -> str:
-    """The address of this machine that packets to peer leave from (no
-    packet is sent: connecting a UDP socket only picks the route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect((peer, 9))
-        except OSError as err:
-            raise UsageError(f"no route from this machine to {peer}: {err.strerror}") from None
-        return sock.getsockname()[0]
+    """The address of this machine that packets to peer leave from."""
+    try:
+        return _config.route_address(peer)
+    except _config.ConfigError as err:
+        raise UsageError(str(err)) from None
 
 
 def place_ranks(np: int, hosts: list) -> list:
@@ -708,8 +690,8 @@ def _parse_args(parser: argparse.ArgumentParser, argv: list):
 
 
 def _addresses(args, placements):
-    """(store bind address, rendezvous address, placements with each host's
-    address as the other hosts reach it)."""
+    """(the store's address, which it binds and every rank connects to;
+    placements with each host's address as the other hosts reach it)."""
     hosts = []
     for p in placements:
         if p.host not in hosts:
@@ -725,15 +707,15 @@ def _addresses(args, placements):
         mine = next(h.addr for h in hosts if not ipaddress.ip_address(h.addr).is_loopback)
     if not (remote or args.network_interface or args.mpi):
         # One machine: the store listens where every local rank reaches it.
-        return mine, mine, placements
+        return mine, placements
     # Ranks on other hosts cannot reach a loopback address of this one.
     fixed = {h: (dataclasses.replace(h, addr=mine)
                  if h.local and (ipaddress.ip_address(h.addr).is_loopback
                                  or args.network_interface) else h) for h in hosts}
-    return mine, mine, [dataclasses.replace(p, host=fixed[p.host]) for p in placements]
+    return mine, [dataclasses.replace(p, host=fixed[p.host]) for p in placements]
 
 
-def mpirun_command(args, store_addr, port, job_id, names) -> list:
+def mpirun_command(args, names) -> list:
     """The mpirun command of --mpi: values travel in mpirun's environment
     (-x NAME), so the secret is never on a command line."""
     cmd = ["mpirun", "-np", str(args.np), "--bind-to", "none", "--map-by", "slot",
@@ -763,7 +745,7 @@ def main(argv=None) -> int:
     try:
         args = _parse_args(parser, sys.argv[1:] if argv is None else list(argv))
         placements = place_ranks(args.np, args.hosts)
-        bind_addr, rendezvous_addr, placements = _addresses(args, placements)
+        rendezvous_addr, placements = _addresses(args, placements)
         remote_hosts = []
         for p in placements:
             if not p.host.local and p.host not in remote_hosts:
@@ -780,7 +762,7 @@ def main(argv=None) -> int:
 
     secret = secrets.token_bytes(32)
     job_id = secrets.token_hex(8)
-    store = StoreServer(bind_addr, 0, secret)
+    store = StoreServer(rendezvous_addr, 0, secret)
     port = store.start()
     group = RankGroup(verbose=args.verbose)
     received = []
@@ -795,7 +777,7 @@ def main(argv=None) -> int:
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if args.verbose:
-            _log(f"job {job_id}, rendezvous store on {bind_addr} port {port}")
+            _log(f"job {job_id}, rendezvous store on {rendezvous_addr} port {port}")
         if args.mpi:
             return _run_mpi(args, group, rendezvous_addr, port, secret, job_id)
         forward_base = forwarded_env(os.environ, args.export)
@@ -851,7 +833,7 @@ def _run_mpi(args, group, rendezvous_addr, port, secret, job_id) -> int:
         env.setdefault("PERSEUS_GLOO_NETWORK_INTERFACE", args.network_interface)
     names = sorted({k for k in env if k.startswith(FORWARD_PREFIXES) or k in FORWARD_NAMES}
                    | {item.partition("=")[0] for item in args.export})
-    cmd = mpirun_command(args, rendezvous_addr, port, job_id, names)
+    cmd = mpirun_command(args, names)
     if args.verbose:
         _log("mpirun: " + " ".join(shlex.quote(c) for c in cmd))
     try:

@@ -145,11 +145,9 @@ def main(argv=None) -> int:
         store = env.get("PERSEUS_RENDEZVOUS_ADDR")
         if store and not env.get("PERSEUS_HOST_ADDR"):
             # This host's address as the others reach it: the one that
-            # routes to the store (no packet is sent).
-            import socket
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-                sock.connect((store, 9))
-                env["PERSEUS_HOST_ADDR"] = sock.getsockname()[0]
+            # routes to the store.
+            from perseus_tf.config import route_address
+            env["PERSEUS_HOST_ADDR"] = route_address(store)
     else:
         env["PERSEUS_RENDEZVOUS_SECRET"] = _read_secret()
     env["PERSEUS_LAUNCHER_PID"] = str(os.getpid())
