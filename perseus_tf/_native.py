@@ -23,7 +23,7 @@ except ImportError as e:  # pragma: no cover - only without a build
         "perseus_tf's native library is not built: run `pip install --no-build-isolation .` "
         f"(or `make native`) in the source tree ({e})") from e
 
-# Numeric codes shared with cc/runtime/common.h.
+# Numeric codes shared with cc/core/common.h.
 (OP_ALLREDUCE, OP_ALLGATHER, OP_BROADCAST, OP_ALLTOALL, OP_REDUCESCATTER, OP_BARRIER,
  OP_JOIN) = range(7)
 DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4,

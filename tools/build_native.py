@@ -1,7 +1,7 @@
 """Compiles Perseus-TF's native code against the TensorFlow that is installed.
 
 Three shared objects land in one directory (the `perseus_tf` package):
-  libperseus_core.so   runtime + Gloo backend; knows nothing of TensorFlow
+  libperseus_core.so   cc/core, cc/rendezvous, cc/transport, cc/runtime; no TensorFlow
   _perseus_ops_tfX_Y.so  TensorFlow ops and kernels for TF X.Y, linked to libperseus_core.so
   _core<EXT_SUFFIX>    pybind11 module, linked to libperseus_core.so
 Both front ends load the same libperseus_core.so (found through
@@ -75,7 +75,8 @@ def build(out_dir=None, jobs=2, verbose=True):
                for f in fs if f.endswith(".h")]
 
     groups = {
-        "core": (_sources("runtime") + _sources("backends"), []),
+        "core": (_sources("core") + _sources("rendezvous") + _sources("transport") +
+                 _sources("runtime"), []),
         "tf": (_sources("tf"), [f for f in tf_cflags if not f.startswith("-std=")]),
         "py": (_sources("python"), ["-I" + pybind11.get_include(),
                                     "-I" + sysconfig.get_paths()["include"],

@@ -14,9 +14,9 @@
 #include <memory>
 #include <mutex>
 
-#include "cc/runtime/common.h"
-#include "cc/runtime/hmac_sha256.h"
-#include "cc/runtime/reduce.h"
+#include "cc/core/common.h"
+#include "cc/rendezvous/hmac_sha256.h"
+#include "cc/core/reduce.h"
 #include "cc/runtime/runtime.h"
 
 namespace py = pybind11;

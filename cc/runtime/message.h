@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "cc/runtime/common.h"
+#include "cc/core/common.h"
 
 namespace perseus {
 

@@ -17,7 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cc/runtime/common.h"
+#include "cc/core/common.h"
 #include "cc/runtime/message.h"
 
 namespace perseus {

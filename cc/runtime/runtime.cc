@@ -9,10 +9,11 @@
 #include <map>
 #include <sstream>
 
-#include "cc/backends/gloo_backend.h"
-#include "cc/backends/shm_allreduce.h"
-#include "cc/runtime/reduce.h"
-#include "cc/runtime/store_client.h"
+#include "cc/transport/allreduce_algorithms.h"
+#include "cc/transport/gloo_transport.h"
+#include "cc/transport/shm_transport.h"
+#include "cc/core/reduce.h"
+#include "cc/rendezvous/store_client.h"
 
 namespace perseus {
 namespace {
@@ -253,21 +254,21 @@ Status Runtime::RollCall(const InitOptions& o, const std::string& prefix,
 // When it gives up, the helper thread is left blocked: the store client it
 // uses is deliberately kept alive (leaked) so that it never touches freed
 // memory, and this rank votes for another attempt with a new client.
-std::string Runtime::ConnectWithDeadline(const GlooBackendOptions& bo) {
+std::string Runtime::ConnectWithDeadline(const TransportOptions& bo) {
   struct Attempt {
     std::mutex mu;
     std::condition_variable cv;
     bool done = false;
-    std::unique_ptr<GlooBackend> backend;
+    std::unique_ptr<GlooTransport> backend;
     std::string error;
   };
   auto attempt = std::make_shared<Attempt>();
   StoreClient* store = store_.get();
   std::thread([attempt, bo, store] {
-    std::unique_ptr<GlooBackend> backend;
+    std::unique_ptr<GlooTransport> backend;
     std::string error;
     try {
-      backend.reset(new GlooBackend(bo, store));
+      backend.reset(new GlooTransport(bo, store));
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -288,7 +289,7 @@ std::string Runtime::ConnectWithDeadline(const GlooBackendOptions& bo) {
     return "connecting to the other ranks did not finish within GLOO_TIMEOUT_SECONDS + 10 s "
            "(Gloo is stuck on a connection)";
   }
-  backend_ = std::move(attempt->backend);
+  transport_ = std::move(attempt->backend);
   return attempt->error;
 }
 
@@ -298,9 +299,9 @@ std::string Runtime::ConnectWithDeadline(const GlooBackendOptions& bo) {
 // connecting; if any failed, all drop what they made and connect again
 // under fresh keys (three attempts), so a stray connection costs a retry,
 // not the job. Throws when the last attempt fails.
-void Runtime::ConnectBackend(GlooBackendOptions* bo) {
+void Runtime::ConnectTransport(TransportOptions* bo) {
   if (!store_) {
-    backend_.reset(new GlooBackend(*bo, nullptr));
+    transport_.reset(new GlooTransport(*bo, nullptr));
     return;
   }
   const std::string base = bo->key_prefix;
@@ -324,7 +325,7 @@ void Runtime::ConnectBackend(GlooBackendOptions* bo) {
       if (vote.empty() || vote[0] != '1') failed.push_back(r);
     }
     if (failed.empty()) return;
-    backend_.reset();
+    transport_.reset();
     if (attempt + 1 == kAttempts) {
       throw std::runtime_error(
           (error.empty() ? RankList(failed) + " could not connect" : error) +
@@ -353,7 +354,7 @@ Status Runtime::Init(const InitOptions& options) {
                          "PERSEUS_ALLREDUCE_STREAMS must be from 1 to 12");
   }
   options_ = options;
-  GlooBackendOptions bo;
+  TransportOptions bo;
   bo.rank = options.rank;
   bo.size = options.size;
   // One more stream than asked: it runs online work while a plan runs offline.
@@ -387,18 +388,24 @@ Status Runtime::Init(const InitOptions& options) {
         }
       }
     }
-    ConnectBackend(&bo);
+    ConnectTransport(&bo);
     shm_.reset();
     // Shared memory inside each host: for the whole allreduce when the job
     // is one host, for the host phases of the two-level one otherwise.
     if (options.shm && options.process_set_id == 0 && options.local_size > 1 &&
-        (options.cross_size == 1 || backend_->hierarchical())) {
+        (options.cross_size == 1 || transport_->hierarchical())) {
       std::string why_not;
       // Test hook: this rank dies while the others set up shared memory.
       if (const char* die = std::getenv("PERSEUS_TEST_EXIT_BEFORE_SHM")) {
         if (std::atoi(die) == options.rank) std::_Exit(7);
       }
-      shm_ = ShmAllreduce::Connect(*backend_, bo.key_prefix, options.local_rank,
+      GlooTransport& world = *transport_;
+      auto agree_min = [&world](int32_t value) {
+        world.Allreduce(Transport::kControl, &value, 1, DataType::kInt32,
+                        GetReduceFn(DataType::kInt32, ReduceOp::kMin));
+        return value;
+      };
+      shm_ = ShmTransport::Connect(agree_min, options.rank, bo.key_prefix, options.local_rank,
                                    options.local_size, options.cross_rank, bo.streams,
                                    bo.timeout, &why_not);
       if (!shm_ && (options.rank == 0 || !why_not.empty())) {
@@ -412,7 +419,7 @@ Status Runtime::Init(const InitOptions& options) {
     }
   } catch (const std::exception& e) {
     shm_.reset();
-    backend_.reset();
+    transport_.reset();
     store_.reset();
     return Status::Error(StatusCode::kUnavailable,
                          "Perseus could not connect rank " + std::to_string(options.rank) +
@@ -435,9 +442,15 @@ Status Runtime::Init(const InitOptions& options) {
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_ = Stats();
     stats_.streams.resize(options.streams + 1);
-    stats_.hierarchical = backend_->hierarchical() && options.allreduce_mode != 0;
+    stats_.hierarchical = transport_->hierarchical() && options.allreduce_mode != 0;
     stats_.shm = shm_ != nullptr;
   }
+  topology_.one_host_shm = shm_ && options.cross_size == 1;
+  topology_.two_level = transport_->hierarchical();
+  topology_.mode = options.allreduce_mode;
+  groups_.world = transport_.get();
+  groups_.host = shm_ ? static_cast<GroupCollectives*>(shm_.get()) : transport_->host();
+  groups_.leaders = transport_->leaders();
   {
     std::lock_guard<std::mutex> lock(sparse_mu_);
     sparse_.clear();
@@ -486,7 +499,7 @@ void Runtime::Shutdown() {
                                "Perseus was shut down before this collective ran"));
   StopHeartbeat();
   shm_.reset();
-  backend_.reset();
+  transport_.reset();
   store_.reset();
   std::string timeline_error;
   if (!timeline_.Write(&timeline_error)) std::fprintf(stderr, "Perseus: %s\n", timeline_error.c_str());
@@ -747,7 +760,7 @@ void Runtime::RunCycle(bool* stop) {
     const size_t head = std::min(encoded.size(), kInline);
     if (head) std::memcpy(slot.data() + kHeader, encoded.data(), head);
     std::vector<char> slots(kControlSlot * size);
-    backend_->Allgatherv(GlooBackend::kControl, slot.data(), slots.data(),
+    transport_->Allgatherv(Transport::kControl, slot.data(), slots.data(),
                          std::vector<size_t>(size, kControlSlot));
     sent += kControlSlot;
     std::vector<int64_t> lens(size);
@@ -766,7 +779,7 @@ void Runtime::RunCycle(bool* stop) {
     if (total_rest > 0) {
       char none = 0;
       const char* tail = encoded.size() > kInline ? encoded.data() + kInline : &none;
-      backend_->Allgatherv(GlooBackend::kControl, tail, gathered.data(), rest);
+      transport_->Allgatherv(Transport::kControl, tail, gathered.data(), rest);
       sent += static_cast<int64_t>(rest[options_.rank]);
     }
     size_t offset = 0;
@@ -1468,7 +1481,7 @@ bool Runtime::Execute(int stream, const Response& r,
       if (options_.rank == q.meta.root && q.output != q.input && bytes) {
         std::memcpy(q.output, q.input, bytes);
       }
-      backend_->Broadcast(stream, q.output, bytes, q.meta.root);
+      transport_->Broadcast(stream, q.output, bytes, q.meta.root);
       break;
     }
     case OpType::kAllgather:
@@ -1668,135 +1681,17 @@ Runtime::SparseState& Runtime::SparseFor(const TensorMeta& m) {
 
 void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
                               size_t half_across) {
-  const size_t bytes = count * DataTypeSize(dtype);
-  // Chosen automatically: two levels for buckets large enough that bandwidth,
-  // not the extra latency of three steps, decides.
-  const bool two_level =
-      backend_ && backend_->hierarchical() &&
-      (half_across > 0 || options_.allreduce_mode == 1 ||
-       (options_.allreduce_mode < 0 && bytes >= (256u << 10)));
-  if (shm_ && options_.cross_size == 1) {  // the world is one host
-    TimelineSpan span(timeline_, 1 + stream,
-                      dtype == DataType::kFloat16 ? "shm allreduce (fp16)" : "shm allreduce",
-                      "communication");
-    shm_->Allreduce(stream, buf, count, dtype, fn);
-    return;
-  }
-  if (!two_level) {
-    TimelineSpan ring(timeline_, 1 + stream,
-                      dtype == DataType::kFloat16 ? "gloo allreduce (fp16)" : "gloo allreduce",
-                      "communication");
-    backend_->Allreduce(stream, buf, count, dtype, fn);
-    return;
-  }
-  // Pipelined in chunks: while a leader's helper thread sends chunk c across
-  // hosts (the slow link), this thread already reduces chunk c+1 inside the
-  // host; the broadcasts inside the host follow, chunk by chunk. The host and
-  // leader contexts are separate, so the two threads never share one.
-  const size_t esize = DataTypeSize(dtype);
-  const size_t chunk = std::max<size_t>(1, (size_t{4} << 20) / esize);
-  const size_t chunks = (count + chunk - 1) / chunk;
-  char* base = static_cast<char*>(buf);
-  auto first = [chunk](size_t c) { return c * chunk; };
-  auto length = [chunk, count](size_t c) { return std::min(chunk, count - c * chunk); };
-  const bool leader = backend_->is_local_leader();
-  std::vector<uint16_t>& half = streams_[stream]->half_buffer;
-  if (half_across > 0 && leader && half.size() < count) half.resize(count);
-  const float scale = static_cast<float>(options_.gradient_scale);
-
-  // One chunk across hosts (leaders only).
-  auto cross = [&](size_t c) {
-    const size_t at = first(c), n = length(c);
-    if (half_across == 0) {
-      TimelineSpan ring(timeline_, 1 + stream, "cross-host allreduce", "communication");
-      backend_->CrossAllreduce(stream, base + at * esize, n, dtype, fn);
-      return;
-    }
-    float* f = reinterpret_cast<float*>(base) + at;
-    uint16_t* h = half.data() + at;
-    // Elements before half_across are gradients (scaled); after, plan extras.
-    const size_t scaled = half_across > at ? std::min(n, half_across - at) : 0;
-    FloatToHalfScaled(f, h, scaled, scale);
-    FloatToHalfScaled(f + scaled, h + scaled, n - scaled, 1.0f);
-    {
-      TimelineSpan ring(timeline_, 1 + stream, "cross-host allreduce (fp16)", "communication");
-      backend_->CrossAllreduce(stream, h, n, DataType::kFloat16,
-                               GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
-    }
-    HalfToFloatScaled(h, f, scaled, 1.0f / scale);
-    HalfToFloatScaled(h + scaled, f + scaled, n - scaled, 1.0f);
-  };
-
-  std::mutex mu;
-  std::condition_variable cv;
-  size_t reduced = 0, crossed = 0;
-  bool cross_failed = false;
-  std::exception_ptr error;
-  std::thread helper;
-  if (leader) {
-    helper = std::thread([&] {
-      try {
-        for (size_t c = 0; c < chunks; ++c) {
-          {
-            std::unique_lock<std::mutex> lock(mu);
-            cv.wait(lock, [&] { return reduced > c || cross_failed; });
-            if (cross_failed) return;
-          }
-          cross(c);
-          std::lock_guard<std::mutex> lock(mu);
-          crossed = c + 1;
-          cv.notify_all();
-        }
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        error = std::current_exception();
-        cross_failed = true;
-        cv.notify_all();
-      }
-    });
-  }
-  auto stop_helper = [&] {
-    if (!helper.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (crossed < chunks) cross_failed = true;  // wakes it if still waiting
-      cv.notify_all();
-    }
-    helper.join();
-  };
-  try {
-    for (size_t c = 0; c < chunks; ++c) {
-      {
-        TimelineSpan span(timeline_, 1 + stream, "host reduce", "communication");
-        if (shm_) {
-          shm_->Reduce(stream, base + first(c) * esize, length(c), dtype, fn);
-        } else {
-          backend_->LocalReduce(stream, base + first(c) * esize, length(c), dtype, fn);
-        }
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      reduced = c + 1;
-      cv.notify_all();
-    }
-    for (size_t c = 0; c < chunks; ++c) {
-      if (leader) {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] { return crossed > c || cross_failed; });
-        if (error) std::rethrow_exception(error);
-        if (cross_failed) throw std::runtime_error("cross-host allreduce stopped");
-      }
-      TimelineSpan span(timeline_, 1 + stream, "host broadcast", "communication");
-      if (shm_) {
-        shm_->Broadcast(stream, base + first(c) * esize, length(c) * esize);
-      } else {
-        backend_->LocalBroadcast(stream, base + first(c) * esize, length(c) * esize);
-      }
-    }
-  } catch (...) {
-    stop_helper();
-    throw;
-  }
-  stop_helper();
+  AllreduceCall call;
+  call.channel = stream;
+  call.data = buf;
+  call.count = count;
+  call.dtype = dtype;
+  call.fn = fn;
+  call.half_across = half_across;
+  call.scale = static_cast<float>(options_.gradient_scale);
+  call.half = &streams_[stream]->half_buffer;
+  RunAllreduce(ChooseAllreduce(count * DataTypeSize(dtype), half_across > 0, topology_), groups_,
+               call, timeline_);
 }
 
 int64_t Runtime::PlanBucketBytes(int64_t step_bytes) const {
@@ -1824,7 +1719,7 @@ int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
     case kCompressFp16:
       return 2 * n;
     case kCompressMixed:  // what crosses hosts
-      return (backend_ && backend_->hierarchical() ? 2 : 4) * n;
+      return (transport_ && transport_->hierarchical() ? 2 : 4) * n;
     case kCompressTopk:
       return TopkCount(n) * (4 + (options_.topk_fp16 ? 2 : 4));
     case kCompressDownsample:
@@ -1909,7 +1804,7 @@ bool Runtime::ExecuteTopk(int stream, const Response& r, Request& q) {
   std::vector<char> all(record * static_cast<size_t>(options_.size));
   {
     TimelineSpan ring(timeline_, 1 + stream, "gloo allgather (top-k)", "communication");
-    backend_->Allgatherv(stream, send.data(), all.data(),
+    transport_->Allgatherv(stream, send.data(), all.data(),
                          std::vector<size_t>(static_cast<size_t>(options_.size), record));
   }
   const double post =
@@ -2001,7 +1896,7 @@ void Runtime::ExecuteAllgather(int stream, const Response& r, Request& q) {
   shape.insert(shape.end(), trailing.begin(), trailing.end());
   void* out = q.allocate(shape);
   if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
-  backend_->Allgatherv(stream, q.input, out, bytes);
+  transport_->Allgatherv(stream, q.input, out, bytes);
 }
 
 void Runtime::ExecuteAlltoall(int stream, const Response& r, Request& q) {
@@ -2025,7 +1920,7 @@ void Runtime::ExecuteAlltoall(int stream, const Response& r, Request& q) {
   for (const auto& sent_by : r.splits) {
     for (int64_t rows_sent : sent_by) any |= rows_sent > 0;
   }
-  backend_->Alltoallv(stream, q.input, send, out, recv, any && row > 0);
+  transport_->Alltoallv(stream, q.input, send, out, recv, any && row > 0);
 }
 
 void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {
@@ -2037,7 +1932,7 @@ void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {
   if (buf.size() < n * esize) buf.resize(n * esize);
   if (n) std::memcpy(buf.data(), q.input, n * esize);
   ScaleBuffer(buf.data(), dtype, n, m.prescale);
-  backend_->Allreduce(stream, buf.data(), n, dtype, GetReduceFn(dtype, m.reduce_op));
+  transport_->Allreduce(stream, buf.data(), n, dtype, GetReduceFn(dtype, m.reduce_op));
   // Rows are dealt out as evenly as possible, lower ranks taking the rest.
   const int64_t dim0 = q.meta.shape[0];
   const int64_t base = dim0 / options_.size, extra = dim0 % options_.size;
@@ -2221,8 +2116,8 @@ Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype) {
   }
   std::lock_guard<std::mutex> lock(raw_mu_);
   try {
-    if (store_) backend_->CreateRawChannel(*store_);
-    backend_->Allreduce(GlooBackend::kRawChannel, data, count, dtype,
+    if (store_) transport_->CreateRawChannel(*store_);
+    transport_->Allreduce(GlooTransport::kRawChannel, data, count, dtype,
                         GetReduceFn(dtype, ReduceOp::kSum));
   } catch (const std::exception& e) {
     return Status::Error(StatusCode::kUnavailable, std::string("raw allreduce failed: ") + e.what());

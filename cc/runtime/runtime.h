@@ -22,17 +22,17 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cc/runtime/common.h"
+#include "cc/core/common.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
-#include "cc/runtime/reduce.h"
-#include "cc/runtime/timeline.h"
+#include "cc/transport/allreduce_algorithms.h"
+#include "cc/core/reduce.h"
+#include "cc/core/timeline.h"
 
 namespace perseus {
 
-class GlooBackend;
-struct GlooBackendOptions;
-class ShmAllreduce;
+class GlooTransport;
+class ShmTransport;
 class StoreClient;
 
 // Who this process is and how to reach the others (the launcher's env
@@ -260,8 +260,8 @@ class Runtime {
   std::string IdentifyFailedRanks();
   void FailAllPending(const Status& status);
   void StopThreads();
-  void ConnectBackend(GlooBackendOptions* bo);
-  std::string ConnectWithDeadline(const GlooBackendOptions& bo);
+  void ConnectTransport(TransportOptions* bo);
+  std::string ConnectWithDeadline(const TransportOptions& bo);
   Status RollCall(const InitOptions& o, const std::string& prefix,
                   std::chrono::milliseconds wait);
 
@@ -282,8 +282,11 @@ class Runtime {
   std::string HeartbeatKey(int world_rank) const;
   void StartHeartbeat();
   void StopHeartbeat();
-  std::unique_ptr<GlooBackend> backend_;
-  std::unique_ptr<ShmAllreduce> shm_;  // among this host's ranks
+  std::unique_ptr<GlooTransport> transport_;
+  std::unique_ptr<ShmTransport> shm_;  // among this host's ranks
+  // How allreduces travel (set at Init from the connected transports).
+  AllreduceTopology topology_;
+  AllreduceGroups groups_;
   std::unique_ptr<Negotiator> negotiator_;
 
   std::mutex mu_;  // guards queue_, pending_, shutdown_requested_, failure_

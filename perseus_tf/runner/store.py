@@ -4,7 +4,7 @@
 it (address, port and secret come from the ``PERSEUS_RENDEZVOUS_*``
 environment variables), publishes what its peers need to reach it and waits
 for theirs. :class:`StoreClient` is the Python side of the same protocol, used
-by tests and by Python code; cc/runtime/store_client.cc is the C++ side.
+by tests and by Python code; cc/rendezvous/store_client.cc is the C++ side.
 
 The store may listen on an address other machines reach, so it assumes that
 strangers connect to it: the job's secret never crosses the network, and

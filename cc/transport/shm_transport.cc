@@ -1,4 +1,4 @@
-#include "cc/backends/shm_allreduce.h"
+#include "cc/transport/shm_transport.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -17,7 +17,6 @@
 #include <stdexcept>
 #include <thread>
 
-#include "cc/backends/gloo_backend.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -73,15 +72,9 @@ bool ProcessGone(int pid) {
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-int32_t ControlMin(GlooBackend& backend, int32_t value) {
-  backend.Allreduce(GlooBackend::kControl, &value, 1, DataType::kInt32,
-                    GetReduceFn(DataType::kInt32, ReduceOp::kMin));
-  return value;
-}
-
 }  // namespace
 
-struct ShmAllreduce::Segment {
+struct ShmTransport::Segment {
   std::string name;
   void* base = nullptr;
   size_t bytes = 0;
@@ -134,12 +127,12 @@ struct ShmAllreduce::Segment {
   }
 };
 
-std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const std::string& key,
-                                                    int local_rank, int local_size,
-                                                    int cross_rank, int streams,
+std::unique_ptr<ShmTransport> ShmTransport::Connect(const AgreeMin& agree_min, int world_rank,
+                                                    const std::string& key, int local_rank,
+                                                    int local_size, int cross_rank, int streams,
                                                     std::chrono::milliseconds timeout,
                                                     std::string* why_not) {
-  std::unique_ptr<ShmAllreduce> shm(new ShmAllreduce());
+  std::unique_ptr<ShmTransport> shm(new ShmTransport());
   shm->rank_ = local_rank;
   shm->size_ = local_size;
   shm->timeout_ = timeout;
@@ -188,7 +181,7 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
     }
   }
   // `ok`: this rank has failed nothing so far; `all`: neither has any rank.
-  bool all = ControlMin(backend, ok ? 1 : 0) == 1;
+  bool all = agree_min(ok ? 1 : 0) == 1;
   if (all && shm->rank_ != 0) {
     for (auto& seg : shm->segments_) {
       if (!seg->Map(false, want, &error)) {
@@ -208,10 +201,10 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
   if (all && ok) {
     for (auto& seg : shm->segments_) {
       seg->header->pid[shm->rank_] = static_cast<int32_t>(getpid());
-      seg->header->world[shm->rank_] = backend.rank();
+      seg->header->world[shm->rank_] = world_rank;
     }
   }
-  all = ControlMin(backend, all && ok ? 1 : 0) == 1;
+  all = agree_min(all && ok ? 1 : 0) == 1;
   // Mapped everywhere (or given up): the names are no longer needed, and
   // nothing is left in /dev/shm however the job ends.
   if (shm->rank_ == 0) {
@@ -227,23 +220,23 @@ std::unique_ptr<ShmAllreduce> ShmAllreduce::Connect(GlooBackend& backend, const 
   for (int r = 0; r < shm->size_ && visible; ++r) {
     visible = !ProcessGone(shm->segments_[0]->header->pid[r]);
   }
-  if (ControlMin(backend, visible ? 1 : 0) != 1) {
+  if (agree_min(visible ? 1 : 0) != 1) {
     if (!visible) *why_not = "it cannot see the other ranks' processes (a separate PID namespace?)";
     return nullptr;
   }
   return shm;
 }
 
-ShmAllreduce::~ShmAllreduce() = default;
+ShmTransport::~ShmTransport() = default;
 
-void ShmAllreduce::Abort() {
+void ShmTransport::Abort() {
   for (auto& seg : segments_) {
     seg->header->aborted.store(rank_ + 1);  // a local rank; Barrier names it
     Futex(&seg->header->generation, FUTEX_WAKE, INT_MAX, nullptr);
   }
 }
 
-void ShmAllreduce::Barrier(Segment& s) {
+void ShmTransport::Barrier(Segment& s) {
   Header* h = s.header;
   const uint64_t mine = ++s.passed;
   h->entered[rank_].store(mine, std::memory_order_relaxed);
@@ -296,15 +289,15 @@ void ShmAllreduce::Barrier(Segment& s) {
   }
 }
 
-void ShmAllreduce::Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
+void ShmTransport::Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
   Reduction(stream, data, count, dtype, fn, true);
 }
 
-void ShmAllreduce::Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
+void ShmTransport::Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
   Reduction(stream, data, count, dtype, fn, false);
 }
 
-void ShmAllreduce::Broadcast(int stream, void* data, size_t bytes) {
+void ShmTransport::Broadcast(int stream, void* data, size_t bytes) {
   if (bytes == 0 || size_ == 1) return;
   Segment& s = *segments_.at(static_cast<size_t>(stream));
   // A whole set of slots per chunk: the leader writes, the others read after
@@ -323,7 +316,7 @@ void ShmAllreduce::Broadcast(int stream, void* data, size_t bytes) {
   }
 }
 
-void ShmAllreduce::Reduction(int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
+void ShmTransport::Reduction(int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
                              bool all) {
   if (count == 0 || size_ == 1) return;
   Segment& s = *segments_.at(static_cast<size_t>(stream));

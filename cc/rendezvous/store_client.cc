@@ -1,4 +1,4 @@
-#include "cc/runtime/store_client.h"
+#include "cc/rendezvous/store_client.h"
 
 #include <sys/time.h>
 
@@ -18,7 +18,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "cc/runtime/hmac_sha256.h"
+#include "cc/rendezvous/hmac_sha256.h"
 
 namespace perseus {
 namespace {

@@ -1,4 +1,4 @@
-#include "cc/runtime/hmac_sha256.h"
+#include "cc/rendezvous/hmac_sha256.h"
 
 #include <algorithm>
 #include <cstring>

@@ -1,4 +1,4 @@
-#include "cc/runtime/timeline.h"
+#include "cc/core/timeline.h"
 
 #include <cstdio>
 #include <fstream>

@@ -1,4 +1,4 @@
-#include "cc/backends/gloo_backend.h"
+#include "cc/transport/gloo_transport.h"
 
 #include <cstring>
 #include <stdexcept>
@@ -70,8 +70,33 @@ struct ReduceRun {
 
 }  // namespace
 
-GlooBackend::GlooBackend(const GlooBackendOptions& options,
-                         gloo::rendezvous::Store* store)
+// A group's collectives over its per-stream contexts.
+class GlooTransport::Group : public GroupCollectives {
+ public:
+  explicit Group(const std::vector<std::shared_ptr<gloo::Context>>& contexts) : contexts_(contexts) {}
+  void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) override {
+    if (count == 0) return;
+    BySize<AllreduceRun>(dtype, contexts_.at(static_cast<size_t>(channel)), data, count, fn);
+  }
+  void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) override {
+    if (count == 0) return;
+    BySize<ReduceRun>(dtype, contexts_.at(static_cast<size_t>(channel)), data, count, fn);
+  }
+  void Broadcast(int channel, void* data, size_t bytes) override {
+    if (bytes == 0) return;
+    gloo::BroadcastOptions opts(contexts_.at(static_cast<size_t>(channel)));
+    opts.setOutput(static_cast<uint8_t*>(data), bytes);
+    opts.setRoot(0);
+    opts.setTag(6);
+    gloo::broadcast(opts);
+  }
+
+ private:
+  const std::vector<std::shared_ptr<gloo::Context>>& contexts_;  // per stream
+};
+
+GlooTransport::GlooTransport(const TransportOptions& options,
+                             gloo::rendezvous::Store* store)
     : options_(options) {
   if (options_.size <= 1) return;
   control_ = Connect(*store, "control", options_.rank, options_.size);
@@ -79,7 +104,7 @@ GlooBackend::GlooBackend(const GlooBackendOptions& options,
     streams_.push_back(Connect(*store, "stream" + std::to_string(s), options_.rank,
                                options_.size));
   }
-  const GlooBackendOptions& o = options_;
+  const TransportOptions& o = options_;
   if (o.hierarchy && o.local_size > 1 && o.cross_size > 1 &&
       o.local_size * o.cross_size == o.size &&
       o.rank == o.cross_rank * o.local_size + o.local_rank) {
@@ -92,14 +117,16 @@ GlooBackend::GlooBackend(const GlooBackendOptions& options,
         cross_.push_back(Connect(*store, "leaders" + tag, o.cross_rank, o.cross_size));
       }
     }
+    host_.reset(new Group(local_));
+    if (o.local_rank == 0) leaders_.reset(new Group(cross_));
   }
 }
 
-GlooBackend::~GlooBackend() = default;
+GlooTransport::~GlooTransport() = default;
 
-std::shared_ptr<gloo::Context> GlooBackend::Connect(gloo::rendezvous::Store& store,
-                                                    const std::string& name, int rank,
-                                                    int size) {
+std::shared_ptr<gloo::Context> GlooTransport::Connect(gloo::rendezvous::Store& store,
+                                                      const std::string& name, int rank,
+                                                      int size) {
   gloo::transport::tcp::attr attr;
   if (!options_.iface.empty()) {
     attr.iface = options_.iface;
@@ -114,11 +141,11 @@ std::shared_ptr<gloo::Context> GlooBackend::Connect(gloo::rendezvous::Store& sto
   return ctx;
 }
 
-void GlooBackend::CreateRawChannel(gloo::rendezvous::Store& store) {
+void GlooTransport::CreateRawChannel(gloo::rendezvous::Store& store) {
   if (options_.size > 1 && !raw_) raw_ = Connect(store, "raw", options_.rank, options_.size);
 }
 
-const std::shared_ptr<gloo::Context>& GlooBackend::Channel(int channel) {
+const std::shared_ptr<gloo::Context>& GlooTransport::Channel(int channel) {
   if (channel == kControl) return control_;
   if (channel == kRawChannel) {
     if (!raw_) throw std::runtime_error("raw benchmark channel was not created");
@@ -127,34 +154,13 @@ const std::shared_ptr<gloo::Context>& GlooBackend::Channel(int channel) {
   return streams_.at(static_cast<size_t>(channel));
 }
 
-void GlooBackend::Allreduce(int channel, void* data, size_t count, DataType dtype,
+void GlooTransport::Allreduce(int channel, void* data, size_t count, DataType dtype,
                             ReduceFn fn) {
   if (options_.size <= 1 || count == 0) return;
   BySize<AllreduceRun>(dtype, Channel(channel), data, count, fn);
 }
 
-void GlooBackend::LocalReduce(int channel, void* data, size_t count, DataType dtype,
-                              ReduceFn fn) {
-  if (count == 0) return;
-  BySize<ReduceRun>(dtype, local_.at(static_cast<size_t>(channel)), data, count, fn);
-}
-
-void GlooBackend::LocalBroadcast(int channel, void* data, size_t bytes) {
-  if (bytes == 0) return;
-  gloo::BroadcastOptions opts(local_.at(static_cast<size_t>(channel)));
-  opts.setOutput(static_cast<uint8_t*>(data), bytes);
-  opts.setRoot(0);
-  opts.setTag(6);
-  gloo::broadcast(opts);
-}
-
-void GlooBackend::CrossAllreduce(int channel, void* data, size_t count, DataType dtype,
-                                 ReduceFn fn) {
-  if (count == 0) return;
-  BySize<AllreduceRun>(dtype, cross_.at(static_cast<size_t>(channel)), data, count, fn);
-}
-
-void GlooBackend::Broadcast(int channel, void* data, size_t bytes, int root) {
+void GlooTransport::Broadcast(int channel, void* data, size_t bytes, int root) {
   if (options_.size <= 1 || bytes == 0) return;
   gloo::BroadcastOptions opts(Channel(channel));
   opts.setOutput(static_cast<uint8_t*>(data), bytes);
@@ -163,7 +169,7 @@ void GlooBackend::Broadcast(int channel, void* data, size_t bytes, int root) {
   gloo::broadcast(opts);
 }
 
-void GlooBackend::Allgatherv(int channel, const void* in, void* out,
+void GlooTransport::Allgatherv(int channel, const void* in, void* out,
                              const std::vector<size_t>& bytes_per_rank) {
   if (options_.size <= 1) {
     if (bytes_per_rank[0]) std::memmove(out, in, bytes_per_rank[0]);
@@ -181,7 +187,7 @@ void GlooBackend::Allgatherv(int channel, const void* in, void* out,
   gloo::allgatherv(opts);
 }
 
-void GlooBackend::Alltoallv(int channel, const void* in,
+void GlooTransport::Alltoallv(int channel, const void* in,
                             const std::vector<int64_t>& send_bytes, void* out,
                             const std::vector<int64_t>& recv_bytes, bool any_rank_moves_data) {
   if (options_.size <= 1) {

@@ -18,38 +18,41 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "cc/runtime/common.h"
-#include "cc/runtime/reduce.h"
+#include "cc/transport/transport.h"
 
 namespace perseus {
 
-class GlooBackend;
-
-class ShmAllreduce {
+class ShmTransport : public GroupCollectives {
  public:
-  // Collective over the whole world (through the backend's control
-  // context): each host's ranks (this one is local_rank of local_size on
-  // host cross_rank) map segments of their own. Returns null on every rank
+  // Agrees on the minimum of every rank's value (a collective over the
+  // whole world, e.g. on the control channel of its transport).
+  using AgreeMin = std::function<int32_t(int32_t)>;
+
+  // Collective over the whole world (through agree_min): each host's ranks
+  // (this one, world rank world_rank, is local_rank of local_size on host
+  // cross_rank) map segments of their own. Returns null on every rank
   // when any rank cannot map them (no /dev/shm, too little space): then all
   // ranks keep using Gloo, so that they still run the same algorithm. The
   // ranks that failed say why in *why_not; the others leave it empty.
-  static std::unique_ptr<ShmAllreduce> Connect(GlooBackend& backend, const std::string& key,
-                                               int local_rank, int local_size, int cross_rank,
-                                               int streams, std::chrono::milliseconds timeout,
+  static std::unique_ptr<ShmTransport> Connect(const AgreeMin& agree_min, int world_rank,
+                                               const std::string& key, int local_rank,
+                                               int local_size, int cross_rank, int streams,
+                                               std::chrono::milliseconds timeout,
                                                std::string* why_not);
-  ~ShmAllreduce();
+  ~ShmTransport() override;
 
   // Among the host's ranks. All throw std::runtime_error naming the rank
   // that is gone or late.
-  void Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn);
+  void Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) override;
   // The sum (fn) lands in local rank 0's buffer; the others' are clobbered.
-  void Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn);
+  void Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) override;
   // Local rank 0's bytes to every rank of the host.
-  void Broadcast(int stream, void* data, size_t bytes);
+  void Broadcast(int stream, void* data, size_t bytes) override;
   // Wakes every waiting rank with an error (this rank's runtime failed).
   void Abort();
 
@@ -58,7 +61,7 @@ class ShmAllreduce {
   struct Segment;
 
  private:
-  ShmAllreduce() = default;
+  ShmTransport() = default;
   void Barrier(Segment& s);
   void Reduction(int stream, void* data, size_t count, DataType dtype, ReduceFn fn, bool all);
 

@@ -1,4 +1,4 @@
-#include "cc/runtime/common.h"
+#include "cc/core/common.h"
 
 #include <sstream>
 

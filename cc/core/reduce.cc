@@ -1,4 +1,4 @@
-#include "cc/runtime/reduce.h"
+#include "cc/core/reduce.h"
 
 #include <immintrin.h>
 

@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cc/runtime/common.h"
+#include "cc/core/common.h"
 
 namespace perseus {
 

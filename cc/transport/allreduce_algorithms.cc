@@ -1,0 +1,153 @@
+#include "cc/transport/allreduce_algorithms.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+namespace perseus {
+
+AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopology& t) {
+  if (t.one_host_shm) return AllreduceAlgorithm::kShm;
+  // Two levels for buckets large enough that bandwidth, not the latency of
+  // three phases, decides; always for mixed compression and mode 1.
+  const bool two_level =
+      t.two_level && (mixed || t.mode == 1 || (t.mode < 0 && bytes >= (256u << 10)));
+  return two_level ? AllreduceAlgorithm::kTwoLevel : AllreduceAlgorithm::kFlatRing;
+}
+
+namespace {
+
+// Pipelined in chunks: while a leader's helper thread sends chunk c across
+// hosts (the slow link), the calling thread already reduces chunk c+1 inside
+// the host; the broadcasts inside the host follow, chunk by chunk. The host
+// and leader groups use separate contexts, so the two threads never share one.
+void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& timeline) {
+  const int stream = call.channel;
+  const DataType dtype = call.dtype;
+  const ReduceFn fn = call.fn;
+  const size_t count = call.count, half_across = call.half_across;
+  const size_t esize = DataTypeSize(dtype);
+  const size_t chunk = std::max<size_t>(1, (size_t{4} << 20) / esize);
+  const size_t chunks = (count + chunk - 1) / chunk;
+  char* base = static_cast<char*>(call.data);
+  auto first = [chunk](size_t c) { return c * chunk; };
+  auto length = [chunk, count](size_t c) { return std::min(chunk, count - c * chunk); };
+  const bool leader = g.leaders != nullptr;
+  std::vector<uint16_t>& half = *call.half;
+  if (half_across > 0 && leader && half.size() < count) half.resize(count);
+
+  // One chunk across hosts (leaders only).
+  auto cross = [&](size_t c) {
+    const size_t at = first(c), n = length(c);
+    if (half_across == 0) {
+      TimelineSpan ring(timeline, 1 + stream, "cross-host allreduce", "communication");
+      g.leaders->Allreduce(stream, base + at * esize, n, dtype, fn);
+      return;
+    }
+    float* f = reinterpret_cast<float*>(base) + at;
+    uint16_t* h = half.data() + at;
+    // Elements before half_across are gradients (scaled); after, plan extras.
+    const size_t scaled = half_across > at ? std::min(n, half_across - at) : 0;
+    FloatToHalfScaled(f, h, scaled, call.scale);
+    FloatToHalfScaled(f + scaled, h + scaled, n - scaled, 1.0f);
+    {
+      TimelineSpan ring(timeline, 1 + stream, "cross-host allreduce (fp16)", "communication");
+      g.leaders->Allreduce(stream, h, n, DataType::kFloat16,
+                           GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+    }
+    HalfToFloatScaled(h, f, scaled, 1.0f / call.scale);
+    HalfToFloatScaled(h + scaled, f + scaled, n - scaled, 1.0f);
+  };
+
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t reduced = 0, crossed = 0;
+  bool cross_failed = false;
+  std::exception_ptr error;
+  std::thread helper;
+  if (leader) {
+    helper = std::thread([&] {
+      try {
+        for (size_t c = 0; c < chunks; ++c) {
+          {
+            std::unique_lock<std::mutex> lock(mu);
+            cv.wait(lock, [&] { return reduced > c || cross_failed; });
+            if (cross_failed) return;
+          }
+          cross(c);
+          std::lock_guard<std::mutex> lock(mu);
+          crossed = c + 1;
+          cv.notify_all();
+        }
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        error = std::current_exception();
+        cross_failed = true;
+        cv.notify_all();
+      }
+    });
+  }
+  auto stop_helper = [&] {
+    if (!helper.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (crossed < chunks) cross_failed = true;  // wakes it if still waiting
+      cv.notify_all();
+    }
+    helper.join();
+  };
+  try {
+    for (size_t c = 0; c < chunks; ++c) {
+      {
+        TimelineSpan span(timeline, 1 + stream, "host reduce", "communication");
+        g.host->Reduce(stream, base + first(c) * esize, length(c), dtype, fn);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      reduced = c + 1;
+      cv.notify_all();
+    }
+    for (size_t c = 0; c < chunks; ++c) {
+      if (leader) {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return crossed > c || cross_failed; });
+        if (error) std::rethrow_exception(error);
+        if (cross_failed) throw std::runtime_error("cross-host allreduce stopped");
+      }
+      TimelineSpan span(timeline, 1 + stream, "host broadcast", "communication");
+      g.host->Broadcast(stream, base + first(c) * esize, length(c) * esize);
+    }
+  } catch (...) {
+    stop_helper();
+    throw;
+  }
+  stop_helper();
+}
+
+}  // namespace
+
+void RunAllreduce(AllreduceAlgorithm algorithm, const AllreduceGroups& g,
+                  const AllreduceCall& call, Timeline& timeline) {
+  const bool half = call.dtype == DataType::kFloat16;
+  switch (algorithm) {
+    case AllreduceAlgorithm::kShm: {
+      TimelineSpan span(timeline, 1 + call.channel,
+                        half ? "shm allreduce (fp16)" : "shm allreduce", "communication");
+      g.host->Allreduce(call.channel, call.data, call.count, call.dtype, call.fn);
+      return;
+    }
+    case AllreduceAlgorithm::kFlatRing: {
+      TimelineSpan ring(timeline, 1 + call.channel,
+                        half ? "gloo allreduce (fp16)" : "gloo allreduce", "communication");
+      g.world->Allreduce(call.channel, call.data, call.count, call.dtype, call.fn);
+      return;
+    }
+    case AllreduceAlgorithm::kTwoLevel:
+      TwoLevel(g, call, timeline);
+      return;
+  }
+}
+
+}  // namespace perseus

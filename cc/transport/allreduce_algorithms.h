@@ -1,0 +1,58 @@
+// Which way an allreduce travels, decided in one place (ChooseAllreduce),
+// apart from the transports that carry it:
+//   kShm       every rank is on this host: shared memory only;
+//   kFlatRing  Gloo's ring among all ranks;
+//   kTwoLevel  reduce inside each host (shared memory or TCP), allreduce
+//              among the hosts' leaders, broadcast inside each host,
+//              pipelined in 4 MiB chunks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "cc/core/timeline.h"
+#include "cc/transport/transport.h"
+
+namespace perseus {
+
+enum class AllreduceAlgorithm { kShm, kFlatRing, kTwoLevel };
+
+// What the choice depends on besides the size.
+struct AllreduceTopology {
+  bool one_host_shm = false;  // every rank is on this host and shares memory
+  bool two_level = false;     // host and leader groups are connected
+  int mode = -1;              // PERSEUS_ALLREDUCE_MODE: 0 flat, 1 two levels, -1 choose
+};
+
+// mixed: part of the buffer crosses hosts as float16 (needs two levels).
+AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopology& topology);
+
+// The groups an algorithm may use; null where absent.
+struct AllreduceGroups {
+  Transport* world = nullptr;          // kFlatRing
+  GroupCollectives* host = nullptr;    // kShm (all ranks), kTwoLevel's host phases
+  GroupCollectives* leaders = nullptr; // kTwoLevel, on a host's leader only
+};
+
+struct AllreduceCall {
+  int channel = 0;  // the stream
+  void* data = nullptr;
+  size_t count = 0;
+  DataType dtype = DataType::kFloat32;
+  ReduceFn fn = nullptr;
+  // Mixed compression (float32, kTwoLevel only): between hosts, the first
+  // half_across elements travel as float16 times `scale`, the rest as plain
+  // float16, through `half` (grown as needed).
+  size_t half_across = 0;
+  float scale = 1.0f;
+  std::vector<uint16_t>* half = nullptr;
+};
+
+// Runs the call on the calling thread (kTwoLevel adds a helper thread on
+// leaders). Throws like the transports do. Spans go to `timeline` on
+// thread 1 + channel.
+void RunAllreduce(AllreduceAlgorithm algorithm, const AllreduceGroups& groups,
+                  const AllreduceCall& call, Timeline& timeline);
+
+}  // namespace perseus

@@ -1,0 +1,76 @@
+// CPU collectives over Gloo's TCP transport (see transport.h).
+//
+// The backend owns one Gloo context for negotiation ("control") and one per
+// communication stream. Each context gets its own tcp device, because a
+// device has a single I/O thread: separate devices are what make streams
+// run in parallel. With world size 1 no context exists and every collective
+// is a local copy.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cc/transport/transport.h"
+
+namespace gloo {
+class Context;
+namespace rendezvous {
+class Store;
+}
+}  // namespace gloo
+
+namespace perseus {
+
+class GlooTransport : public Transport {
+ public:
+  // Connects every context as a full mesh through the store (unused, and
+  // may be null, for world size 1).
+  // Throws std::exception with a descriptive message on failure.
+  GlooTransport(const TransportOptions& options, gloo::rendezvous::Store* store);
+  ~GlooTransport() override;
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return options_.size; }
+
+  // Channel -1 is the control context, 0..streams-1 the stream contexts,
+  // kRawChannel a separate context for benchmarking raw Gloo.
+  static constexpr int kRawChannel = 1000;
+  void CreateRawChannel(gloo::rendezvous::Store& store);
+
+  // All collectives throw gloo::Exception (or std::exception) on failure.
+  void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) override;
+  void Broadcast(int channel, void* data, size_t bytes, int root) override;
+  void Allgatherv(int channel, const void* in, void* out,
+                  const std::vector<size_t>& bytes_per_rank) override;
+  void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,
+                 void* out, const std::vector<int64_t>& recv_bytes,
+                 bool any_rank_moves_data) override;
+
+  // Two-level collectives (only when hierarchical() is true). Local rank 0
+  // of each host is its leader.
+  bool hierarchical() const { return !local_.empty(); }
+  bool is_local_leader() const { return options_.local_rank == 0; }
+  // The host's ranks over TCP (null unless hierarchical()), and the hosts'
+  // leaders (null unless hierarchical() on a leader).
+  GroupCollectives* host() { return host_.get(); }
+  GroupCollectives* leaders() { return leaders_.get(); }
+
+ private:
+  std::shared_ptr<gloo::Context> Connect(gloo::rendezvous::Store& store,
+                                         const std::string& name, int rank, int size);
+  const std::shared_ptr<gloo::Context>& Channel(int channel);
+
+  class Group;
+  TransportOptions options_;
+  std::shared_ptr<gloo::Context> control_;
+  std::vector<std::shared_ptr<gloo::Context>> streams_;
+  std::vector<std::shared_ptr<gloo::Context>> local_, cross_;  // per stream
+  std::shared_ptr<gloo::Context> raw_;
+  std::unique_ptr<GroupCollectives> host_, leaders_;
+};
+
+}  // namespace perseus

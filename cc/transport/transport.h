@@ -1,0 +1,78 @@
+// The seam between the runtime and the ways bytes move between ranks.
+//
+// A transport is connected once and then runs collectives on numbered
+// channels: kControl for negotiation, 0..streams-1 for the stream threads.
+// A channel is used by one thread at a time. Options are plain structs, set
+// before connecting. Every collective throws std::exception with a message
+// naming what failed; the runtime turns that into a Status.
+//
+// Implementations: GlooTransport (TCP among all ranks, plus the contexts of
+// the two-level topology) and ShmTransport (shared memory among the ranks of
+// one host). Which of them runs an allreduce is chosen in one place,
+// allreduce_algorithms.h. An NCCL transport belongs here too.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cc/core/common.h"
+#include "cc/core/reduce.h"
+
+namespace perseus {
+
+struct TransportOptions {
+  int rank = 0;
+  int size = 1;
+  int streams = 1;
+  std::string host_addr;  // address to bind, e.g. 127.0.0.2
+  std::string iface;      // PERSEUS_GLOO_NETWORK_INTERFACE; wins over host_addr
+  std::chrono::milliseconds timeout{60000};
+  std::string key_prefix;  // unique per job and per runtime generation
+  // Two-level topology (world only): ranks are placed host by host, so rank
+  // = cross_rank * local_size + local_rank. With `hierarchy` set and several
+  // hosts of several ranks each, every stream also gets a context among the
+  // ranks of its host ("local"), and each host's leader (local rank 0) one
+  // among the leaders ("cross").
+  int local_rank = 0;
+  int local_size = 1;
+  int cross_rank = 0;
+  int cross_size = 1;
+  bool hierarchy = false;
+};
+
+// Collectives among every rank of the job (or of a process set).
+class Transport {
+ public:
+  static constexpr int kControl = -1;
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) = 0;
+  virtual void Broadcast(int channel, void* data, size_t bytes, int root) = 0;
+  // out receives bytes_per_rank[r] bytes from each rank r, in rank order.
+  virtual void Allgatherv(int channel, const void* in, void* out,
+                          const std::vector<size_t>& bytes_per_rank) = 0;
+  // any_rank_moves_data: false only when every rank's splits are all zero
+  // (then no rank runs the collective).
+  virtual void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,
+                         void* out, const std::vector<int64_t>& recv_bytes,
+                         bool any_rank_moves_data) = 0;
+};
+
+// Collectives among a fixed group of ranks whose first member leads: the
+// ranks of one host (the host phases of the two-level allreduce), or the
+// hosts' leaders (its middle phase).
+class GroupCollectives {
+ public:
+  virtual ~GroupCollectives() = default;
+  virtual void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) = 0;
+  // The sum (fn) lands in the leader's buffer; the others' may be clobbered.
+  virtual void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) = 0;
+  // The leader's bytes to every rank of the host.
+  virtual void Broadcast(int channel, void* data, size_t bytes) = 0;
+};
+
+}  // namespace perseus
