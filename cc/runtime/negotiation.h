@@ -30,6 +30,14 @@ struct PlanDigest {
   std::vector<std::string> described;
 };
 
+// What an offline plan bucket's collective reported, summed over the ranks:
+// the votes to leave the plan, and each rank's perf-check time (ms; empty
+// unless the bucket carried them).
+struct BucketOutcome {
+  int64_t votes = 0;
+  std::vector<double> perf_ms;
+};
+
 // One unit of work that every rank executes in the same order.
 struct Response {
   OpType op = OpType::kAllreduce;
@@ -56,6 +64,10 @@ struct Response {
   double perf_value = 0;
   // Set: not a collective of tensors but the offline plan check.
   std::shared_ptr<PlanDigest> plan_check;
+  // A plan bucket's verdict: what the plan does with the bucket's outcome,
+  // attached when the plan dispatches it (the executor only reports). False:
+  // do not deliver; the plan took the requests back.
+  std::function<bool(const BucketOutcome&)> on_outcome;
 };
 
 // A training step's communication, learned online and then replayed with no

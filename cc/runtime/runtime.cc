@@ -13,6 +13,7 @@
 #include "cc/transport/gloo_transport.h"
 #include "cc/transport/shm_transport.h"
 #include "cc/core/reduce.h"
+#include "cc/runtime/fusion.h"
 #include "cc/rendezvous/store_client.h"
 
 namespace perseus {
@@ -428,7 +429,10 @@ Status Runtime::Init(const InitOptions& options) {
   if (options.process_set_id == 0 && options.size > 1) StartHeartbeat();
   std::vector<int> world_ranks = options.global_ranks;
   negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes, world_ranks,
-                                   [this](int64_t b) { return PlanBucketBytes(b); }));
+                                   [this](int64_t b) {
+                                     return PlanBucketBytes(b, options_.fusion_granularity,
+                                                            options_.fusion_threshold_bytes);
+                                   }));
   joined_ = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -986,13 +990,13 @@ bool Runtime::PlanCheckDueLocked() const {
 }
 
 bool Runtime::PlanBucketFinished(int64_t votes,
-                                 std::vector<std::shared_ptr<Request>>& requests,
-                                 const Response& r) {
+                                 const std::vector<std::shared_ptr<Request>>& requests,
+                                 int plan_index) {
   bool deliver = votes == 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --plan_in_flight_;
-    if (r.plan_index + 1 == static_cast<int>(plan_.buckets.size())) last_step_done_ = Clock::now();
+    if (plan_index + 1 == static_cast<int>(plan_.buckets.size())) last_step_done_ = Clock::now();
     if (!deliver) {
       aborting_ = true;
       for (auto& q : requests) {
@@ -1254,6 +1258,11 @@ void Runtime::RunOffline(bool* stop) {
               std::chrono::duration<double, std::milli>(Clock::now() - last_step_done_).count();
         }
       }
+      // The bucket reports its outcome; the plan decides here what it means.
+      r.on_outcome = [this, held = requests, index = r.plan_index](const BucketOutcome& o) {
+        if (!o.perf_ms.empty()) PerfCheckStep(o.perf_ms);
+        return PlanBucketFinished(o.votes, held, index);
+      };
       buckets.emplace_back(plan_pos_, std::move(r));
       work.push_back(std::move(requests));
       ++plan_in_flight_;
@@ -1501,66 +1510,9 @@ bool Runtime::Execute(int stream, const Response& r,
 }
 
 namespace {
-// Extra elements of a plan bucket (the vote, perf-check times): a value in
-// the bucket's dtype, and back.
-void WriteValue(void* p, DataType dtype, double v) {
-  switch (dtype) {
-    case DataType::kFloat16: {
-      float f = static_cast<float>(v);
-      FloatToHalf(&f, static_cast<uint16_t*>(p), 1);
-      break;
-    }
-    case DataType::kBFloat16: {
-      float f = static_cast<float>(v);
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      *static_cast<uint16_t*>(p) = static_cast<uint16_t>(bits >> 16);
-      break;
-    }
-    case DataType::kFloat32: *static_cast<float*>(p) = static_cast<float>(v); break;
-    case DataType::kFloat64: *static_cast<double*>(p) = v; break;
-    case DataType::kInt32: *static_cast<int32_t*>(p) = static_cast<int32_t>(v + 0.5); break;
-    case DataType::kInt64: *static_cast<int64_t*>(p) = static_cast<int64_t>(v + 0.5); break;
-    case DataType::kUint16: *static_cast<uint16_t*>(p) = static_cast<uint16_t>(v + 0.5); break;
-    case DataType::kInt16: *static_cast<int16_t*>(p) = static_cast<int16_t>(v + 0.5); break;
-    default: *static_cast<uint8_t*>(p) = static_cast<uint8_t>(v + 0.5); break;
-  }
-}
-double ReadValue(const void* p, DataType dtype) {
-  switch (dtype) {
-    case DataType::kFloat16: {
-      float f;
-      HalfToFloat(static_cast<const uint16_t*>(p), &f, 1);
-      return f;
-    }
-    case DataType::kBFloat16: {
-      uint32_t bits = static_cast<uint32_t>(*static_cast<const uint16_t*>(p)) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    }
-    case DataType::kFloat32: return *static_cast<const float*>(p);
-    case DataType::kFloat64: return *static_cast<const double*>(p);
-    case DataType::kInt32: return *static_cast<const int32_t*>(p);
-    case DataType::kInt64: return static_cast<double>(*static_cast<const int64_t*>(p));
-    case DataType::kUint16: return *static_cast<const uint16_t*>(p);
-    case DataType::kInt16: return *static_cast<const int16_t*>(p);
-    default: return *static_cast<const uint8_t*>(p);
-  }
-}
-// Writes the vote and this rank's perf slot after `at`; zeros the others.
-void WriteExtras(char* at, DataType dtype, const Response& r, int rank) {
-  const size_t esize = DataTypeSize(dtype);
-  WriteValue(at, dtype, r.carrier_vote);
-  for (int i = 0; i < r.perf_slots; ++i) {
-    WriteValue(at + (1 + i) * esize, dtype, i == rank ? r.perf_value : 0.0);
-  }
-}
-std::vector<double> ReadPerf(const char* at, DataType dtype, const Response& r) {
-  const size_t esize = DataTypeSize(dtype);
-  std::vector<double> out;
-  for (int i = 0; i < r.perf_slots; ++i) out.push_back(ReadValue(at + (1 + i) * esize, dtype));
-  return out;
+// Delivers a bucket's results unless the plan that dispatched it says not to.
+bool Deliver(const Response& r, const BucketOutcome& outcome) {
+  return !r.on_outcome || r.on_outcome(outcome);
 }
 }  // namespace
 
@@ -1605,7 +1557,7 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
     total += n;
   }
   std::vector<char>& buf = streams_[stream]->fusion_buffer;
-  const size_t slots = total + (carrier ? 1 + r.perf_slots : 0);
+  const size_t slots = total + ExtraSlots(r);
   if (buf.size() < slots * esize) buf.resize(slots * esize);
   size_t offset = 0;
   {
@@ -1631,10 +1583,7 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
   }
   if (carrier) WriteExtras(buf.data() + total * esize, dtype, r, options_.rank);
   AllreduceBuffer(stream, buf.data(), slots, dtype, fn, mixed ? total : 0);
-  if (carrier && r.perf_slots) PerfCheckStep(ReadPerf(buf.data() + total * esize, dtype, r));
-  if (carrier && !PlanBucketFinished(static_cast<int64_t>(
-                                         ReadValue(buf.data() + total * esize, dtype) + 0.5),
-                                     requests, r)) {
+  if (carrier && !Deliver(r, ReadOutcome(buf.data() + total * esize, dtype, r))) {
     return false;  // voted down: outputs and residuals untouched, requests back to pending
   }
   ScaleBuffer(buf.data(), dtype, total, post);
@@ -1692,20 +1641,6 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
   call.half = &streams_[stream]->half_buffer;
   RunAllreduce(ChooseAllreduce(count * DataTypeSize(dtype), half_across > 0, topology_), groups_,
                call, timeline_);
-}
-
-int64_t Runtime::PlanBucketBytes(int64_t step_bytes) const {
-  const int g = options_.fusion_granularity;
-  if (g == 0) return 0;
-  if (g > 0) return std::max<int64_t>(1, (step_bytes + g - 1) / g);
-  // Automatic: the step in two buckets (two streams reduce at once;
-  // on the 2-vCPU machine ResNet-50's step took 1.14x a raw allreduce this
-  // way, against 1.24x with 64 MiB + rest and 1.2-1.34x with 4 or more
-  // buckets), none under 4 MiB and none over the fusion threshold.
-  // A little over half: buckets are filled tensor by tensor, in order.
-  const int64_t half = step_bytes / 20 * 11 + 1;
-  return std::min<int64_t>(options_.fusion_threshold_bytes,
-                           std::max<int64_t>(half, int64_t{4} << 20));
 }
 
 int64_t Runtime::TopkCount(int64_t n) const {
@@ -1843,7 +1778,7 @@ bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
   const bool carrier = r.carrier_vote >= 0;
   std::vector<uint16_t>& half = streams_[stream]->half_buffer;
-  const size_t extras = carrier ? 1 + r.perf_slots : 0;
+  const size_t extras = ExtraSlots(r);
   if (half.size() < total + extras) half.resize(total + extras);
   const float in_scale = static_cast<float>(m0.prescale * options_.gradient_scale);
   size_t offset = 0;
@@ -1863,12 +1798,7 @@ bool Runtime::ExecuteCompressedAllreduce(int stream, const Response& r,
                     GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
   }
   const char* extra_at = reinterpret_cast<const char*>(half.data() + total);
-  if (carrier && r.perf_slots) PerfCheckStep(ReadPerf(extra_at, DataType::kFloat16, r));
-  if (carrier && !PlanBucketFinished(
-                     static_cast<int64_t>(ReadValue(extra_at, DataType::kFloat16) + 0.5), requests,
-                     r)) {
-    return false;
-  }
+  if (carrier && !Deliver(r, ReadOutcome(extra_at, DataType::kFloat16, r))) return false;
   const double post =
       m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
   const float out_scale = static_cast<float>(post / options_.gradient_scale);

@@ -226,8 +226,8 @@ class Runtime {
   bool PlanCheckDueLocked() const;
   std::shared_ptr<PlanDigest> DigestPlanLocked(int64_t step) const;
   void CheckPlan(const PlanDigest& plan);
-  bool PlanBucketFinished(int64_t votes, std::vector<std::shared_ptr<Request>>& requests,
-                          const Response& r);
+  bool PlanBucketFinished(int64_t votes, const std::vector<std::shared_ptr<Request>>& requests,
+                          int plan_index);
   // Perf check: a step's per-rank times (from the first bucket's slots).
   void PerfCheckStep(const std::vector<double>& ms_by_rank);
   void StreamLoop(int stream);
@@ -246,9 +246,6 @@ class Runtime {
   // float16 times the gradient scale and the rest as plain float16.
   void AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
                        size_t half_across = 0);
-  // Bucket size of an offline plan whose step holds step_bytes (see
-  // InitOptions::fusion_granularity); -1: the fusion threshold.
-  int64_t PlanBucketBytes(int64_t step_bytes) const;
   // Elements top-k sends of a tensor of n (at least 1).
   int64_t TopkCount(int64_t n) const;
   // Bytes one rank puts on the wire for a tensor (statistics).
