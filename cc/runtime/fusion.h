@@ -30,5 +30,10 @@ inline size_t ExtraSlots(const Response& r) {
 void WriteExtras(char* at, DataType dtype, const Response& r, int rank);
 // Reads the summed extras back.
 BucketOutcome ReadOutcome(const char* at, DataType dtype, const Response& r);
+// Whether to deliver a bucket's results: yes, unless the plan that
+// dispatched it says not to.
+inline bool Deliver(const Response& r, const BucketOutcome& outcome) {
+  return !r.on_outcome || r.on_outcome(outcome);
+}
 
 }  // namespace perseus

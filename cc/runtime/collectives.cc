@@ -1,0 +1,97 @@
+// Allgather, alltoall and reducescatter on a stream.
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <sstream>
+
+#include "cc/core/reduce.h"
+#include "cc/rendezvous/store_client.h"
+#include "cc/runtime/runtime_internal.h"
+#include "cc/transport/gloo_transport.h"
+#include "cc/transport/shm_transport.h"
+
+namespace perseus {
+namespace {
+
+std::vector<int64_t> Trailing(const std::vector<int64_t>& shape) {
+  return std::vector<int64_t>(shape.begin() + (shape.empty() ? 0 : 1), shape.end());
+}
+
+}  // namespace
+
+void Runtime::ExecuteAllgather(int stream, const Response& r, Request& q) {
+  const std::vector<int64_t>& dims = r.first_dims[0];
+  std::vector<int64_t> trailing = Trailing(q.meta.shape);
+  size_t row = static_cast<size_t>(NumElements(trailing)) * DataTypeSize(q.meta.dtype);
+  int64_t rows = 0;
+  std::vector<size_t> bytes;
+  for (int64_t d : dims) {
+    rows += d;
+    bytes.push_back(static_cast<size_t>(d) * row);
+  }
+  std::vector<int64_t> shape{rows};
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  void* out = q.allocate(shape);
+  if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
+  transport_->Allgatherv(stream, q.input, out, bytes);
+}
+
+void Runtime::ExecuteAlltoall(int stream, const Response& r, Request& q) {
+  const int me = options_.rank;
+  std::vector<int64_t> trailing = Trailing(q.meta.shape);
+  int64_t row = NumElements(trailing) * static_cast<int64_t>(DataTypeSize(q.meta.dtype));
+  std::vector<int64_t> send(options_.size), recv(options_.size);
+  int64_t rows = 0;
+  q.received_splits.assign(options_.size, 0);
+  for (int p = 0; p < options_.size; ++p) {
+    send[p] = r.splits[me][p] * row;
+    recv[p] = r.splits[p][me] * row;
+    q.received_splits[p] = r.splits[p][me];
+    rows += r.splits[p][me];
+  }
+  std::vector<int64_t> shape{rows};
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  void* out = q.allocate(shape);
+  if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
+  bool any = false;
+  for (const auto& sent_by : r.splits) {
+    for (int64_t rows_sent : sent_by) any |= rows_sent > 0;
+  }
+  transport_->Alltoallv(stream, q.input, send, out, recv, any && row > 0);
+}
+
+void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {
+  const TensorMeta& m = r.metas[0];
+  const DataType dtype = m.dtype;
+  const size_t esize = DataTypeSize(dtype);
+  size_t n = static_cast<size_t>(NumElements(q.meta.shape));
+  std::vector<char>& buf = streams_[stream]->fusion_buffer;
+  if (buf.size() < n * esize) buf.resize(n * esize);
+  if (n) std::memcpy(buf.data(), q.input, n * esize);
+  ScaleBuffer(buf.data(), dtype, n, m.prescale);
+  transport_->Allreduce(stream, buf.data(), n, dtype, GetReduceFn(dtype, m.reduce_op));
+  // Rows are dealt out as evenly as possible, lower ranks taking the rest.
+  const int64_t dim0 = q.meta.shape[0];
+  const int64_t base = dim0 / options_.size, extra = dim0 % options_.size;
+  const int64_t me = options_.rank;
+  const int64_t my_rows = base + (me < extra ? 1 : 0);
+  const int64_t first_row = me * base + std::min(me, extra);
+  std::vector<int64_t> trailing = Trailing(q.meta.shape);
+  size_t row = static_cast<size_t>(NumElements(trailing)) * esize;
+  std::vector<int64_t> shape{my_rows};
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  void* out = q.allocate(shape);
+  if (out == nullptr && my_rows * row > 0) throw std::runtime_error("could not allocate the output");
+  if (my_rows) std::memcpy(out, buf.data() + first_row * row, my_rows * row);
+  const double post =
+      m.postscale * (m.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+  ScaleBuffer(out, dtype, static_cast<size_t>(my_rows * NumElements(trailing)), post);
+}
+
+}  // namespace perseus

@@ -1,0 +1,221 @@
+// The controller: the background loop, one negotiation cycle (the control
+// allgather and its header), the stall budget.
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <sstream>
+
+#include "cc/core/reduce.h"
+#include "cc/rendezvous/store_client.h"
+#include "cc/runtime/runtime_internal.h"
+#include "cc/transport/gloo_transport.h"
+#include "cc/transport/shm_transport.h"
+
+namespace perseus {
+namespace {
+
+// How long an idle rank waits before joining the next (empty) cycle. A rank
+// with work joins at once; the others join within this bound.
+constexpr auto kIdleWait = std::chrono::milliseconds(5);
+
+// Bytes each rank contributes to a cycle's first control allgather.
+constexpr size_t kControlSlot = 512;
+
+}  // namespace
+
+void Runtime::BackgroundLoop() {
+  bool stop = false;
+  while (!stop) {
+    if (state_.load() != State::kRunning) return;
+    try {
+      if (offline_) {
+        RunOffline(&stop);
+      } else {
+        RunCycle(&stop);
+      }
+    } catch (const std::exception& e) {
+      Fail(std::string("negotiation failed: ") + e.what());
+      return;
+    }
+  }
+  // Every rank saw the same shutdown flag in the same cycle: drain and stop.
+  StopThreads();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_.load() == State::kRunning) state_ = State::kShutdown;
+  }
+  FailAllPending(Status::Error(StatusCode::kUnavailable,
+                               "Perseus was shut down (" + shutdown_by_ +
+                                   ") before this collective ran on every rank"));
+}
+
+void Runtime::RunCycle(bool* stop) {
+  const auto cycle_time = std::chrono::microseconds(
+      static_cast<int64_t>(options_.cycle_time_ms * 1000));
+  CycleMessage mine;
+  bool in_plan = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto max_wait = negotiator_->HasPending() || idle_cycles_ == 0
+                        ? std::chrono::duration_cast<Clock::duration>(cycle_time)
+                        : std::chrono::duration_cast<Clock::duration>(kIdleWait);
+    queue_cv_.wait_until(lock, last_cycle_ + max_wait,
+                         [&] { return !queue_.empty() || shutdown_requested_; });
+    if (!queue_.empty()) {
+      // Cycles are at least one cycle time apart, so requests that arrive
+      // together (a backward pass) travel, and fuse, in few cycles; a
+      // request after a quiet spell goes at once.
+      auto send_at = last_cycle_ + cycle_time;
+      if (Clock::now() < send_at) {
+        lock.unlock();
+        std::this_thread::sleep_until(send_at);
+        lock.lock();
+      }
+    }
+    mine.requests.assign(queue_.begin(), queue_.end());
+    queue_.clear();
+    mine.shutdown = shutdown_requested_;
+    in_plan = offline_;
+  }
+  last_cycle_ = Clock::now();
+  const int64_t my_clock =
+      std::chrono::duration_cast<std::chrono::milliseconds>(last_cycle_ - started_).count();
+
+  const int size = options_.size;
+  std::vector<CycleMessage> all(size);
+  int64_t sent = 0;
+  const auto exchange_start = Clock::now();
+  const size_t my_requests = mine.requests.size();
+  bool any_in_plan = in_plan;
+  int64_t clock = my_clock;
+  if (size == 1) {
+    all[0] = std::move(mine);
+  } else {
+    // One allgather of a fixed slot per rank carries a header (the message
+    // length: 0 = nothing, -1 = only shutdown; this rank's clock, of which
+    // rank 0's is the negotiation clock; whether this rank runs an offline
+    // plan) and as much of the message as fits, which is the whole message
+    // in most cycles; a second allgather moves the rest of longer messages.
+    std::vector<char> encoded;
+    int64_t len = 0;
+    if (!mine.requests.empty()) {
+      encoded = EncodeCycle(mine);
+      len = static_cast<int64_t>(encoded.size());
+    } else if (mine.shutdown) {
+      len = -1;
+    }
+    constexpr size_t kHeader = 3 * sizeof(int64_t);
+    constexpr size_t kInline = kControlSlot - kHeader;
+    std::vector<char> slot(kControlSlot, 0);
+    const int64_t header[3] = {len, my_clock, in_plan ? 1 : 0};
+    std::memcpy(slot.data(), header, kHeader);
+    const size_t head = std::min(encoded.size(), kInline);
+    if (head) std::memcpy(slot.data() + kHeader, encoded.data(), head);
+    std::vector<char> slots(kControlSlot * size);
+    transport_->Allgatherv(Transport::kControl, slot.data(), slots.data(),
+                         std::vector<size_t>(size, kControlSlot));
+    sent += kControlSlot;
+    std::vector<int64_t> lens(size);
+    std::vector<size_t> rest(size, 0);
+    size_t total_rest = 0;
+    for (int r = 0; r < size; ++r) {
+      int64_t h[3];
+      std::memcpy(h, slots.data() + r * kControlSlot, kHeader);
+      lens[r] = h[0];
+      if (r == 0) clock = h[1];
+      any_in_plan |= h[2] != 0;
+      if (lens[r] > static_cast<int64_t>(kInline)) rest[r] = lens[r] - kInline;
+      total_rest += rest[r];
+    }
+    std::vector<char> gathered(total_rest);
+    if (total_rest > 0) {
+      char none = 0;
+      const char* tail = encoded.size() > kInline ? encoded.data() + kInline : &none;
+      transport_->Allgatherv(Transport::kControl, tail, gathered.data(), rest);
+      sent += static_cast<int64_t>(rest[options_.rank]);
+    }
+    size_t offset = 0;
+    std::vector<char> message;
+    for (int r = 0; r < size; ++r) {
+      if (lens[r] > 0) {
+        const char* inline_part = slots.data() + r * kControlSlot + kHeader;
+        message.assign(inline_part, inline_part + std::min<size_t>(lens[r], kInline));
+        message.insert(message.end(), gathered.data() + offset, gathered.data() + offset + rest[r]);
+        all[r] = DecodeCycle(message.data(), message.size());
+      } else {
+        all[r].shutdown = lens[r] < 0;
+      }
+      offset += rest[r];
+    }
+  }
+
+  if (timeline_.enabled() && (my_requests > 0 || size == 1)) {
+    timeline_.Record(0, "negotiate", "negotiation", exchange_start, Clock::now(),
+                     "\"requests\": " + std::to_string(my_requests) +
+                         ", \"control_bytes\": " + std::to_string(sent));
+  }
+  negotiator_->BeginCycle(clock, any_in_plan);
+  bool any_requests = false;
+  for (int r = 0; r < size; ++r) {
+    for (const TensorMeta& m : all[r].requests) {
+      negotiator_->Add(r, m);
+      any_requests = true;
+    }
+    if (all[r].shutdown && !*stop) {
+      *stop = true;
+      std::lock_guard<std::mutex> lock(mu_);
+      shutdown_by_ = "rank " + std::to_string(r) + " called shutdown";
+    }
+  }
+  // The next cycle's clock starts when this one ends, which is the same
+  // moment on every rank: idle ranks then tick together instead of one rank
+  // always waiting inside the control allgather for a later-phased peer (and
+  // holding back the requests that arrive meanwhile).
+  last_cycle_ = Clock::now();
+  std::vector<Response> ready = negotiator_->TakeReady();
+  // The stall inspector and the stall timeout read rank 0's clock, which
+  // every rank received in this cycle, so their verdicts agree everywhere.
+  const std::vector<std::string> stalls =
+      negotiator_->StallReport(static_cast<int64_t>(options_.stall_check_seconds * 1000));
+  if (!stalls.empty() && WorldRank(options_.rank) == 0) {
+    std::ostringstream msg;
+    msg << "Perseus stall inspector (rank 0): " << stalls.size()
+        << (stalls.size() == 1 ? " collective has" : " collectives have")
+        << " waited more than " << options_.stall_check_seconds
+        << " s (PERSEUS_STALL_CHECK_TIME_SECONDS) for ranks that have not submitted them";
+    if (options_.stall_timeout_seconds > 0) {
+      msg << "; the job fails after PERSEUS_STALL_TIMEOUT_SECONDS="
+          << options_.stall_timeout_seconds << " s";
+    }
+    msg << ":\n";
+    for (size_t i = 0; i < stalls.size() && i < 20; ++i) msg << "  " << stalls[i] << "\n";
+    if (stalls.size() > 20) msg << "  ... and " << stalls.size() - 20 << " more\n";
+    std::fputs(msg.str().c_str(), stderr);
+    std::fflush(stderr);
+  }
+  for (Response& r : negotiator_->TakeStalled(
+           static_cast<int64_t>(options_.stall_timeout_seconds * 1000))) {
+    ready.push_back(std::move(r));
+  }
+  idle_cycles_ = (any_requests || !ready.empty()) ? 0 : idle_cycles_ + 1;
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.cycles;
+    stats_.control_bytes_sent += sent;
+    stats_.responses += static_cast<int64_t>(ready.size());
+    for (const Response& r : ready) {
+      if (r.names.size() > 1) ++stats_.fused_responses;
+    }
+  }
+  const bool lone = ready.size() == 1;
+  for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan);
+  if (!offline_ && !*stop && negotiator_->PlanReady()) EnterOffline();
+}
+
+}  // namespace perseus

@@ -1,0 +1,383 @@
+// The executor: streams, dispatch, the execute switch and the plain and fused
+// allreduce (downsampling included). A plan bucket reports its outcome to
+// the closure its plan attached; the executor never reads plan state.
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <sstream>
+
+#include "cc/core/reduce.h"
+#include "cc/runtime/fusion.h"
+#include "cc/runtime/runtime_internal.h"
+#include "cc/transport/allreduce_algorithms.h"
+#include "cc/transport/gloo_transport.h"
+
+namespace perseus {
+namespace {
+
+std::string JsonEscape(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+void Runtime::Dispatch(Response response, bool lone, bool any_in_plan) {
+  std::vector<std::shared_ptr<Request>> requests;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < response.names.size(); ++i) {
+      auto it = pending_.find(response.names[i]);
+      if (it == pending_.end()) {
+        // Only a joined rank is missing names: it takes part with no data.
+        if (response.error.ok()) requests.push_back(StandIn(response, i));
+        continue;
+      }
+      requests.push_back(it->second);
+      pending_.erase(it);
+    }
+    if (response.op == OpType::kJoin) joined_ = false;
+  }
+  if (response.op == OpType::kJoin) {
+    for (auto& q : requests) q->result = response.metas[0].root;
+  }
+  if (!response.error.ok() || response.op == OpType::kBarrier || response.op == OpType::kJoin) {
+    for (auto& q : requests) q->done(response.error);
+    return;
+  }
+  // Online work uses the first `streams` streams in turn; while any rank
+  // runs a plan, it goes to the extra stream so that the two orders never
+  // mix. Every rank decides from what the cycle told all of them (not from
+  // its own plan state: ranks leave a plan at their own pace), so each
+  // collective runs on the same stream everywhere.
+  int stream = any_in_plan
+                   ? options_.streams
+                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
+  if (lone && RunHereIfIdle(stream, response, requests)) return;
+  DispatchTo(stream, std::move(response), std::move(requests));
+}
+
+bool Runtime::RunHereIfIdle(int stream, Response& response,
+                            std::vector<std::shared_ptr<Request>>& requests) {
+  // Saves a thread hand-off. The stream's order is unchanged: nothing else
+  // can be dispatched to it while this thread is busy.
+  Stream& s = *streams_[stream];
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.queue.empty() || s.busy) return false;
+    s.busy = true;
+  }
+  RunOnStream(stream, response, requests);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.busy = false;
+  }
+  s.cv.notify_one();
+  return true;
+}
+
+void Runtime::DispatchTo(int stream, Response response,
+                         std::vector<std::shared_ptr<Request>> requests) {
+  Stream& s = *streams_[stream];
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.queue.push_back(std::move(response));
+    s.work.push_back(std::move(requests));
+  }
+  s.cv.notify_one();
+}
+
+std::shared_ptr<Request> Runtime::StandIn(const Response& response, size_t index) {
+  auto q = std::make_shared<Request>();
+  q->meta = response.metas[index];
+  q->done = [](const Status&) {};
+  const size_t esize = DataTypeSize(q->meta.dtype);
+  switch (response.op) {
+    case OpType::kAllgather:
+      // No rows from this rank; the gathered result is discarded.
+      if (!q->meta.shape.empty()) q->meta.shape[0] = 0;
+      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
+        q->scratch.resize(std::max<size_t>(1, NumElements(shape) * DataTypeSize(q->meta.dtype)));
+        return q->scratch.data();
+      };
+      break;
+    default: {
+      // Zeros in (neutral for a sum, the only reduction a joined rank
+      // should meet), result discarded.
+      q->scratch.assign(std::max<size_t>(1, NumElements(q->meta.shape) * esize), 0);
+      q->input = q->output = q->scratch.data();
+      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
+        size_t need = NumElements(shape) * DataTypeSize(q->meta.dtype);
+        if (need > q->scratch.size()) q->scratch.resize(need);
+        return q->scratch.data();
+      };
+    }
+  }
+  return q;
+}
+
+void Runtime::StreamLoop(int index) {
+  Stream& s = *streams_[index];
+  while (true) {
+    Response response;
+    std::vector<std::shared_ptr<Request>> requests;
+    {
+      std::unique_lock<std::mutex> lock(s.mu);
+      s.cv.wait(lock, [&] { return (!s.queue.empty() && !s.busy) || s.stop; });
+      if (s.queue.empty()) return;
+      response = std::move(s.queue.front());
+      s.queue.pop_front();
+      requests = std::move(s.work.front());
+      s.work.pop_front();
+      s.busy = true;
+    }
+    RunOnStream(index, response, requests);
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.busy = false;
+    }
+    s.cv.notify_all();  // the background thread may wait for this stream to be idle
+  }
+}
+
+void Runtime::RunOnStream(int index, Response& response,
+                          std::vector<std::shared_ptr<Request>>& requests) {
+  if (state_.load() == State::kFailed) {
+    Status failure;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failure = failure_;
+    }
+    for (auto& q : requests) q->done(failure);
+    return;
+  }
+  auto start = Clock::now();
+  Clock::time_point oldest = start;
+  for (auto& q : requests) {
+    if (q->enqueued != Clock::time_point{} && q->enqueued < oldest) oldest = q->enqueued;
+  }
+  std::string span_args;
+  if (timeline_.enabled()) {
+    int64_t bytes = 0;
+    for (const TensorMeta& m : response.metas) {
+      bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
+    }
+    span_args = "\"tensors\": " + std::to_string(response.names.size()) +
+                ", \"bytes\": " + std::to_string(bytes) + ", \"first\": \"" +
+                JsonEscape(response.names[0]) + "\", \"plan\": " +
+                (response.carrier_vote >= 0 ? "true" : "false");
+  }
+  Status status;
+  bool complete = true;
+  try {
+    complete = Execute(index, response, requests);
+  } catch (const std::exception& e) {
+    Fail(response.plan_check ? std::string(e.what())
+                             : std::string("stream ") + std::to_string(index) + " " +
+                                   OpTypeName(response.op) + " of '" + response.names[0] +
+                                   "' failed: " + e.what());
+    std::lock_guard<std::mutex> lock(mu_);
+    status = failure_;
+  }
+  const auto end = Clock::now();
+  // Recorded before the requests complete, so a caller that stops the
+  // timeline right after its collective returns finds it there.
+  timeline_.Record(1 + index, OpTypeName(response.op), "bucket", start, end, span_args);
+  double secs = std::chrono::duration<double>(end - start).count();
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    StreamStats& st = stats_.streams[index];
+    ++st.responses;
+    st.tensors += static_cast<int64_t>(response.names.size());
+    for (const TensorMeta& m : response.metas) {
+      st.bytes += PayloadBytes(m);
+    }
+    st.busy_seconds += secs;
+    st.wait_seconds += std::chrono::duration<double>(start - oldest).count();
+  }
+  if (complete) {
+    for (auto& q : requests) q->done(status);
+  }
+}
+
+bool Runtime::Execute(int stream, const Response& r,
+                      std::vector<std::shared_ptr<Request>>& requests) {
+  if (r.plan_check) {
+    CheckPlan(*r.plan_check);
+    return true;
+  }
+  if (requests.size() != r.names.size()) {
+    throw std::runtime_error("internal error: response and local requests disagree");
+  }
+  switch (r.op) {
+    case OpType::kAllreduce:
+      return ExecuteAllreduce(stream, r, requests);
+    case OpType::kBroadcast: {
+      Request& q = *requests[0];
+      size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
+      if (options_.rank == q.meta.root && q.output != q.input && bytes) {
+        std::memcpy(q.output, q.input, bytes);
+      }
+      transport_->Broadcast(stream, q.output, bytes, q.meta.root);
+      break;
+    }
+    case OpType::kAllgather:
+      ExecuteAllgather(stream, r, *requests[0]);
+      break;
+    case OpType::kAlltoall:
+      ExecuteAlltoall(stream, r, *requests[0]);
+      break;
+    case OpType::kReducescatter:
+      ExecuteReducescatter(stream, r, *requests[0]);
+      break;
+    case OpType::kBarrier:
+    case OpType::kJoin:
+      break;
+  }
+  return true;
+}
+
+bool Runtime::ExecuteAllreduce(int stream, const Response& r,
+                               std::vector<std::shared_ptr<Request>>& requests) {
+  const TensorMeta& m0 = r.metas[0];
+  if (m0.compression == kCompressFp16) return ExecuteCompressedAllreduce(stream, r, requests);
+  if (m0.compression == kCompressTopk) return ExecuteTopk(stream, r, *requests[0]);
+  const DataType dtype = m0.dtype;
+  const size_t esize = DataTypeSize(dtype);
+  ReduceFn fn = GetReduceFn(dtype, m0.reduce_op);
+  const double post =
+      m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+  const bool carrier = r.carrier_vote >= 0;
+  const bool mixed = m0.compression == kCompressMixed;
+  const bool down = m0.compression == kCompressDownsample;
+  if (requests.size() == 1 && !carrier && !down) {
+    Request& q = *requests[0];
+    size_t n = static_cast<size_t>(NumElements(q.meta.shape));
+    if (q.output != q.input && n) std::memcpy(q.output, q.input, n * esize);
+    ScaleBuffer(q.output, dtype, n, m0.prescale);
+    AllreduceBuffer(stream, q.output, n, dtype, fn, mixed ? n : 0);
+    ScaleBuffer(q.output, dtype, n, post);
+    return true;
+  }
+  // Fused bucket: pack, reduce once, unpack. Downsampling packs only this
+  // step's elements of each tensor (every N-th, from a rotating phase), with
+  // the residual of the steps that did not send them.
+  const size_t N = down ? static_cast<size_t>(options_.downsample_n) : 1;
+  const float momentum = static_cast<float>(options_.gradient_momentum);
+  std::vector<SparseState*> states;
+  std::vector<size_t> phases;
+  auto sent_count = [N](size_t n, size_t phase) { return n > phase ? (n - phase + N - 1) / N : 0; };
+  size_t total = 0;
+  for (auto& q : requests) {
+    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+    if (down) {
+      states.push_back(&SparseFor(q->meta));
+      phases.push_back(static_cast<size_t>(states.back()->steps % static_cast<int64_t>(N)));
+      n = sent_count(n, phases.back());
+    }
+    total += n;
+  }
+  std::vector<char>& buf = streams_[stream]->fusion_buffer;
+  const size_t slots = total + ExtraSlots(r);
+  if (buf.size() < slots * esize) buf.resize(slots * esize);
+  size_t offset = 0;
+  {
+    TimelineSpan pack(timeline_, 1 + stream, down ? "downsample pack" : "pack", "memory");
+    for (size_t i = 0; i < requests.size(); ++i) {
+      auto& q = requests[i];
+      size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+      if (down) {
+        const float* in = static_cast<const float*>(q->input);
+        const float* res = states[i]->residual.data();
+        float* out = reinterpret_cast<float*>(buf.data()) + offset / esize;
+        const float pre = static_cast<float>(m0.prescale);
+        size_t j = 0;
+        for (size_t e = phases[i]; e < n; e += N) out[j++] = in[e] * pre + momentum * res[e];
+        offset += j * esize;
+        continue;
+      }
+      size_t bytes = n * esize;
+      if (bytes) std::memcpy(buf.data() + offset, q->input, bytes);
+      offset += bytes;
+    }
+    if (!down) ScaleBuffer(buf.data(), dtype, total, m0.prescale);
+  }
+  if (carrier) WriteExtras(buf.data() + total * esize, dtype, r, options_.rank);
+  AllreduceBuffer(stream, buf.data(), slots, dtype, fn, mixed ? total : 0);
+  if (carrier && !Deliver(r, ReadOutcome(buf.data() + total * esize, dtype, r))) {
+    return false;  // voted down: outputs and residuals untouched, requests back to pending
+  }
+  ScaleBuffer(buf.data(), dtype, total, post);
+  offset = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto& q = requests[i];
+    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
+    if (down) {
+      // Everything not sent this step stays in the residual (decayed by the
+      // momentum); what was sent leaves it. Unsent outputs are zero.
+      const float* in = static_cast<const float*>(q->input);
+      float* out = static_cast<float*>(q->output);
+      float* res = states[i]->residual.data();
+      const float pre = static_cast<float>(m0.prescale);
+      for (size_t e = 0; e < n; ++e) res[e] = in[e] * pre + momentum * res[e];
+      if (n) std::memset(out, 0, n * sizeof(float));
+      const float* got = reinterpret_cast<const float*>(buf.data()) + offset / esize;
+      size_t j = 0;
+      for (size_t e = phases[i]; e < n; e += N) {
+        out[e] = got[j++];
+        res[e] = 0;
+      }
+      offset += j * esize;
+      ++states[i]->steps;
+      continue;
+    }
+    size_t bytes = n * esize;
+    if (bytes) std::memcpy(q->output, buf.data() + offset, bytes);
+    offset += bytes;
+  }
+  return true;
+}
+
+void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
+                              size_t half_across) {
+  AllreduceCall call;
+  call.channel = stream;
+  call.data = buf;
+  call.count = count;
+  call.dtype = dtype;
+  call.fn = fn;
+  call.half_across = half_across;
+  call.scale = static_cast<float>(options_.gradient_scale);
+  call.half = &streams_[stream]->half_buffer;
+  RunAllreduce(ChooseAllreduce(count * DataTypeSize(dtype), half_across > 0, topology_), groups_,
+               call, timeline_);
+}
+
+int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
+  const int64_t n = NumElements(m.shape);
+  switch (m.compression) {
+    case kCompressFp16:
+      return 2 * n;
+    case kCompressMixed:  // what crosses hosts
+      return (transport_ && transport_->hierarchical() ? 2 : 4) * n;
+    case kCompressTopk:
+      return TopkCount(n) * (4 + (options_.topk_fp16 ? 2 : 4));
+    case kCompressDownsample:
+      return 4 * ((n + options_.downsample_n - 1) / options_.downsample_n);
+    default:
+      return n * static_cast<int64_t>(DataTypeSize(m.dtype));
+  }
+}
+
+}  // namespace perseus

@@ -1,0 +1,219 @@
+// Health: failure naming (census and heartbeats in the store), failing the
+// job, the slow-rank perf check.
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <sstream>
+
+#include "cc/core/reduce.h"
+#include "cc/rendezvous/store_client.h"
+#include "cc/runtime/runtime_internal.h"
+#include "cc/transport/shm_transport.h"
+
+namespace perseus {
+namespace {
+
+std::string ClosedKey(const std::string& job, int rank) {
+  return "__closed__/" + job + "/rank" + std::to_string(rank);
+}
+
+}  // namespace
+
+void Runtime::PerfCheckStep(const std::vector<double>& ms_by_rank) {
+  double total = 0;
+  for (double v : ms_by_rank) total += v;
+  if (total <= 0) return;  // the first step after a plan: nothing measured yet
+  std::vector<int> slow;
+  std::vector<double> mean;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (perf_sum_.size() != ms_by_rank.size()) perf_sum_.assign(ms_by_rank.size(), 0.0);
+    for (size_t i = 0; i < ms_by_rank.size(); ++i) perf_sum_[i] += ms_by_rank[i];
+    if (++perf_steps_ < options_.perf_check_n_steps) return;
+    for (double v : perf_sum_) mean.push_back(v / perf_steps_);
+    perf_sum_.assign(ms_by_rank.size(), 0.0);
+    perf_steps_ = 0;
+  }
+  // Abnormally slow: more than 1.5x the median time outside communication,
+  // and by more than a millisecond (noise on tiny steps).
+  std::vector<double> sorted = mean;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted[(sorted.size() - 1) / 2];  // the lower median
+  std::ostringstream msg;
+  for (size_t i = 0; i < mean.size(); ++i) {
+    if (mean[i] > 1.5 * median && mean[i] - median > 1.0) {
+      slow.push_back(WorldRank(static_cast<int>(i)));
+      msg << (slow.size() > 1 ? "; " : "") << "rank " << WorldRank(static_cast<int>(i)) << " "
+          << static_cast<int64_t>(mean[i] * 10) / 10.0 << " ms ("
+          << static_cast<int64_t>(mean[i] / std::max(median, 1e-9) * 10) / 10.0 << "x)";
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.perf_reports;
+    stats_.slow_ranks = slow;
+  }
+  if (!slow.empty() && WorldRank(options_.rank) == 0) {
+    std::fprintf(stderr,
+                 "Perseus perf check (last %d steps): slow rank(s), time per step outside "
+                 "communication against the median of %.1f ms: %s\n",
+                 options_.perf_check_n_steps, median, msg.str().c_str());
+    std::fflush(stderr);
+  }
+}
+
+void Runtime::Fail(const std::string& what) {
+  static std::mutex fail_mu;
+  std::lock_guard<std::mutex> fail_lock(fail_mu);
+  if (state_.load() != State::kRunning) return;
+  std::string who = IdentifyFailedRanks();
+  std::ostringstream msg;
+  msg << "Perseus rank " << options_.rank << ": ";
+  if (!who.empty()) msg << who << "; ";
+  msg << what << ". Collectives cannot continue; restart the job.";
+  Status status = Status::Error(StatusCode::kUnavailable, msg.str());
+  if (shm_) shm_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure_ = status;
+    state_ = State::kFailed;
+  }
+  queue_cv_.notify_all();
+  FailAllPending(status);
+}
+
+std::string Runtime::HeartbeatKey(int world_rank) const {
+  return options_.job_id + "/heartbeat/" + std::to_string(world_rank);
+}
+
+void Runtime::StartHeartbeat() {
+  StopHeartbeat();
+  try {
+    heartbeat_store_.reset(new StoreClient(options_.store_addr, options_.store_port,
+                                           options_.secret, std::chrono::milliseconds(1000)));
+    heartbeat_store_->SetIoTimeout(std::chrono::milliseconds(3000));
+  } catch (const std::exception&) {
+    heartbeat_store_.reset();  // failures are then told apart by the census alone
+    return;
+  }
+  heartbeat_stop_ = false;
+  const std::string key = HeartbeatKey(WorldRank(options_.rank));
+  heartbeat_ = std::thread([this, key] {
+    std::unique_lock<std::mutex> lock(heartbeat_mu_);
+    while (!heartbeat_stop_) {
+      lock.unlock();
+      try {
+        heartbeat_store_->Add(key, 1);
+      } catch (const std::exception&) {
+        return;  // the store is gone: nothing left to tell
+      }
+      lock.lock();
+      heartbeat_cv_.wait_for(lock, std::chrono::milliseconds(250),
+                             [this] { return heartbeat_stop_; });
+    }
+  });
+}
+
+void Runtime::StopHeartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(heartbeat_mu_);
+    heartbeat_stop_ = true;
+  }
+  heartbeat_cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  heartbeat_store_.reset();
+}
+
+std::string Runtime::IdentifyFailedRanks() {
+  if (!store_) return "";
+  try {
+    const std::string& job = options_.job_id;
+    const std::string group =
+        options_.process_set_id ? "/ps" + std::to_string(options_.process_set_id) : "";
+    const std::string census =
+        job + group + "/gen" + std::to_string(generation_) + "/census/rank";
+    store_->set(census + std::to_string(options_.rank), {'1'});
+    std::vector<char> ignored;
+    // Every live process beats every 250 ms, even while blocked in a
+    // collective; take a first reading now, a second after the dead check.
+    StoreClient* beats = heartbeat_store_ ? heartbeat_store_.get() : nullptr;
+    std::vector<int64_t> first(options_.size, -1);
+    const auto first_at = Clock::now();
+    if (beats) {
+      try {
+        for (int r = 0; r < options_.size; ++r) first[r] = beats->Add(HeartbeatKey(WorldRank(r)), 0);
+      } catch (const std::exception&) {
+        beats = nullptr;
+      }
+    }
+    // A rank that died closed its store connection; the store may take a
+    // moment to notice, so look for up to a second.
+    auto deadline = Clock::now() + std::chrono::seconds(1);
+    std::vector<int> dead;
+    while (dead.empty()) {
+      for (int r = 0; r < options_.size; ++r) {
+        // A rank that noticed the failure itself (census key written) and
+        // then exited is a survivor, not the cause.
+        if (r != options_.rank &&
+            store_->TryGet(ClosedKey(job, WorldRank(r)), std::chrono::milliseconds(0), &ignored) &&
+            !store_->TryGet(census + std::to_string(r), std::chrono::milliseconds(0), &ignored)) {
+          dead.push_back(WorldRank(r));
+        }
+      }
+      if (!dead.empty() || Clock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!dead.empty()) return RankList(dead) + (dead.size() == 1 ? " exited or lost its connection"
+                                                                : " exited or lost their connection");
+    // Nobody died. A rank whose heartbeat did not move in 1.5 s (six beats)
+    // is stopped: this names it about 1.5 s after the timeout.
+    if (beats) {
+      std::this_thread::sleep_until(first_at + std::chrono::milliseconds(1500));
+      std::vector<int> stopped;
+      try {
+        for (int r = 0; r < options_.size; ++r) {
+          if (r == options_.rank) continue;
+          if (beats->Add(HeartbeatKey(WorldRank(r)), 0) == first[r]) stopped.push_back(WorldRank(r));
+        }
+        if (!stopped.empty()) return RankList(stopped) + " stopped responding";
+        return "";
+      } catch (const std::exception&) {
+        // the store stopped answering: fall back to the census
+      }
+    }
+    // No heartbeats: the ranks that are alive reach this point at about the
+    // same time (they all timed out); the one that never does is stuck.
+    auto census_deadline = Clock::now() + std::chrono::seconds(10);
+    std::vector<int> silent;
+    for (int r = 0; r < options_.size; ++r) {
+      if (r == options_.rank) continue;
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(census_deadline - Clock::now());
+      if (left.count() < 0) left = std::chrono::milliseconds(0);
+      if (!store_->TryGet(census + std::to_string(r), left, &ignored)) {
+        silent.push_back(WorldRank(r));
+      }
+    }
+    if (!silent.empty()) return RankList(silent) + " stopped responding";
+    return "";
+  } catch (const std::exception&) {
+    return "the rendezvous store is gone (the launcher or rank 0 exited)";
+  }
+}
+
+void Runtime::FailAllPending(const Status& status) {
+  std::unordered_map<std::string, std::shared_ptr<Request>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.swap(pending_);
+    queue_.clear();
+  }
+  for (auto& kv : pending) kv.second->done(status);
+}
+
+}  // namespace perseus

@@ -1,0 +1,294 @@
+// The offline plan state machine: entering, dispatching a step's buckets,
+// deadlines, leaving.
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <sstream>
+
+#include "cc/core/reduce.h"
+#include "cc/rendezvous/store_client.h"
+#include "cc/runtime/fusion.h"
+#include "cc/runtime/runtime_internal.h"
+#include "cc/transport/gloo_transport.h"
+#include "cc/transport/shm_transport.h"
+
+namespace perseus {
+// ---- Offline plans -------------------------------------------------------
+//
+// Online negotiation watches plannable allreduces (a training step's
+// gradients, sums or averages). Once a step has repeated with the same names
+// and metas and a cycle ends exactly between two steps, every rank (deciding
+// identically) takes the plan and stops sending control messages for those
+// tensors: each rank runs the plan's buckets in order as soon as their
+// tensors are pending locally. Other collectives still negotiate online, on
+// demand (no idle cycles while a plan runs), on the extra stream.
+//
+// Leaving is agreed in-band. Every plan bucket carries one extra element,
+// this rank's vote, summed with the data. A rank votes 1 when its data does
+// not fit the plan: a plannable request whose name, meta or grouped call
+// differs, or that arrives for a bucket already run this step, or when it
+// is shutting down. A voting rank runs the rest of the step's buckets at once
+// with zeros for what it lacks; a bucket with votes is delivered nowhere (its
+// requests go back to pending), and once the step's buckets are done every
+// rank leaves the plan and sends its pending requests online, where a real
+// mismatch is reported by name and a changed step is learned again. Every
+// rank runs every bucket of the step exactly once, so no rank waits forever.
+
+void Runtime::EnterOffline() {
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_ = negotiator_->TakePlan();
+  plan_pos_ = 0;
+  plan_in_flight_ = 0;
+  plan_steps_ = 0;
+  plan_checked_ = -1;
+  leave_vote_ = aborting_ = step_started_ = false;
+  // Plannable requests not yet sent run from the plan instead.
+  std::deque<TensorMeta> keep;
+  for (TensorMeta& m : queue_) {
+    if (!(m.flags & kMetaPlannable)) {
+      keep.push_back(std::move(m));
+    } else if (!FitsPlanLocked(m)) {
+      leave_vote_ = true;
+    }
+  }
+  queue_.swap(keep);
+  plan_have_.assign(plan_.buckets.size(), 0);
+  for (const auto& kv : pending_) {
+    if ((kv.second->meta.flags & kMetaPlannable) && FitsPlanLocked(kv.second->meta)) {
+      ++plan_have_[plan_.bucket_of.at(kv.first)];
+    }
+  }
+  offline_ = true;
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plans;
+}
+
+void Runtime::LeaveOfflineLocked() {
+  offline_ = false;
+  leave_vote_ = aborting_ = step_started_ = false;
+  // Pending plannable requests were never sent: negotiate them now.
+  std::vector<const TensorMeta*> resend;
+  for (const auto& kv : pending_) {
+    if (kv.second->meta.flags & kMetaPlannable) resend.push_back(&kv.second->meta);
+  }
+  std::sort(resend.begin(), resend.end(),
+            [](const TensorMeta* a, const TensorMeta* b) { return a->name < b->name; });
+  for (const TensorMeta* m : resend) queue_.push_back(*m);
+  // The negotiator restarts learning by itself once every rank reports,
+  // in a cycle, that it has left (Negotiator::BeginCycle).
+  last_cycle_ = Clock::now() - std::chrono::hours(1);  // next cycle at once
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plan_exits;
+}
+
+std::chrono::milliseconds Runtime::PlanDeadline() const {
+  // Well inside GLOO_TIMEOUT_SECONDS: a rank that had its data entered the
+  // bucket's collective and waits there for this rank's vote.
+  const double seconds = std::min(10.0, std::max(0.5, options_.timeout_seconds / 4));
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+void Runtime::ReportPlanTimeoutLocked(Clock::time_point oldest) {
+  const Response& b = plan_.buckets[plan_pos_];
+  std::vector<std::string> missing;
+  for (const std::string& name : b.names) {
+    if (!pending_.count(name)) missing.push_back(name);
+  }
+  std::ostringstream msg;
+  msg << "Perseus rank " << WorldRank(options_.rank) << ": offline plan bucket " << plan_pos_
+      << " of " << plan_.buckets.size() << " (plan step " << plan_steps_ << ") has waited "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - oldest).count() /
+             1000.0
+      << " s for ";
+  for (size_t i = 0; i < missing.size() && i < 3; ++i) msg << (i ? ", '" : "'") << missing[i] << "'";
+  if (missing.size() > 3) msg << " and " << missing.size() - 3 << " more";
+  msg << (missing.empty() ? "an earlier bucket" : "") << ", which this rank has not submitted, "
+      << "while later gradients wait: this step's calls do not come in the plan's order. "
+         "Leaving the plan; online negotiation takes over and learns the step again.\n";
+  std::fputs(msg.str().c_str(), stderr);
+  std::fflush(stderr);
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plan_timeouts;
+}
+
+bool Runtime::FitsPlanLocked(const TensorMeta& m) const {
+  auto it = plan_.metas.find(m.name);
+  if (it == plan_.metas.end() || !MatchesPlan(m, it->second)) return false;
+  // A name of a bucket already run this step means the step changed.
+  return !(step_started_ && plan_.bucket_of.at(m.name) < plan_pos_);
+}
+
+bool Runtime::PlanBucketReadyLocked() const {
+  // plan_have_ counts the bucket's fitting requests pending on this rank.
+  return plan_have_[plan_pos_] == plan_.buckets[plan_pos_].names.size();
+}
+
+bool Runtime::CanDispatchPlanLocked() const {
+  if (plan_.buckets.empty()) return false;
+  const bool voting = leave_vote_ || aborting_ || shutdown_requested_;
+  if (step_started_) return voting || PlanBucketReadyLocked();
+  // A new step starts with real data, or with a vote once the previous
+  // step's buckets are all finished (then it is the step that leaves).
+  if (voting) return plan_in_flight_ == 0 && !aborting_;
+  return PlanBucketReadyLocked();
+}
+
+bool Runtime::PlanCheckDueLocked() const {
+  const int64_t n = options_.plan_check_n_steps;
+  return n > 0 && !step_started_ && plan_steps_ % n == 0 && plan_checked_ != plan_steps_;
+}
+
+bool Runtime::PlanBucketFinished(int64_t votes,
+                                 const std::vector<std::shared_ptr<Request>>& requests,
+                                 int plan_index) {
+  bool deliver = votes == 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --plan_in_flight_;
+    if (plan_index + 1 == static_cast<int>(plan_.buckets.size())) last_step_done_ = Clock::now();
+    if (!deliver) {
+      aborting_ = true;
+      for (auto& q : requests) {
+        if (q->scratch.empty()) pending_.emplace(q->meta.name, q);  // real ones only
+      }
+    }
+  }
+  queue_cv_.notify_all();
+  return deliver;
+}
+
+void Runtime::RunOffline(bool* stop) {
+  std::vector<std::pair<size_t, Response>> buckets;
+  std::vector<std::vector<std::shared_ptr<Request>>> work;
+  bool online = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto done_leaving = [&] { return aborting_ && !step_started_ && plan_in_flight_ == 0; };
+    auto runnable = [&] {
+      return state_.load() != State::kRunning || !queue_.empty() ||
+             negotiator_->HasPending() || CanDispatchPlanLocked() || done_leaving();
+    };
+    while (!runnable()) {
+      // Plannable requests waiting here for the plan (their bucket, or an
+      // earlier one, lacks tensors this rank has not submitted) wait at
+      // most PlanDeadline(); then this rank votes to leave the plan.
+      Clock::time_point oldest = Clock::time_point::max();
+      for (const auto& kv : pending_) {
+        if (kv.second->meta.flags & kMetaPlannable) oldest = std::min(oldest, kv.second->enqueued);
+      }
+      if (oldest == Clock::time_point::max()) {
+        plan_waiting_ = false;  // between steps: nothing of ours is waiting
+        queue_cv_.wait_for(lock, std::chrono::seconds(1));
+        continue;
+      }
+      plan_waiting_ = true;
+      const auto deadline = oldest + PlanDeadline();
+      if (Clock::now() >= deadline) {
+        ReportPlanTimeoutLocked(oldest);
+        leave_vote_ = true;
+        break;
+      }
+      queue_cv_.wait_until(lock, deadline);
+    }
+    plan_waiting_ = false;
+    if (state_.load() != State::kRunning) return;
+    if (CanDispatchPlanLocked() && PlanCheckDueLocked()) {
+      // Every rank checks before dispatching the same plan step, on the
+      // first stream, after the work already queued there, so the check's
+      // collectives line up with the buckets on every rank. It runs on the
+      // stream's thread: this thread must stay free to negotiate online.
+      Response check;
+      check.op = OpType::kAllreduce;
+      check.names.push_back("perseus.plan_check");
+      check.plan_check = DigestPlanLocked(plan_steps_);
+      plan_checked_ = plan_steps_;
+      buckets.emplace_back(0, std::move(check));
+      work.emplace_back();
+    }
+    while (CanDispatchPlanLocked()) {
+      if (PlanCheckDueLocked()) break;  // this step is checked first (next pass)
+      if (plan_pos_ == 0 && WorldRank(options_.rank) == test_swap_rank_ &&
+          plan_steps_ == test_swap_step_) {
+        // Test fault: two same-shaped tensors of one bucket trade places in
+        // this rank's copy of the plan (its requests still fit it).
+        for (Response& b : plan_.buckets) {
+          size_t i = 0, j = 1;
+          while (j < b.names.size() && !(b.metas[j].shape == b.metas[i].shape &&
+                                         b.metas[j].dtype == b.metas[i].dtype)) {
+            ++j;
+          }
+          if (j < b.names.size()) {
+            std::swap(b.names[i], b.names[j]);
+            std::swap(b.metas[i], b.metas[j]);
+            break;
+          }
+        }
+      }
+      Response r = plan_.buckets[plan_pos_];
+      std::vector<std::shared_ptr<Request>> requests;
+      bool stand_in = false;
+      for (size_t i = 0; i < r.names.size(); ++i) {
+        auto it = pending_.find(r.names[i]);
+        if (it != pending_.end() && MatchesPlan(it->second->meta, r.metas[i])) {
+          requests.push_back(it->second);
+          pending_.erase(it);
+        } else {
+          requests.push_back(StandIn(r, i));  // zeros; this bucket is voted down
+          stand_in = true;
+        }
+      }
+      plan_have_[plan_pos_] = 0;
+      const bool vote = stand_in || leave_vote_ || aborting_ || shutdown_requested_;
+      r.carrier_vote = vote ? 1 : 0;
+      r.plan_index = static_cast<int>(plan_pos_);
+      if (plan_pos_ == 0 && options_.perf_check_n_steps > 0) {
+        // This rank's time outside communication since its last step ended.
+        r.perf_slots = options_.size;
+        if (last_step_done_ != Clock::time_point{}) {
+          r.perf_value =
+              std::chrono::duration<double, std::milli>(Clock::now() - last_step_done_).count();
+        }
+      }
+      // The bucket reports its outcome; the plan decides here what it means.
+      r.on_outcome = [this, held = requests, index = r.plan_index](const BucketOutcome& o) {
+        if (!o.perf_ms.empty()) PerfCheckStep(o.perf_ms);
+        return PlanBucketFinished(o.votes, held, index);
+      };
+      buckets.emplace_back(plan_pos_, std::move(r));
+      work.push_back(std::move(requests));
+      ++plan_in_flight_;
+      step_started_ = true;
+      plan_pos_ = (plan_pos_ + 1) % plan_.buckets.size();
+      std::lock_guard<std::mutex> stats_lock(stats_mu_);
+      ++stats_.responses;
+      if (buckets.back().second.names.size() > 1) ++stats_.fused_responses;
+      if (plan_pos_ == 0) {
+        step_started_ = false;
+        ++plan_steps_;
+        if (!vote) ++stats_.offline_steps;
+      }
+    }
+    if (buckets.empty() && done_leaving()) {
+      LeaveOfflineLocked();
+      return;
+    }
+    online = !queue_.empty() || negotiator_->HasPending();
+  }
+  // Plan buckets always run on their streams' threads, never on this one: a
+  // rank whose negotiation thread sat in a bucket's collective could not
+  // join the online cycle another rank waits in before its own bucket.
+  const int plan_streams = options_.streams;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    DispatchTo(static_cast<int>(buckets[i].first % plan_streams), std::move(buckets[i].second),
+               std::move(work[i]));
+  }
+  if (online) RunCycle(stop);
+}
+
+}  // namespace perseus

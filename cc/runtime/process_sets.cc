@@ -1,0 +1,97 @@
+// Process sets: the registry of runtimes by process-set id (the world is 0).
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <sstream>
+
+#include "cc/core/reduce.h"
+#include "cc/rendezvous/store_client.h"
+#include "cc/runtime/runtime_internal.h"
+#include "cc/transport/gloo_transport.h"
+#include "cc/transport/shm_transport.h"
+
+namespace perseus {
+
+// Process-set runtimes by id. Like the world's, they are never destroyed:
+// their threads may still run while the process exits.
+std::mutex registry_mu;
+std::map<int, Runtime*>& Registry() {
+  static auto* registry = new std::map<int, Runtime*>();
+  return *registry;
+}
+
+Runtime& Runtime::Get() {
+  static Runtime* runtime = new Runtime();
+  return *runtime;
+}
+
+Runtime* Runtime::Find(int process_set_id) {
+  if (process_set_id == 0) return &Get();
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto it = Registry().find(process_set_id);
+  return it == Registry().end() ? nullptr : it->second;
+}
+
+std::vector<int> Runtime::ProcessSetIds() {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  std::vector<int> ids;
+  for (const auto& kv : Registry()) {
+    if (kv.second->initialized()) ids.push_back(kv.first);
+  }
+  return ids;
+}
+
+Status Runtime::AddProcessSet(int id, const std::vector<int>& world_ranks) {
+  Runtime& world = Get();
+  if (!world.initialized()) {
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         "Perseus is not initialized: call init() before adding a process set");
+  }
+  if (id <= 0) {
+    return Status::Error(StatusCode::kInvalidArgument, "process set ids start at 1");
+  }
+  InitOptions o = world.options();
+  auto me = std::find(world_ranks.begin(), world_ranks.end(), o.rank);
+  if (me == world_ranks.end()) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "rank " + std::to_string(o.rank) + " is not a member of process set " +
+                             std::to_string(id));
+  }
+  o.rank = static_cast<int>(me - world_ranks.begin());
+  o.size = static_cast<int>(world_ranks.size());
+  o.process_set_id = id;
+  o.global_ranks = world_ranks;
+  Runtime* rt;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    if (Registry().count(id)) {
+      return Status::Error(StatusCode::kInvalidArgument,
+                           "process set " + std::to_string(id) + " already exists");
+    }
+    rt = new Runtime();
+    Registry().emplace(id, rt);
+  }
+  return rt->Init(o);
+}
+
+Status Runtime::RemoveProcessSet(int id) {
+  Runtime* rt = id == 0 ? nullptr : Find(id);
+  if (rt == nullptr) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "process set " + std::to_string(id) + " does not exist on this rank");
+  }
+  rt->Shutdown();
+  // Its threads are joined; the object itself is left allocated (a caller
+  // might still hold the pointer), but the id no longer resolves.
+  std::lock_guard<std::mutex> lock(registry_mu);
+  Registry().erase(id);
+  return Status::OK();
+}
+
+}  // namespace perseus
