@@ -14,6 +14,8 @@ import numpy as np
 from perseus_tf import _native
 from perseus_tf._native import DTYPE_CODES, OP_ALLREDUCE, _core
 
+from rank_checks import start_native
+
 R = N = None
 TOPO = None
 SUM, AVERAGE = 0, 1
@@ -21,9 +23,8 @@ SUM, AVERAGE = 0, 1
 
 def setup():
     global R, N, TOPO
-    _native.init()
+    R, N = start_native()
     TOPO = _native.topology()
-    R, N = TOPO["rank"], TOPO["size"]
     return R
 
 

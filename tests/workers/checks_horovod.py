@@ -19,6 +19,8 @@ import perseus_tf as ptf
 import perseus_tf.horovod as hvd
 from perseus_tf import ops
 
+from rank_checks import assert_barrier_waits, data, expect, same_on_all_ranks
+
 R = N = None
 
 
@@ -35,31 +37,8 @@ def teardown():
     hvd.barrier()
 
 
-def data(rank, shape, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(1000 * rank + seed)
-    return rng.integers(1, 4, size=shape).astype(dtype)
-
-
 def normal(rank, shape, seed=0):
     return np.random.default_rng(1000 * rank + seed).normal(size=shape).astype(np.float32)
-
-
-def same_on_all_ranks(arrays, tol=0.0):
-    """Every rank holds the same arrays (compared through an allgather)."""
-    for a in arrays:
-        a = np.asarray(a, np.float64).reshape(1, -1)
-        everyone = ptf.allgather(tf.constant(a)).numpy()
-        np.testing.assert_allclose(everyone, np.repeat(everyone[:1], N, 0), atol=tol)
-
-
-def expect(error, fn, *needles):
-    try:
-        fn()
-    except error as e:
-        for needle in needles:
-            assert needle in str(e), f"{needle!r} not in {type(e).__name__}: {e}"
-        return
-    raise AssertionError(f"expected {error.__name__}")
 
 
 @contextlib.contextmanager
@@ -343,8 +322,7 @@ def check_reducescatter_average_by_default_and_grouped():
 
 
 def check_barrier():
-    hvd.barrier()
-    hvd.barrier()
+    assert_barrier_waits(hvd.barrier)
 
 
 def check_mismatched_shapes_dtypes_roots_raise():

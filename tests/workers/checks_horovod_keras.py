@@ -18,7 +18,8 @@ import perseus_tf.horovod as hvd_tf
 import perseus_tf.horovod.keras as hvd
 from perseus_tf.horovod.keras._optimizer import is_distributed
 
-from checks_horovod import counting_native_calls, expect, same_on_all_ranks, teardown  # noqa: F401
+from checks_horovod import counting_native_calls, teardown  # noqa: F401
+from rank_checks import expect, same_on_all_ranks
 
 keras = tf.keras
 R = N = None
@@ -32,8 +33,6 @@ def setup():
     global R, N
     hvd.init()
     R, N = hvd.rank(), hvd.size()
-    import checks_horovod
-    checks_horovod.R, checks_horovod.N = R, N
     return R
 
 

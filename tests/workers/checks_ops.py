@@ -12,6 +12,8 @@ import tensorflow as tf
 
 import perseus_tf as ptf
 
+from rank_checks import assert_barrier_waits, data, expect
+
 R = N = None
 NUMERIC = [np.float16, tf.bfloat16.as_numpy_dtype, np.float32, np.float64, np.int32, np.int64,
            np.uint8, np.int8]
@@ -22,12 +24,6 @@ def setup():
     ptf.init()
     R, N = ptf.rank(), ptf.size()
     return R
-
-
-def data(rank, shape, dtype, seed=0, low=1, high=4):
-    """Small integers: exact in every dtype, so sums and products compare exactly."""
-    rng = np.random.default_rng(1000 * rank + seed)
-    return rng.integers(low, high, size=shape).astype(dtype)
 
 
 def all_data(shape, dtype, seed=0, **kw):
@@ -153,8 +149,7 @@ def check_reducescatter_uneven_rows():
 
 
 def check_barrier():
-    for _ in range(3):
-        ptf.barrier()
+    assert_barrier_waits(ptf.barrier)
 
 
 def check_gradients():
@@ -212,50 +207,35 @@ def check_graph_mode_session():
     np.testing.assert_array_equal(bv, [0])
 
 
-def _expect(error, fn, *needles):
-    try:
-        fn()
-    except error as e:
-        text = str(e)
-        for needle in needles:
-            assert needle in text, f"{needle!r} not in error: {text}"
-        return
-    raise AssertionError(f"expected {error.__name__}")
-
-
 def check_mismatched_shape_dtype_root_op_raise():
-    _expect(tf.errors.FailedPreconditionError,
-            lambda: ptf.allreduce(tf.ones([2 + R]), name="mm.shape"),
-            "mm.shape", "shape", "rank 0 has [2]", "rank 1 has [3]")
+    expect(tf.errors.FailedPreconditionError,
+           lambda: ptf.allreduce(tf.ones([2 + R]), name="mm.shape"),
+           "mm.shape", "shape", "rank 0 has [2]", "rank 1 has [3]")
     dt = tf.float32 if R == 0 else tf.float64
-    _expect(tf.errors.FailedPreconditionError,
-            lambda: ptf.allreduce(tf.ones([2], dt), name="mm.dtype"),
-            "mm.dtype", "dtype", "rank 0 has float32", "float64")
-    _expect(tf.errors.FailedPreconditionError,
-            lambda: ptf.broadcast(tf.ones([2]), root_rank=min(R, 1), name="mm.root"),
-            "mm.root", "root rank", "rank 0 has root 0")
+    expect(tf.errors.FailedPreconditionError,
+           lambda: ptf.allreduce(tf.ones([2], dt), name="mm.dtype"),
+           "mm.dtype", "dtype", "rank 0 has float32", "float64")
+    expect(tf.errors.FailedPreconditionError,
+           lambda: ptf.broadcast(tf.ones([2]), root_rank=min(R, 1), name="mm.root"),
+           "mm.root", "root rank", "rank 0 has root 0")
     op = ptf.allgather if R == 0 else ptf.allreduce
-    _expect(tf.errors.FailedPreconditionError, lambda: op(tf.ones([2]), name="mm.op"),
-            "mm.op", "operation", "rank 0 has allgather")
+    expect(tf.errors.FailedPreconditionError, lambda: op(tf.ones([2]), name="mm.op"),
+           "mm.op", "operation", "rank 0 has allgather")
     # After mismatches the runtime still works.
     np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
 
 
 def check_invalid_arguments_raise_locally():
-    _expect(tf.errors.InvalidArgumentError,
-            lambda: ptf.allreduce(tf.constant([True]), op=ptf.Sum), "bool")
-    _expect(tf.errors.InvalidArgumentError,
-            lambda: ptf.broadcast(tf.ones([1]), root_rank=N), "root_rank", f"0 to {N - 1}")
-    _expect(tf.errors.InvalidArgumentError,
-            lambda: ptf.alltoall(tf.ones([N + 1])), "divisible")
-    _expect(tf.errors.InvalidArgumentError,
-            lambda: ptf.alltoall(tf.ones([3]), splits=[1] * N + [1]), "one per rank")
-    _expect(tf.errors.InvalidArgumentError, lambda: ptf.allgather(tf.constant(1.0)), "scalar")
-    try:
-        ptf.allreduce(tf.ones([1]), op=ptf.Adasum)
-        raise AssertionError("Adasum should raise")
-    except NotImplementedError as e:
-        assert "Average" in str(e)
+    expect(tf.errors.InvalidArgumentError,
+           lambda: ptf.allreduce(tf.constant([True]), op=ptf.Sum), "bool")
+    expect(tf.errors.InvalidArgumentError,
+           lambda: ptf.broadcast(tf.ones([1]), root_rank=N), "root_rank", f"0 to {N - 1}")
+    expect(tf.errors.InvalidArgumentError,
+           lambda: ptf.alltoall(tf.ones([N + 1])), "divisible")
+    expect(tf.errors.InvalidArgumentError,
+           lambda: ptf.alltoall(tf.ones([3]), splits=[1] * N + [1]), "one per rank")
+    expect(tf.errors.InvalidArgumentError, lambda: ptf.allgather(tf.constant(1.0)), "scalar")
+    expect(NotImplementedError, lambda: ptf.allreduce(tf.ones([1]), op=ptf.Adasum), "Average")
 
 
 def check_process_sets():
@@ -290,29 +270,29 @@ def check_process_sets():
             np.testing.assert_allclose(tape.gradient(loss, v).numpy(),
                                        np.full([pos + 1], 2.0))
         else:
-            _expect(tf.errors.InvalidArgumentError,
-                    lambda: ptf.allreduce(tf.ones([1]), process_set_id=set_id),
-                    "not a member of process set")
+            expect(tf.errors.InvalidArgumentError,
+                   lambda: ptf.allreduce(tf.ones([1]), process_set_id=set_id),
+                   "not a member of process set")
     # The world keeps working alongside the sets.
     np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
     ptf.remove_process_set(even_id)
     ptf.remove_process_set(pair_id)
-    _expect(tf.errors.InvalidArgumentError,
-            lambda: ptf.allreduce(tf.ones([1]), process_set_id=pair_id), "not a member")
+    expect(tf.errors.InvalidArgumentError,
+           lambda: ptf.allreduce(tf.ones([1]), process_set_id=pair_id), "not a member")
 
 
 def check_process_set_errors():
-    _expect(ValueError, lambda: ptf.add_process_set([0, N]), f"from 0 to {N - 1}")
-    _expect(ValueError, lambda: ptf.add_process_set([]), "non-empty")
+    expect(ValueError, lambda: ptf.add_process_set([0, N]), f"from 0 to {N - 1}")
+    expect(ValueError, lambda: ptf.add_process_set([]), "non-empty")
     # Ranks that describe different sets all fail, naming what each gave.
-    _expect(ValueError, lambda: ptf.add_process_set([0, R]), "disagree", "rank 0 gave [0]")
-    _expect(ValueError, lambda: ptf.remove_process_set(999), "does not exist")
+    expect(ValueError, lambda: ptf.add_process_set([0, R]), "disagree", "rank 0 gave [0]")
+    expect(ValueError, lambda: ptf.remove_process_set(999), "does not exist")
     # A mismatch inside a set names world ranks.
     set_id = ptf.add_process_set([0, N - 1])
     if R in (0, N - 1):
-        _expect(tf.errors.FailedPreconditionError,
-                lambda: ptf.allreduce(tf.ones([1 + (R > 0)]), name="ps.mm", process_set_id=set_id),
-                "ps.mm", "rank 0 has [1]", f"rank {N - 1} has [2]")
+        expect(tf.errors.FailedPreconditionError,
+               lambda: ptf.allreduce(tf.ones([1 + (R > 0)]), name="ps.mm", process_set_id=set_id),
+               "ps.mm", "rank 0 has [1]", f"rank {N - 1} has [2]")
     ptf.remove_process_set(set_id)
 
 
@@ -336,9 +316,9 @@ def check_join_uneven_steps():
     if R == 0:
         ptf.join()
     else:
-        _expect(tf.errors.FailedPreconditionError,
-                lambda: ptf.broadcast(tf.ones([1]), root_rank=0, name="join.bcast"),
-                "root rank 0 has joined")
+        expect(tf.errors.FailedPreconditionError,
+               lambda: ptf.broadcast(tf.ones([1]), root_rank=0, name="join.bcast"),
+               "root rank 0 has joined")
         ptf.join()
     np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
 
@@ -381,12 +361,12 @@ def check_fp16_compression_against_numpy_model():
     np.testing.assert_array_equal(ints, [N * (N + 1) // 2, 1000003 * N])
     mx = ptf.allreduce(tf.constant([1e-3 * (R + 1)]), op=ptf.Max, compression="fp16").numpy()
     np.testing.assert_array_equal(mx, np.float32([1e-3 * N]))
-    _expect(ValueError, lambda: ptf.allreduce(tf.ones([1]), compression="int8"), "'fp16'")
+    expect(ValueError, lambda: ptf.allreduce(tf.ones([1]), compression="int8"), "'fp16'")
     # Ranks must agree on compression like on anything else.
-    _expect(tf.errors.FailedPreconditionError,
-            lambda: ptf.allreduce(tf.ones([2]), name="mm.comp",
-                                  compression="fp16" if R == 0 else "none"),
-            "mm.comp", "compression", "rank 0 has float16")
+    expect(tf.errors.FailedPreconditionError,
+           lambda: ptf.allreduce(tf.ones([2]), name="mm.comp",
+                                 compression="fp16" if R == 0 else "none"),
+           "mm.comp", "compression", "rank 0 has float16")
 
 
 def check_nancheck_names_tensor_and_rank():
@@ -397,11 +377,11 @@ def check_nancheck_names_tensor_and_rank():
         x[2] = np.nan
     if _native.config().nancheck:
         for op in (ptf.allreduce, lambda t, name: ptf.grouped_allreduce([t], name=name)[0]):
-            _expect(tf.errors.InvalidArgumentError, lambda: op(tf.constant(x), name="nan.grad"),
-                    "nan.grad", f"rank {N - 1} has NaN or Inf", "PERSEUS_ALLREDUCE_NANCHECK")
+            expect(tf.errors.InvalidArgumentError, lambda: op(tf.constant(x), name="nan.grad"),
+                   "nan.grad", f"rank {N - 1} has NaN or Inf", "PERSEUS_ALLREDUCE_NANCHECK")
         inf = np.float16([1, np.inf]) if R == 0 else np.float16([1, 1])
-        _expect(tf.errors.InvalidArgumentError,
-                lambda: ptf.allreduce(tf.constant(inf), name="inf.grad"), "rank 0 has NaN or Inf")
+        expect(tf.errors.InvalidArgumentError,
+               lambda: ptf.allreduce(tf.constant(inf), name="inf.grad"), "rank 0 has NaN or Inf")
     else:  # off: NaN passes through like any value
         got = ptf.allreduce(tf.constant(x), name="nan.grad").numpy()
         assert np.isnan(got[2]) and got[0] == N, got

@@ -13,6 +13,8 @@ import tensorflow as tf
 import perseus_tf as ptf
 from perseus_tf import _native
 
+from rank_checks import expect, same_on_all_ranks
+
 try:
     import keras
 except ImportError:  # pragma: no cover
@@ -44,14 +46,6 @@ def make_model(seed):
 
 def dataset(n=96):
     return tf.data.Dataset.from_tensor_slices((X[:n], Y[:n])).batch(GLOBAL_BATCH)
-
-
-def same_on_all_ranks(arrays, tol=0.0):
-    """Checks that every rank holds the same arrays (gathered through the runtime)."""
-    for a in arrays:
-        a = np.asarray(a, np.float64).reshape(1, -1)
-        everyone = ptf.allgather(tf.constant(a)).numpy()
-        np.testing.assert_allclose(everyone, np.repeat(everyone[:1], N, 0), atol=tol)
 
 
 def check_replicas_and_variables_start_equal():
@@ -351,11 +345,8 @@ def check_backup_and_restore_resumes_on_every_rank():
         model = make_model(seed=R)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
     backup = keras.callbacks.BackupAndRestore(backup_dir=directory)
-    try:
-        model.fit(dataset(), epochs=3, verbose=0, callbacks=[backup, _Interrupt()])
-        raise AssertionError("the interrupting callback did not fire")
-    except RuntimeError as e:
-        assert "interrupted" in str(e)
+    expect(RuntimeError, lambda: model.fit(dataset(), epochs=3, verbose=0,
+                                           callbacks=[backup, _Interrupt()]), "interrupted")
     ptf.barrier()
     assert os.listdir(directory), "rank 0 wrote no backup"
     after_one = [w.numpy() for w in model.weights]

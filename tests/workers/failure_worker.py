@@ -46,11 +46,10 @@ elif api == "tf_function":
     # (same message); README says so.
     expected_error = tf.errors.InternalError
 else:
-    from perseus_tf import _native
     from perseus_tf._native import _core
+    from rank_checks import start_native
 
-    _native.init()
-    rank, size = _native.topology()["rank"], _native.topology()["size"]
+    rank, size = start_native()
 
     # FAILURE_ELEMENTS: a larger tensor takes the chunked two-level path
     # when the job has hosts.

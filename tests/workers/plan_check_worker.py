@@ -12,13 +12,14 @@ import sys
 
 import numpy as np
 
-from perseus_tf import _native
 from perseus_tf._native import DTYPE_CODES, OP_ALLREDUCE, _core
+
+from rank_checks import start_native
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 # argv[2]: offline_neg_check_n_steps as an init() argument (the environment's otherwise).
-_native.init(**({"offline_neg_check_n_steps": int(sys.argv[2])} if len(sys.argv) > 2 else {}))
-R, N = _native.topology()["rank"], _native.topology()["size"]
+OPTIONS = {"offline_neg_check_n_steps": int(sys.argv[2])} if len(sys.argv) > 2 else {}
+R, N = start_native(**OPTIONS)
 NAMES = [f"check.g{i}" for i in range(24)]  # all the same shape: a swap still fits
 
 for k in range(STEPS):
