@@ -1,8 +1,9 @@
 """TensorFlow ops at 2 and 4 ranks (one perseusrun launch per rank count).
 
 2 ranks run with default fusion, 4 ranks with fusion off
-(PERSEUS_FUSION_THRESHOLD=0) and NaN checks on, so both the fused and the unfused path are
-checked against numpy.
+(PERSEUS_FUSION_THRESHOLD=0), NaN checks on and shared memory off, so both the fused and the
+unfused path, and both shared memory and TCP (the reduce-scatter ring), are checked against
+numpy.
 """
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from harness import check_names, run_checks
 
 CHECKS = check_names("checks_ops")
-CONFIGS = {2: {}, 4: {"PERSEUS_FUSION_THRESHOLD": "0", "PERSEUS_ALLREDUCE_NANCHECK": "1"}}
+CONFIGS = {2: {}, 4: {"PERSEUS_FUSION_THRESHOLD": "0", "PERSEUS_ALLREDUCE_NANCHECK": "1",
+                     "PERSEUS_SHM_ALLREDUCE": "0"}}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

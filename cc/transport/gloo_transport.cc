@@ -1,5 +1,6 @@
 #include "cc/transport/gloo_transport.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 
@@ -11,6 +12,8 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <gloo/types.h>
 
 namespace perseus {
 namespace {
@@ -209,6 +212,47 @@ void GlooTransport::Alltoallv(int channel, const void* in,
   opts.setOutput(total_out ? static_cast<uint8_t*>(out) : &dummy, recv_bytes);
   opts.setTag(4);
   gloo::alltoallv(opts);
+}
+
+void GlooTransport::ReduceScatter(int channel, void* data, const std::vector<size_t>& counts,
+                                  DataType dtype, ReduceFn fn) {
+  const int size = options_.size, rank = options_.rank;
+  if (size <= 1) return;
+  if (counts.size() != static_cast<size_t>(size)) {
+    throw std::invalid_argument("reduce-scatter needs one count per rank");
+  }
+  const size_t esize = DataTypeSize(dtype);
+  std::vector<size_t> first(size + 1, 0);
+  for (int b = 0; b < size; ++b) first[b + 1] = first[b] + counts[b];
+  if (first[size] == 0) return;  // the same on every rank: none takes part
+  const auto& ctx = Channel(channel);
+  const auto timeout = ctx->getTimeout();
+  char* base = static_cast<char*>(data);
+  std::vector<char> incoming(*std::max_element(counts.begin(), counts.end()) * esize + 1);
+  auto out = ctx->createUnboundBuffer(base, first[size] * esize);
+  auto in = ctx->createUnboundBuffer(incoming.data(), incoming.size());
+  const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+  // Step s sends block rank-s-1 and receives block rank-s-2 (mod size), so
+  // after size - 1 steps block `rank` has been summed over every rank here.
+  for (int s = 0; s + 1 < size; ++s) {
+    const int send = ((rank - s - 1) % size + size) % size;
+    const int recv = ((rank - s - 2) % size + size) % size;
+    const uint64_t slot = gloo::Slot::build(0x20, static_cast<uint32_t>(s));
+    if (counts[recv]) in->recv(prev, slot, 0, counts[recv] * esize);
+    if (counts[send]) out->send(next, slot, first[send] * esize, counts[send] * esize);
+    if (counts[recv]) {
+      if (!in->waitRecv(timeout)) {
+        throw std::runtime_error("reduce-scatter: no data from rank " + std::to_string(prev) +
+                                 " within GLOO_TIMEOUT_SECONDS");
+      }
+      char* block = base + first[recv] * esize;
+      fn(block, block, incoming.data(), counts[recv]);
+    }
+    if (counts[send] && !out->waitSend(timeout)) {
+      throw std::runtime_error("reduce-scatter: rank " + std::to_string(next) +
+                               " took no data within GLOO_TIMEOUT_SECONDS");
+    }
+  }
 }
 
 }  // namespace perseus

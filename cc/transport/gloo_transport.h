@@ -49,6 +49,11 @@ class GlooTransport : public Transport {
   void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,
                  void* out, const std::vector<int64_t>& recv_bytes,
                  bool any_rank_moves_data) override;
+  // A ring: size - 1 steps, each sending one block to the next rank and
+  // reducing the block received from the previous one (half the bytes of a
+  // ring allreduce).
+  void ReduceScatter(int channel, void* data, const std::vector<size_t>& counts, DataType dtype,
+                     ReduceFn fn) override;
 
   // Two-level collectives (only when hierarchical() is true). Local rank 0
   // of each host is its leader.

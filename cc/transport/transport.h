@@ -60,6 +60,12 @@ class Transport {
   virtual void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,
                          void* out, const std::vector<int64_t>& recv_bytes,
                          bool any_rank_moves_data) = 0;
+  // Each rank r ends with the reduction (fn) over all ranks of block r of
+  // `data`: counts[r] elements starting at counts[0] + ... + counts[r-1],
+  // left in place. Every rank passes the same counts; the other blocks of
+  // `data` are clobbered.
+  virtual void ReduceScatter(int channel, void* data, const std::vector<size_t>& counts,
+                             DataType dtype, ReduceFn fn) = 0;
 };
 
 // Collectives among a fixed group of ranks whose first member leads: the

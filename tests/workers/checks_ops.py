@@ -146,6 +146,17 @@ def check_reducescatter_uneven_rows():
     np.testing.assert_array_equal(got, total[start:start + mine])
     got = ptf.reducescatter(tf.constant(xs[R]), op=ptf.Average).numpy()
     np.testing.assert_allclose(got, total[start:start + mine] / N, rtol=1e-6)
+    # Fewer rows than ranks (the last rank gets none), other dtypes and
+    # trailing dimensions; at 4 ranks this runs the TCP ring (shm is off).
+    for rows, dtype, trailing in ((N - 1, np.int32, (3,)), (3 * N + 2, np.float64, (2, 3))):
+        xs = all_data((rows,) + trailing, dtype, seed=rows)
+        total = sum(xs)
+        base, extra = divmod(rows, N)
+        start = R * base + min(R, extra)
+        mine = base + (1 if R < extra else 0)
+        got = ptf.reducescatter(tf.constant(xs[R]), op=ptf.Sum).numpy()
+        assert got.shape == (mine,) + trailing, (got.shape, mine, trailing)
+        np.testing.assert_array_equal(got, total[start:start + mine])
 
 
 def check_barrier():
