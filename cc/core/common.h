@@ -49,7 +49,6 @@ enum class StatusCode : int32_t {
   kInvalidArgument = 1,
   kFailedPrecondition = 2,  // ranks disagree about a tensor
   kUnavailable = 3,         // a peer died, timed out, or the runtime is down
-  kInternal = 4,
 };
 
 struct Status {

@@ -102,8 +102,6 @@ class Negotiator {
   std::vector<Response> TakeReady();
   // Names some but not all ranks have requested.
   bool HasPending() const { return !table_.empty(); }
-  // Ranks that have joined (kJoin) and not yet seen the join complete.
-  bool joined(int rank) const { return joined_[rank]; }
   // Describes stalled requests: which ranks have not asked yet.
   std::string DescribePending() const;
   // Names requested by some ranks for more than timeout_ms of negotiation

@@ -6,6 +6,20 @@
 // requests it enqueued since the last cycle, all ranks decide identically
 // which are ready (negotiation.h), and the ready work is handed, in that
 // order, to the stream threads, each of which owns one Gloo context.
+//
+// Runtime is the facade (runtime.cc). Its parts, one concern per file:
+//   process_sets.cc  the registry of runtimes by process-set id
+//   connect.cc       roll call and connecting the transport
+//   request.cc       local validation of a request
+//   controller.cc    background loop, negotiation cycle, stall budget
+//   plan.cc          offline plan state machine; plan_check.cc its check
+//   executor.cc      streams, dispatch, execute switch, plain/fused allreduce
+//   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions)
+//   compression.cc   fp16 and top-k allreduces, residual state
+//   collectives.cc   allgather, alltoall, reduce-scatter
+//   health.cc        failure naming, heartbeats, perf check
+// The data path (executor, compression, collectives) never reads plan
+// state: a plan bucket reports its outcome to the closure the plan attached.
 #pragma once
 
 #include <atomic>
@@ -23,126 +37,20 @@
 #include <vector>
 
 #include "cc/core/common.h"
-#include "cc/runtime/message.h"
-#include "cc/runtime/negotiation.h"
-#include "cc/transport/allreduce_algorithms.h"
 #include "cc/core/reduce.h"
 #include "cc/core/timeline.h"
+#include "cc/runtime/message.h"
+#include "cc/runtime/negotiation.h"
+#include "cc/runtime/options.h"
+#include "cc/runtime/request.h"
+#include "cc/runtime/stats.h"
+#include "cc/transport/allreduce_algorithms.h"
 
 namespace perseus {
 
 class GlooTransport;
 class ShmTransport;
 class StoreClient;
-
-// Who this process is and how to reach the others (the launcher's env
-// contract, already parsed and validated in Python: perseus_tf/config.py).
-struct InitOptions {
-  int rank = 0;
-  int size = 1;
-  int local_rank = 0;
-  int local_size = 1;
-  int cross_rank = 0;
-  int cross_size = 1;
-  std::string store_addr;
-  int store_port = 0;
-  std::string secret;
-  std::string job_id = "local";
-  std::string host_addr;
-  std::string gloo_iface;
-  int streams = 4;
-  double timeout_seconds = 60;
-  int64_t fusion_threshold_bytes = 64 << 20;
-  // PERSEUS_ALLREDUCE_FUSION: an offline plan's buckets hold about 1/N of
-  // the step's gradient bytes (0: one tensor per bucket); -1: choose.
-  int fusion_granularity = -1;
-  double cycle_time_ms = 1.0;
-  // A collective some ranks submitted and others did not: rank 0 reports it
-  // after stall_check_seconds (again every interval), and it fails on every
-  // rank after stall_timeout_seconds (0: never).
-  double stall_check_seconds = 60;
-  double stall_timeout_seconds = 0;
-  // Compressed allreduces send x * gradient_scale as float16 and divide after.
-  double gradient_scale = 10.0;
-  bool nancheck = false;  // reject reductions whose input holds NaN/Inf
-  std::string timeline_path;  // PERSEUS_TIMELINE (this rank's file); empty: off
-  int perf_check_n_steps = 0;  // report slow ranks every N offline steps (0: off)
-  // PERSEUS_OFFLINE_NEG_CHECK_N_STEPS: compare every rank's copy of the
-  // offline plan when it is entered and then every N plan steps (0: off).
-  int plan_check_n_steps = 0;
-  // PERSEUS_ALLREDUCE_MODE: 0 flat ring, 1 hierarchical (reduce in the host,
-  // allreduce among hosts' leaders, broadcast in the host), -1 choose.
-  // Hierarchy needs several hosts of several ranks each (launcher topology).
-  int allreduce_mode = -1;
-  // PERSEUS_SHM_ALLREDUCE: allreduce through shared memory instead of TCP
-  // over loopback between the ranks of a host (the whole allreduce when the
-  // world is one host; the host phases of the two-level one otherwise).
-  bool shm = true;
-  // Top-k (kCompressTopk): each rank sends its ceil(ratio * n) largest
-  // |gradient + residual| elements; tensors under threshold bytes use
-  // `topk_fallback` (the PERSEUS_ALLREDUCE_DTYPE code) instead.
-  double topk_ratio = 0.01;
-  // Settings every rank must share, as "NAME=value" lines; compared at
-  // init (the world only) before any connection is made.
-  std::string settings;
-  int64_t topk_threshold_bytes = 1 << 20;
-  bool topk_fp16 = false;
-  int topk_fallback = 0;
-  // Downsampling (kCompressDownsample): 1/N of each tensor per step.
-  int downsample_n = 1;
-  double gradient_momentum = 1.0;
-  // A process set (sub-group) runtime: its id and the world ranks of its
-  // members, in order (this process is member `rank`). Empty: the world.
-  int process_set_id = 0;
-  std::vector<int> global_ranks;
-};
-
-// One collective a caller asked for. `done` runs exactly once, on a runtime
-// thread, after the output is written (or with an error).
-struct Request {
-  TensorMeta meta;
-  const void* input = nullptr;
-  // Allreduce and broadcast write here (may equal input). Ops whose output
-  // shape depends on other ranks leave it null and provide `allocate`.
-  void* output = nullptr;
-  std::function<void*(const std::vector<int64_t>& shape)> allocate;
-  std::vector<int64_t> received_splits;  // alltoall: rows from each rank
-  int64_t result = 0;                     // join: the rank that joined last
-  std::function<void(const Status&)> done;
-  // When Enqueue accepted it (statistics: time waiting before it ran).
-  std::chrono::steady_clock::time_point enqueued{};
-  // Buffers of a stand-in request (a joined rank taking part with no data).
-  std::vector<char> scratch;
-};
-
-struct StreamStats {
-  int64_t responses = 0;
-  int64_t tensors = 0;
-  int64_t bytes = 0;
-  double busy_seconds = 0;
-  // Summed over this stream's collectives: how long the oldest request of
-  // each had waited (for the other ranks, negotiation, a free stream) when
-  // it started.
-  double wait_seconds = 0;
-};
-
-struct Stats {
-  int64_t perf_reports = 0;      // slow-rank checks made (PERSEUS_PERF_CHECK_N_STEPS)
-  std::vector<int> slow_ranks;   // flagged by the latest check (world ranks)
-  bool hierarchical = false;  // two-level allreduce is available (and not turned off)
-  bool shm = false;           // ranks of a host allreduce through shared memory
-  int64_t plans = 0;          // offline plans entered
-  int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
-  int64_t offline_steps = 0;  // steps run from a plan, without control messages
-  int64_t plan_checks = 0;    // plan checksums compared (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS)
-  int64_t plan_timeouts = 0;  // plans this rank voted to leave after waiting for its own data
-  int64_t cycles = 0;
-  int64_t control_bytes_sent = 0;
-  int64_t requests = 0;
-  int64_t responses = 0;
-  int64_t fused_responses = 0;
-  std::vector<StreamStats> streams;
-};
 
 class Runtime {
  public:

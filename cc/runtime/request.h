@@ -1,0 +1,32 @@
+// Request: one collective a caller asked for (validated in request.cc).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cc/core/common.h"
+
+namespace perseus {
+
+// One collective a caller asked for. `done` runs exactly once, on a runtime
+// thread, after the output is written (or with an error).
+struct Request {
+  TensorMeta meta;
+  const void* input = nullptr;
+  // Allreduce and broadcast write here (may equal input). Ops whose output
+  // shape depends on other ranks leave it null and provide `allocate`.
+  void* output = nullptr;
+  std::function<void*(const std::vector<int64_t>& shape)> allocate;
+  std::vector<int64_t> received_splits;  // alltoall: rows from each rank
+  int64_t result = 0;                     // join: the rank that joined last
+  std::function<void(const Status&)> done;
+  // When Enqueue accepted it (statistics: time waiting before it ran).
+  std::chrono::steady_clock::time_point enqueued{};
+  // Buffers of a stand-in request (a joined rank taking part with no data).
+  std::vector<char> scratch;
+};
+
+}  // namespace perseus

@@ -1,0 +1,43 @@
+// What Runtime::GetStats reports.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cc/core/common.h"
+
+namespace perseus {
+
+struct StreamStats {
+  int64_t responses = 0;
+  int64_t tensors = 0;
+  int64_t bytes = 0;
+  double busy_seconds = 0;
+  // Summed over this stream's collectives: how long the oldest request of
+  // each had waited (for the other ranks, negotiation, a free stream) when
+  // it started.
+  double wait_seconds = 0;
+};
+
+struct Stats {
+  int64_t perf_reports = 0;      // slow-rank checks made (PERSEUS_PERF_CHECK_N_STEPS)
+  std::vector<int> slow_ranks;   // flagged by the latest check (world ranks)
+  bool hierarchical = false;  // two-level allreduce is available (and not turned off)
+  bool shm = false;           // ranks of a host allreduce through shared memory
+  int64_t plans = 0;          // offline plans entered
+  int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
+  int64_t offline_steps = 0;  // steps run from a plan, without control messages
+  int64_t plan_checks = 0;    // plan checksums compared (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS)
+  int64_t plan_timeouts = 0;  // plans this rank voted to leave after waiting for its own data
+  int64_t cycles = 0;
+  int64_t control_bytes_sent = 0;
+  int64_t requests = 0;
+  int64_t responses = 0;
+  int64_t fused_responses = 0;
+  std::vector<StreamStats> streams;
+};
+
+}  // namespace perseus
