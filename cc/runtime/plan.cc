@@ -13,6 +13,7 @@
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
+#include "cc/runtime/faults.h"
 #include "cc/runtime/fusion.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
@@ -213,23 +214,7 @@ void Runtime::RunOffline(bool* stop) {
     }
     while (CanDispatchPlanLocked()) {
       if (PlanCheckDueLocked()) break;  // this step is checked first (next pass)
-      if (plan_pos_ == 0 && WorldRank(options_.rank) == test_swap_rank_ &&
-          plan_steps_ == test_swap_step_) {
-        // Test fault: two same-shaped tensors of one bucket trade places in
-        // this rank's copy of the plan (its requests still fit it).
-        for (Response& b : plan_.buckets) {
-          size_t i = 0, j = 1;
-          while (j < b.names.size() && !(b.metas[j].shape == b.metas[i].shape &&
-                                         b.metas[j].dtype == b.metas[i].dtype)) {
-            ++j;
-          }
-          if (j < b.names.size()) {
-            std::swap(b.names[i], b.names[j]);
-            std::swap(b.metas[i], b.metas[j]);
-            break;
-          }
-        }
-      }
+      if (faults_ && plan_pos_ == 0) faults_->OnPlanStep(plan_steps_, &plan_);
       Response r = plan_.buckets[plan_pos_];
       std::vector<std::shared_ptr<Request>> requests;
       bool stand_in = false;

@@ -13,6 +13,7 @@
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
+#include "cc/runtime/faults.h"
 #include "cc/runtime/fusion.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/allreduce_algorithms.h"
@@ -47,6 +48,7 @@ Status Runtime::Init(const InitOptions& options) {
                          "PERSEUS_ALLREDUCE_STREAMS must be from 1 to 12");
   }
   options_ = options;
+  faults_ = FaultInjector::FromEnv(WorldRank(options.rank), options.process_set_id);
   TransportOptions bo;
   bo.rank = options.rank;
   bo.size = options.size;
@@ -88,10 +90,7 @@ Status Runtime::Init(const InitOptions& options) {
     if (options.shm && options.process_set_id == 0 && options.local_size > 1 &&
         (options.cross_size == 1 || transport_->hierarchical())) {
       std::string why_not;
-      // Test hook: this rank dies while the others set up shared memory.
-      if (const char* die = std::getenv("PERSEUS_TEST_EXIT_BEFORE_SHM")) {
-        if (std::atoi(die) == options.rank) std::_Exit(7);
-      }
+      if (faults_) faults_->BeforeSharedMemory();
       GlooTransport& world = *transport_;
       auto agree_min = [&world](int32_t value) {
         world.Allreduce(Transport::kControl, &value, 1, DataType::kInt32,
@@ -167,15 +166,6 @@ Status Runtime::Init(const InitOptions& options) {
   plan_pos_ = 0;
   leave_vote_ = aborting_ = step_started_ = false;
   plan_in_flight_ = 0;
-  test_swap_rank_ = -1;
-  if (const char* swap = std::getenv("PERSEUS_TEST_PLAN_SWAP")) {
-    long long step = 0;
-    if (options.process_set_id == 0 && std::sscanf(swap, "%d:%lld", &test_swap_rank_, &step) == 2) {
-      test_swap_step_ = step;
-    } else {
-      test_swap_rank_ = -1;
-    }
-  }
   for (int s = 0; s <= options.streams; ++s) {
     streams_[s]->thread = std::thread(&Runtime::StreamLoop, this, s);
   }

@@ -39,6 +39,7 @@
 #include "cc/core/common.h"
 #include "cc/core/reduce.h"
 #include "cc/core/timeline.h"
+#include "cc/runtime/faults.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
 #include "cc/runtime/options.h"
@@ -225,11 +226,8 @@ class Runtime {
   // The background thread is waiting with a deadline for plannable requests
   // that cannot run yet (Enqueue wakes it when one arrives and it is not).
   bool plan_waiting_ = false;
-  // Fault injection for tests (PERSEUS_TEST_PLAN_SWAP=rank:step): that rank
-  // swaps two same-shaped tensors of a bucket in its copy of the plan when
-  // that plan step starts, a divergence the votes cannot see.
-  int test_swap_rank_ = -1;
-  int64_t test_swap_step_ = 0;
+  // Test-only faults (faults.h); null in production.
+  std::unique_ptr<FaultInjector> faults_;
   // Perf check: when this rank's previous step finished its last bucket, and
   // the window of per-rank times being summed.
   std::chrono::steady_clock::time_point last_step_done_{};
