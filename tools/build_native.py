@@ -76,7 +76,7 @@ def build(out_dir=None, jobs=2, verbose=True):
 
     groups = {
         "core": (_sources("core") + _sources("rendezvous") + _sources("transport") +
-                 _sources("runtime"), []),
+                 _sources("runtime") + _sources("runtime/compression"), []),
         "tf": (_sources("tf"), [f for f in tf_cflags if not f.startswith("-std=")]),
         "py": (_sources("python"), ["-I" + pybind11.get_include(),
                                     "-I" + sysconfig.get_paths()["include"],

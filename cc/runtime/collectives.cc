@@ -74,7 +74,7 @@ void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {
   const DataType dtype = m.dtype;
   const size_t esize = DataTypeSize(dtype);
   size_t n = static_cast<size_t>(NumElements(q.meta.shape));
-  std::vector<char>& buf = streams_[stream]->fusion_buffer;
+  std::vector<char>& buf = streams_[stream]->scratch.fusion;
   if (buf.size() < n * esize) buf.resize(n * esize);
   if (n) std::memcpy(buf.data(), q.input, n * esize);
   ScaleBuffer(buf.data(), dtype, n, m.prescale);

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "cc/core/reduce.h"
+#include "cc/runtime/compression/compression.h"
 #include "cc/runtime/fusion.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/allreduce_algorithms.h"
@@ -251,17 +252,20 @@ bool Runtime::Execute(int stream, const Response& r,
 bool Runtime::ExecuteAllreduce(int stream, const Response& r,
                                std::vector<std::shared_ptr<Request>>& requests) {
   const TensorMeta& m0 = r.metas[0];
-  if (m0.compression == kCompressFp16) return ExecuteCompressedAllreduce(stream, r, requests);
-  if (m0.compression == kCompressTopk) return ExecuteTopk(stream, r, *requests[0]);
+  StreamScratch& scratch = streams_[stream]->scratch;
+  switch (m0.compression) {
+    case kCompressFp16: return fp16_->Allreduce(stream, scratch, r, requests);
+    case kCompressTopk: return topk_->Allreduce(stream, scratch, r, requests);
+    case kCompressDownsample: return downsample_->Allreduce(stream, scratch, r, requests);
+    default: break;
+  }
   const DataType dtype = m0.dtype;
   const size_t esize = DataTypeSize(dtype);
   ReduceFn fn = GetReduceFn(dtype, m0.reduce_op);
-  const double post =
-      m0.postscale * (m0.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+  const double post = PostScale(m0, options_.size);
   const bool carrier = r.carrier_vote >= 0;
   const bool mixed = m0.compression == kCompressMixed;
-  const bool down = m0.compression == kCompressDownsample;
-  if (requests.size() == 1 && !carrier && !down) {
+  if (requests.size() == 1 && !carrier) {
     Request& q = *requests[0];
     size_t n = static_cast<size_t>(NumElements(q.meta.shape));
     if (q.output != q.input && n) std::memcpy(q.output, q.input, n * esize);
@@ -270,79 +274,31 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
     ScaleBuffer(q.output, dtype, n, post);
     return true;
   }
-  // Fused bucket: pack, reduce once, unpack. Downsampling packs only this
-  // step's elements of each tensor (every N-th, from a rotating phase), with
-  // the residual of the steps that did not send them.
-  const size_t N = down ? static_cast<size_t>(options_.downsample_n) : 1;
-  const float momentum = static_cast<float>(options_.gradient_momentum);
-  std::vector<SparseState*> states;
-  std::vector<size_t> phases;
-  auto sent_count = [N](size_t n, size_t phase) { return n > phase ? (n - phase + N - 1) / N : 0; };
+  // Fused bucket: pack, reduce once (with a plan bucket's extras), unpack.
   size_t total = 0;
-  for (auto& q : requests) {
-    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
-    if (down) {
-      states.push_back(&SparseFor(q->meta));
-      phases.push_back(static_cast<size_t>(states.back()->steps % static_cast<int64_t>(N)));
-      n = sent_count(n, phases.back());
-    }
-    total += n;
-  }
-  std::vector<char>& buf = streams_[stream]->fusion_buffer;
+  for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
+  std::vector<char>& buf = scratch.fusion;
   const size_t slots = total + ExtraSlots(r);
   if (buf.size() < slots * esize) buf.resize(slots * esize);
   size_t offset = 0;
   {
-    TimelineSpan pack(timeline_, 1 + stream, down ? "downsample pack" : "pack", "memory");
-    for (size_t i = 0; i < requests.size(); ++i) {
-      auto& q = requests[i];
-      size_t n = static_cast<size_t>(NumElements(q->meta.shape));
-      if (down) {
-        const float* in = static_cast<const float*>(q->input);
-        const float* res = states[i]->residual.data();
-        float* out = reinterpret_cast<float*>(buf.data()) + offset / esize;
-        const float pre = static_cast<float>(m0.prescale);
-        size_t j = 0;
-        for (size_t e = phases[i]; e < n; e += N) out[j++] = in[e] * pre + momentum * res[e];
-        offset += j * esize;
-        continue;
-      }
-      size_t bytes = n * esize;
+    TimelineSpan pack(timeline_, 1 + stream, "pack", "memory");
+    for (auto& q : requests) {
+      const size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
       if (bytes) std::memcpy(buf.data() + offset, q->input, bytes);
       offset += bytes;
     }
-    if (!down) ScaleBuffer(buf.data(), dtype, total, m0.prescale);
+    ScaleBuffer(buf.data(), dtype, total, m0.prescale);
   }
   if (carrier) WriteExtras(buf.data() + total * esize, dtype, r, options_.rank);
   AllreduceBuffer(stream, buf.data(), slots, dtype, fn, mixed ? total : 0);
   if (carrier && !Deliver(r, ReadOutcome(buf.data() + total * esize, dtype, r))) {
-    return false;  // voted down: outputs and residuals untouched, requests back to pending
+    return false;  // voted down: outputs untouched, the plan took the requests back
   }
   ScaleBuffer(buf.data(), dtype, total, post);
   offset = 0;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    auto& q = requests[i];
-    size_t n = static_cast<size_t>(NumElements(q->meta.shape));
-    if (down) {
-      // Everything not sent this step stays in the residual (decayed by the
-      // momentum); what was sent leaves it. Unsent outputs are zero.
-      const float* in = static_cast<const float*>(q->input);
-      float* out = static_cast<float*>(q->output);
-      float* res = states[i]->residual.data();
-      const float pre = static_cast<float>(m0.prescale);
-      for (size_t e = 0; e < n; ++e) res[e] = in[e] * pre + momentum * res[e];
-      if (n) std::memset(out, 0, n * sizeof(float));
-      const float* got = reinterpret_cast<const float*>(buf.data()) + offset / esize;
-      size_t j = 0;
-      for (size_t e = phases[i]; e < n; e += N) {
-        out[e] = got[j++];
-        res[e] = 0;
-      }
-      offset += j * esize;
-      ++states[i]->steps;
-      continue;
-    }
-    size_t bytes = n * esize;
+  for (auto& q : requests) {
+    const size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
     if (bytes) std::memcpy(q->output, buf.data() + offset, bytes);
     offset += bytes;
   }
@@ -359,7 +315,7 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
   call.fn = fn;
   call.half_across = half_across;
   call.scale = static_cast<float>(options_.gradient_scale);
-  call.half = &streams_[stream]->half_buffer;
+  call.half = &streams_[stream]->scratch.half;
   RunAllreduce(ChooseAllreduce(count * DataTypeSize(dtype), half_across > 0, topology_), groups_,
                call, timeline_);
 }
@@ -372,7 +328,7 @@ int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
     case kCompressMixed:  // what crosses hosts
       return (transport_ && transport_->hierarchical() ? 2 : 4) * n;
     case kCompressTopk:
-      return TopkCount(n) * (4 + (options_.topk_fp16 ? 2 : 4));
+      return TopkCount(n, options_.topk_ratio) * (4 + (options_.topk_fp16 ? 2 : 4));
     case kCompressDownsample:
       return 4 * ((n + options_.downsample_n - 1) / options_.downsample_n);
     default:

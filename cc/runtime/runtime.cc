@@ -146,10 +146,19 @@ Status Runtime::Init(const InitOptions& options) {
   groups_.world = transport_.get();
   groups_.host = shm_ ? static_cast<GroupCollectives*>(shm_.get()) : transport_->host();
   groups_.leaders = transport_->leaders();
-  {
-    std::lock_guard<std::mutex> lock(sparse_mu_);
-    sparse_.clear();
-  }
+  residuals_.Clear();
+  CompressionContext compression;
+  compression.options = &options_;
+  compression.timeline = &timeline_;
+  compression.world = transport_.get();
+  compression.residuals = &residuals_;
+  compression.allreduce = [this](int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
+                                 size_t half_across) {
+    AllreduceBuffer(stream, data, count, dtype, fn, half_across);
+  };
+  fp16_ = MakeFp16Compressor(compression);
+  topk_ = MakeTopkCompressor(compression);
+  downsample_ = MakeDownsampleCompressor(compression);
   dispatched_ = 0;
   streams_.clear();
   for (int s = 0; s <= options.streams; ++s) streams_.emplace_back(new Stream());

@@ -15,7 +15,7 @@
 //   plan.cc          offline plan state machine; plan_check.cc its check
 //   executor.cc      streams, dispatch, execute switch, plain/fused allreduce
 //   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions)
-//   compression.cc   fp16 and top-k allreduces, residual state
+//   compression/     fp16, top-k and downsampling behind one interface
 //   collectives.cc   allgather, alltoall, reduce-scatter
 //   health.cc        failure naming, heartbeats, perf check
 // The data path (executor, compression, collectives) never reads plan
@@ -39,6 +39,7 @@
 #include "cc/core/common.h"
 #include "cc/core/reduce.h"
 #include "cc/core/timeline.h"
+#include "cc/runtime/compression/compression.h"
 #include "cc/runtime/faults.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
@@ -146,17 +147,12 @@ class Runtime {
                std::vector<std::shared_ptr<Request>>& requests);
   bool ExecuteAllreduce(int stream, const Response& r,
                         std::vector<std::shared_ptr<Request>>& requests);
-  bool ExecuteCompressedAllreduce(int stream, const Response& r,
-                                  std::vector<std::shared_ptr<Request>>& requests);
-  bool ExecuteTopk(int stream, const Response& r, Request& req);
   // Allreduces count elements of buf on the stream: the flat ring, or in two
   // levels when the topology has hosts. half_across > 0 (mixed compression,
   // float32 only): between hosts, the first half_across elements travel as
   // float16 times the gradient scale and the rest as plain float16.
   void AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
                        size_t half_across = 0);
-  // Elements top-k sends of a tensor of n (at least 1).
-  int64_t TopkCount(int64_t n) const;
   // Bytes one rank puts on the wire for a tensor (statistics).
   int64_t PayloadBytes(const TensorMeta& m) const;
   void ExecuteAllgather(int stream, const Response& r, Request& req);
@@ -242,9 +238,7 @@ class Runtime {
     std::deque<std::vector<std::shared_ptr<Request>>> work;
     bool stop = false;
     bool busy = false;  // a response of this stream is running (here or inline)
-    std::vector<char> fusion_buffer;
-    std::vector<uint16_t> half_buffer;  // compressed buckets
-    std::vector<int32_t> index;         // top-k candidates
+    StreamScratch scratch;
     StreamStats stats;
   };
   std::vector<std::unique_ptr<Stream>> streams_;
@@ -254,14 +248,9 @@ class Runtime {
   Timeline timeline_;
   std::mutex raw_mu_;
 
-  // Per-tensor state of top-k and downsampling (keyed by tensor name).
-  struct SparseState {
-    std::vector<float> residual;
-    int64_t steps = 0;
-  };
-  std::mutex sparse_mu_;
-  std::unordered_map<std::string, SparseState> sparse_;
-  SparseState& SparseFor(const TensorMeta& m);
+  // Compressed allreduces and the residuals of top-k and downsampling.
+  Residuals residuals_;
+  std::unique_ptr<Compressor> fp16_, topk_, downsample_;
 };
 
 }  // namespace perseus
