@@ -12,6 +12,7 @@ in one process (then the cross-process step is a no-op of world size 1).
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops as cross_device_ops_lib
+from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values as values_lib
 
@@ -30,6 +31,24 @@ def _dense(t):
     if isinstance(t, tf.IndexedSlices):
         return tf.convert_to_tensor(t)
     return t
+
+
+def _same_device(a, b):
+    a, b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
+    return (a.device_type or "CPU") == (b.device_type or "CPU") and \
+        (a.device_index or 0) == (b.device_index or 0)
+
+
+def _mirrored(value, destinations):
+    """`value` as a Mirrored value on `destinations`. One replica per process
+    (PerseusStrategy) has one destination, where the reduced tensor already
+    is: it is wrapped as it is, without the copy (an Identity op per tensor,
+    most of a many-tensor step's cost) that simple_broadcast would add."""
+    devices = cross_device_ops_lib.get_devices_from(destinations)
+    if len(devices) == 1 and isinstance(value, tf.Tensor) and \
+            _same_device(value.device, devices[0]):
+        return distribute_utils.regroup([value], wrap_class=values_lib.Mirrored)
+    return cross_device_ops_lib.simple_broadcast(value, destinations, always_mirrored=True)
 
 
 # Gradient groups: about this many, none smaller than _MIN_GROUP_BYTES.
@@ -150,8 +169,7 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
             return []
         values = [v for v, _ in value_destination_pairs]
         reduced = self._reduce_many(reduce_op, values)
-        return [cross_device_ops_lib.simple_broadcast(r, d, always_mirrored=True)
-                for r, (_, d) in zip(reduced, value_destination_pairs)]
+        return [_mirrored(r, d) for r, (_, d) in zip(reduced, value_destination_pairs)]
 
     def broadcast_implementation(self, tensor, destinations):
         return cross_device_ops_lib.simple_broadcast(tensor, destinations, always_mirrored=True)

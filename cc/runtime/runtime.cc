@@ -10,6 +10,7 @@
 #include <exception>
 #include <map>
 #include <sstream>
+#include <unordered_set>
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
@@ -227,12 +228,13 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
   }
   const auto now = Clock::now();
   bool wake = false;
+  std::unordered_set<std::string> names;  // a grouped call's, to find one named twice
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < requests.size(); ++i) {
       const TensorMeta& m = requests[i]->meta;
-      bool twice = pending_.count(m.name) > 0;
-      for (size_t j = 0; j < i && !twice; ++j) twice = requests[j]->meta.name == m.name;
+      const bool twice = pending_.count(m.name) > 0 ||
+                         (requests.size() > 1 && !names.insert(m.name).second);
       if (twice) {
         return Status::Error(StatusCode::kInvalidArgument,
                              std::string("Perseus ") + OpTypeName(m.op) + " of tensor '" + m.name +
