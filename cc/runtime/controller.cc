@@ -34,7 +34,7 @@ void Runtime::BackgroundLoop() {
   while (!stop) {
     if (state_.load() != State::kRunning) return;
     try {
-      if (offline_) {
+      if (plan_.active()) {
         RunOffline(&stop);
       } else {
         RunCycle(&stop);
@@ -81,7 +81,7 @@ void Runtime::RunCycle(bool* stop) {
     mine.requests.assign(queue_.begin(), queue_.end());
     queue_.clear();
     mine.shutdown = shutdown_requested_;
-    in_plan = offline_;
+    in_plan = plan_.active();
   }
   last_cycle_ = Clock::now();
   const int64_t my_clock =
@@ -215,7 +215,7 @@ void Runtime::RunCycle(bool* stop) {
   }
   const bool lone = ready.size() == 1;
   for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan);
-  if (!offline_ && !*stop && negotiator_->PlanReady()) EnterOffline();
+  if (!plan_.active() && !*stop && negotiator_->PlanReady()) EnterOffline();
 }
 
 }  // namespace perseus

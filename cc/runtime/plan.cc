@@ -15,6 +15,7 @@
 #include "cc/rendezvous/store_client.h"
 #include "cc/runtime/faults.h"
 #include "cc/runtime/fusion.h"
+#include "cc/runtime/plan.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
 #include "cc/transport/shm_transport.h"
@@ -41,38 +42,97 @@ namespace perseus {
 // mismatch is reported by name and a changed step is learned again. Every
 // rank runs every bucket of the step exactly once, so no rank waits forever.
 
+void OfflinePlan::Enter(Plan plan) {
+  plan_ = std::move(plan);
+  active_ = true;
+  pos_ = 0;
+  in_flight_ = 0;
+  steps_ = 0;
+  checked_ = -1;
+  leave_vote_ = aborting_ = step_started_ = false;
+  have_.assign(plan_.buckets.size(), 0);
+}
+
+void OfflinePlan::Leave() {
+  active_ = false;
+  leave_vote_ = aborting_ = step_started_ = false;
+}
+
+bool OfflinePlan::Fits(const TensorMeta& m) const {
+  auto it = plan_.metas.find(m.name);
+  if (it == plan_.metas.end() || !MatchesPlan(m, it->second)) return false;
+  // A name of a bucket already run this step means the step changed.
+  return !(step_started_ && plan_.bucket_of.at(m.name) < pos_);
+}
+
+bool OfflinePlan::Arrive(const TensorMeta& m, bool* completes) {
+  *completes = false;
+  if (!Fits(m)) {
+    leave_vote_ = true;
+    return false;
+  }
+  const size_t b = plan_.bucket_of.at(m.name);
+  *completes = ++have_[b] == plan_.buckets[b].names.size();
+  return true;
+}
+
+bool OfflinePlan::CanDispatch(bool shutting_down) const {
+  if (plan_.buckets.empty()) return false;
+  // have_ counts the bucket's fitting requests pending on this rank.
+  const bool ready = have_[pos_] == plan_.buckets[pos_].names.size();
+  const bool voting = leave_vote_ || aborting_ || shutting_down;
+  if (step_started_) return voting || ready;
+  // A new step starts with real data, or with a vote once the previous
+  // step's buckets are all finished (then it is the step that leaves).
+  if (voting) return in_flight_ == 0 && !aborting_;
+  return ready;
+}
+
+bool OfflinePlan::CheckDue(int64_t n) const {
+  return n > 0 && !step_started_ && steps_ % n == 0 && checked_ != steps_;
+}
+
+bool OfflinePlan::Dispatched() {
+  have_[pos_] = 0;
+  ++in_flight_;
+  step_started_ = true;
+  pos_ = (pos_ + 1) % plan_.buckets.size();
+  if (pos_ != 0) return false;
+  step_started_ = false;
+  ++steps_;
+  return true;
+}
+
+bool OfflinePlan::Finished(int64_t votes) {
+  --in_flight_;
+  if (votes != 0) aborting_ = true;
+  return votes == 0;
+}
+
 void Runtime::EnterOffline() {
   std::lock_guard<std::mutex> lock(mu_);
-  plan_ = negotiator_->TakePlan();
-  plan_pos_ = 0;
-  plan_in_flight_ = 0;
-  plan_steps_ = 0;
-  plan_checked_ = -1;
-  leave_vote_ = aborting_ = step_started_ = false;
+  plan_.Enter(negotiator_->TakePlan());
   // Plannable requests not yet sent run from the plan instead.
   std::deque<TensorMeta> keep;
   for (TensorMeta& m : queue_) {
     if (!(m.flags & kMetaPlannable)) {
       keep.push_back(std::move(m));
-    } else if (!FitsPlanLocked(m)) {
-      leave_vote_ = true;
+    } else if (!plan_.Fits(m)) {
+      plan_.VoteToLeave();
     }
   }
   queue_.swap(keep);
-  plan_have_.assign(plan_.buckets.size(), 0);
+  bool completes;
   for (const auto& kv : pending_) {
-    if ((kv.second->meta.flags & kMetaPlannable) && FitsPlanLocked(kv.second->meta)) {
-      ++plan_have_[plan_.bucket_of.at(kv.first)];
-    }
+    const TensorMeta& m = kv.second->meta;
+    if ((m.flags & kMetaPlannable) && plan_.Fits(m)) plan_.Arrive(m, &completes);
   }
-  offline_ = true;
   std::lock_guard<std::mutex> stats_lock(stats_mu_);
   ++stats_.plans;
 }
 
 void Runtime::LeaveOfflineLocked() {
-  offline_ = false;
-  leave_vote_ = aborting_ = step_started_ = false;
+  plan_.Leave();
   // Pending plannable requests were never sent: negotiate them now.
   std::vector<const TensorMeta*> resend;
   for (const auto& kv : pending_) {
@@ -96,14 +156,15 @@ std::chrono::milliseconds Runtime::PlanDeadline() const {
 }
 
 void Runtime::ReportPlanTimeoutLocked(Clock::time_point oldest) {
-  const Response& b = plan_.buckets[plan_pos_];
+  const Response& b = plan_.next();
   std::vector<std::string> missing;
   for (const std::string& name : b.names) {
     if (!pending_.count(name)) missing.push_back(name);
   }
   std::ostringstream msg;
-  msg << "Perseus rank " << WorldRank(options_.rank) << ": offline plan bucket " << plan_pos_
-      << " of " << plan_.buckets.size() << " (plan step " << plan_steps_ << ") has waited "
+  msg << "Perseus rank " << WorldRank(options_.rank) << ": offline plan bucket "
+      << plan_.position() << " of " << plan_.plan().buckets.size() << " (plan step "
+      << plan_.steps() << ") has waited "
       << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - oldest).count() /
              1000.0
       << " s for ";
@@ -118,43 +179,17 @@ void Runtime::ReportPlanTimeoutLocked(Clock::time_point oldest) {
   ++stats_.plan_timeouts;
 }
 
-bool Runtime::FitsPlanLocked(const TensorMeta& m) const {
-  auto it = plan_.metas.find(m.name);
-  if (it == plan_.metas.end() || !MatchesPlan(m, it->second)) return false;
-  // A name of a bucket already run this step means the step changed.
-  return !(step_started_ && plan_.bucket_of.at(m.name) < plan_pos_);
-}
-
-bool Runtime::PlanBucketReadyLocked() const {
-  // plan_have_ counts the bucket's fitting requests pending on this rank.
-  return plan_have_[plan_pos_] == plan_.buckets[plan_pos_].names.size();
-}
-
-bool Runtime::CanDispatchPlanLocked() const {
-  if (plan_.buckets.empty()) return false;
-  const bool voting = leave_vote_ || aborting_ || shutdown_requested_;
-  if (step_started_) return voting || PlanBucketReadyLocked();
-  // A new step starts with real data, or with a vote once the previous
-  // step's buckets are all finished (then it is the step that leaves).
-  if (voting) return plan_in_flight_ == 0 && !aborting_;
-  return PlanBucketReadyLocked();
-}
-
-bool Runtime::PlanCheckDueLocked() const {
-  const int64_t n = options_.plan_check_n_steps;
-  return n > 0 && !step_started_ && plan_steps_ % n == 0 && plan_checked_ != plan_steps_;
-}
-
 bool Runtime::PlanBucketFinished(int64_t votes,
                                  const std::vector<std::shared_ptr<Request>>& requests,
                                  int plan_index) {
-  bool deliver = votes == 0;
+  bool deliver;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    --plan_in_flight_;
-    if (plan_index + 1 == static_cast<int>(plan_.buckets.size())) last_step_done_ = Clock::now();
+    deliver = plan_.Finished(votes);
+    if (plan_index + 1 == static_cast<int>(plan_.plan().buckets.size())) {
+      last_step_done_ = Clock::now();
+    }
     if (!deliver) {
-      aborting_ = true;
       for (auto& q : requests) {
         if (q->scratch.empty()) pending_.emplace(q->meta.name, q);  // real ones only
       }
@@ -170,10 +205,10 @@ void Runtime::RunOffline(bool* stop) {
   bool online = false;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    auto done_leaving = [&] { return aborting_ && !step_started_ && plan_in_flight_ == 0; };
     auto runnable = [&] {
       return state_.load() != State::kRunning || !queue_.empty() ||
-             negotiator_->HasPending() || CanDispatchPlanLocked() || done_leaving();
+             negotiator_->HasPending() || plan_.CanDispatch(shutdown_requested_) ||
+             plan_.DoneLeaving();
     };
     while (!runnable()) {
       // Plannable requests waiting here for the plan (their bucket, or an
@@ -192,14 +227,15 @@ void Runtime::RunOffline(bool* stop) {
       const auto deadline = oldest + PlanDeadline();
       if (Clock::now() >= deadline) {
         ReportPlanTimeoutLocked(oldest);
-        leave_vote_ = true;
+        plan_.VoteToLeave();
         break;
       }
       queue_cv_.wait_until(lock, deadline);
     }
     plan_waiting_ = false;
     if (state_.load() != State::kRunning) return;
-    if (CanDispatchPlanLocked() && PlanCheckDueLocked()) {
+    const int64_t check_every = options_.plan_check_n_steps;
+    if (plan_.CanDispatch(shutdown_requested_) && plan_.CheckDue(check_every)) {
       // Every rank checks before dispatching the same plan step, on the
       // first stream, after the work already queued there, so the check's
       // collectives line up with the buckets on every rank. It runs on the
@@ -207,15 +243,16 @@ void Runtime::RunOffline(bool* stop) {
       Response check;
       check.op = OpType::kAllreduce;
       check.names.push_back("perseus.plan_check");
-      check.plan_check = DigestPlanLocked(plan_steps_);
-      plan_checked_ = plan_steps_;
+      check.plan_check = DigestPlanLocked(plan_.steps());
+      plan_.Checked();
       buckets.emplace_back(0, std::move(check));
       work.emplace_back();
     }
-    while (CanDispatchPlanLocked()) {
-      if (PlanCheckDueLocked()) break;  // this step is checked first (next pass)
-      if (faults_ && plan_pos_ == 0) faults_->OnPlanStep(plan_steps_, &plan_);
-      Response r = plan_.buckets[plan_pos_];
+    while (plan_.CanDispatch(shutdown_requested_)) {
+      if (plan_.CheckDue(check_every)) break;  // this step is checked first (next pass)
+      const size_t index = plan_.position();
+      if (faults_ && index == 0) faults_->OnPlanStep(plan_.steps(), &plan_.mutable_plan());
+      Response r = plan_.next();
       std::vector<std::shared_ptr<Request>> requests;
       bool stand_in = false;
       for (size_t i = 0; i < r.names.size(); ++i) {
@@ -228,11 +265,10 @@ void Runtime::RunOffline(bool* stop) {
           stand_in = true;
         }
       }
-      plan_have_[plan_pos_] = 0;
-      const bool vote = stand_in || leave_vote_ || aborting_ || shutdown_requested_;
+      const bool vote = plan_.Vote(stand_in, shutdown_requested_);
       r.carrier_vote = vote ? 1 : 0;
-      r.plan_index = static_cast<int>(plan_pos_);
-      if (plan_pos_ == 0 && options_.perf_check_n_steps > 0) {
+      r.plan_index = static_cast<int>(index);
+      if (index == 0 && options_.perf_check_n_steps > 0) {
         // This rank's time outside communication since its last step ended.
         r.perf_slots = options_.size;
         if (last_step_done_ != Clock::time_point{}) {
@@ -245,21 +281,15 @@ void Runtime::RunOffline(bool* stop) {
         if (!o.perf_ms.empty()) PerfCheckStep(o.perf_ms);
         return PlanBucketFinished(o.votes, held, index);
       };
-      buckets.emplace_back(plan_pos_, std::move(r));
+      buckets.emplace_back(index, std::move(r));
       work.push_back(std::move(requests));
-      ++plan_in_flight_;
-      step_started_ = true;
-      plan_pos_ = (plan_pos_ + 1) % plan_.buckets.size();
+      const bool step_ended = plan_.Dispatched();
       std::lock_guard<std::mutex> stats_lock(stats_mu_);
       ++stats_.responses;
       if (buckets.back().second.names.size() > 1) ++stats_.fused_responses;
-      if (plan_pos_ == 0) {
-        step_started_ = false;
-        ++plan_steps_;
-        if (!vote) ++stats_.offline_steps;
-      }
+      if (step_ended && !vote) ++stats_.offline_steps;
     }
-    if (buckets.empty() && done_leaving()) {
+    if (buckets.empty() && plan_.DoneLeaving()) {
       LeaveOfflineLocked();
       return;
     }

@@ -44,8 +44,9 @@ std::shared_ptr<PlanDigest> Runtime::DigestPlanLocked(int64_t step) const {
   std::vector<std::string>& described = digest->described;
   // One digest per position of the plan (bucket by bucket, in order): the
   // tensor's name and everything MatchesPlan compares, and its bucket.
-  for (size_t b = 0; b < plan_.buckets.size(); ++b) {
-    const Response& r = plan_.buckets[b];
+  const Plan& plan = plan_.plan();
+  for (size_t b = 0; b < plan.buckets.size(); ++b) {
+    const Response& r = plan.buckets[b];
     for (size_t i = 0; i < r.names.size(); ++i) {
       const TensorMeta& m = r.metas[i];
       uint64_t h = Fnv1a(r.names[i].data(), r.names[i].size());

@@ -171,11 +171,7 @@ Status Runtime::Init(const InitOptions& options) {
   last_step_done_ = Clock::time_point{};
   perf_sum_.clear();
   perf_steps_ = 0;
-  offline_ = false;
-  plan_ = Plan();
-  plan_pos_ = 0;
-  leave_vote_ = aborting_ = step_started_ = false;
-  plan_in_flight_ = 0;
+  plan_ = OfflinePlan();
   for (int s = 0; s <= options.streams; ++s) {
     streams_[s]->thread = std::thread(&Runtime::StreamLoop, this, s);
   }
@@ -254,16 +250,12 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
       q->enqueued = now;
       if (m.op == OpType::kJoin) joined_ = true;
       pending_.emplace(m.name, q);
-      if (offline_ && (m.flags & kMetaPlannable)) {
+      if (plan_.active() && (m.flags & kMetaPlannable)) {
         // Runs from the plan; one that does not fit it votes to leave the
         // plan. The background thread is woken when this completes a
         // bucket (or votes).
-        if (!FitsPlanLocked(m)) {
-          leave_vote_ = wake = true;
-        } else {
-          size_t b = plan_.bucket_of.at(m.name);
-          wake |= ++plan_have_[b] == plan_.buckets[b].names.size();
-        }
+        bool completes;
+        wake |= !plan_.Arrive(m, &completes) || completes;
         wake |= !plan_waiting_;  // its deadline starts now
       } else {
         queue_.push_back(m);

@@ -44,6 +44,7 @@
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
 #include "cc/runtime/options.h"
+#include "cc/runtime/plan.h"
 #include "cc/runtime/request.h"
 #include "cc/runtime/stats.h"
 #include "cc/transport/allreduce_algorithms.h"
@@ -118,24 +119,20 @@ class Runtime {
                      std::vector<std::shared_ptr<Request>>& requests);
   void DispatchTo(int stream, Response response,
                   std::vector<std::shared_ptr<Request>> requests);
-  // Offline mode (see runtime.cc, "Offline plans").
+  // Offline mode (plan.cc): runs plan_'s buckets, negotiates the rest.
   void RunOffline(bool* stop);
-  bool FitsPlanLocked(const TensorMeta& m) const;
   // How long plannable requests wait for a plan bucket this rank cannot
   // complete before it votes to leave the plan.
   std::chrono::milliseconds PlanDeadline() const;
   void ReportPlanTimeoutLocked(std::chrono::steady_clock::time_point oldest);
-  bool PlanBucketReadyLocked() const;
-  bool CanDispatchPlanLocked() const;
   void EnterOffline();
   void LeaveOfflineLocked();
-  // A plan bucket's collective finished with `votes`; false: do not deliver
-  // (the real requests go back to pending, to be negotiated online).
-  // Plan check: due before the next step starts; and the check itself
+  // Plan check: this rank's digest of the plan, and the check itself
   // (throws, naming the first tensor where the ranks' plans differ).
-  bool PlanCheckDueLocked() const;
   std::shared_ptr<PlanDigest> DigestPlanLocked(int64_t step) const;
   void CheckPlan(const PlanDigest& plan);
+  // A plan bucket's collective finished with `votes`; false: do not deliver
+  // (the real requests go back to pending, to be negotiated online).
   bool PlanBucketFinished(int64_t votes, const std::vector<std::shared_ptr<Request>>& requests,
                           int plan_index);
   // Perf check: a step's per-rank times (from the first bucket's slots).
@@ -205,20 +202,8 @@ class Runtime {
   uint64_t dispatched_ = 0;
   bool joined_ = false;  // this rank called join() and it has not completed
 
-  // Offline plan state. offline_, leave_vote_ and the carrier fields are
-  // guarded by mu_; plan_ and plan_pos_ belong to the background thread
-  // (Enqueue reads plan_.metas under mu_ only while offline_, when it is
-  // not being changed).
-  bool offline_ = false;
-  Plan plan_;
-  size_t plan_pos_ = 0;
-  bool leave_vote_ = false;     // a plannable request does not fit the plan
-  bool aborting_ = false;       // a bucket of this step was voted down
-  bool step_started_ = false;   // a bucket of the current step was dispatched
-  int plan_in_flight_ = 0;      // plan buckets dispatched, not finished
-  std::vector<size_t> plan_have_;  // per bucket: fitting requests pending here
-  int64_t plan_steps_ = 0;      // steps of this plan started
-  int64_t plan_checked_ = -1;   // the step whose plan check passed
+  // This rank's offline plan (plan.h); guarded by mu_.
+  OfflinePlan plan_;
   // The background thread is waiting with a deadline for plannable requests
   // that cannot run yet (Enqueue wakes it when one arrives and it is not).
   bool plan_waiting_ = false;
