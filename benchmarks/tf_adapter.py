@@ -1,0 +1,182 @@
+"""What the TensorFlow adapter costs: the same collectives through the TF ops
+and straight through the runtime (`perseus_tf._core`), in one invocation.
+
+Three tables, each timing both paths in the same processes, alternating
+call by call so that both see the same machine:
+
+  sizes      one float32 allreduce (sum) of 1 MiB to 256 MiB:
+             `_core.submit` with a separate output array, against
+             `perseus_tf.allreduce` of a tf.Variable inside tf.function
+             (the variable's buffer cannot be reused, so both copy).
+             Target: TF path <= 1.2x.
+  profiles   a model's gradient set (perseus_tf/profiles) as one grouped,
+             plannable sum: `_core.submit_group` against
+             `perseus_tf.grouped_allreduce` of variables inside tf.function.
+             Target: <= 1.2x.
+  small      500 gradients of 1 KiB at --small-np ranks: PerseusStrategy's
+             replica all-reduce inside tf.function against `_core`'s
+             offline-plan step. Target: <= 2x.
+
+No compression on either path. Prints median milliseconds per call.
+
+Usage: python benchmarks/tf_adapter.py [--np 2] [--small-np 4] [--iters 10]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES_MIB = [1, 4, 16, 64, 256]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--np", type=int, default=2, help="ranks for the sizes and profiles tables")
+    p.add_argument("--small-np", type=int, default=4, help="ranks for the small-tensor table")
+    p.add_argument("--iters", type=int, default=10, help="timed calls per path and case")
+    p.add_argument("--profiles", default="resnet50", help="comma-separated profile names")
+    p.add_argument("--tables", default="sizes,profiles,small")
+    p.add_argument("--worker", choices=["sizes", "profiles", "small"], help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _alternate(first, second, iters, warmup=3):
+    """Median ms of each of two callables, called in turn."""
+    for _ in range(warmup):
+        first()
+        second()
+    a, b = [], []
+    for _ in range(iters):
+        t = time.perf_counter()
+        first()
+        a.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        second()
+        b.append(time.perf_counter() - t)
+    return _median(a) * 1e3, _median(b) * 1e3
+
+
+def _worker(args):
+    import numpy as np
+    import tensorflow as tf
+
+    import perseus_tf as ptf
+    from perseus_tf import _native
+
+    core = _native._core
+    f32 = _native.DTYPE_CODES["float32"]
+    rows = []
+    if args.worker == "small":
+        strategy = ptf.PerseusStrategy()
+        count = 500
+        tensors = [tf.ones([256]) for _ in range(count)]
+
+        @tf.function
+        def tf_step():
+            def replica():
+                return tf.distribute.get_replica_context().all_reduce("sum", tensors)
+            return strategy.run(replica)
+
+        arrays = [np.ones(256, np.float32) for _ in range(count)]
+        names = [f"small.{i}" for i in range(count)]
+
+        def core_step():
+            core.submit_group(arrays, names, f32, reduce_op=0, plannable=True).wait()
+
+        # Enough repetitions for both paths to run from their offline plans.
+        core_ms, tf_ms = _alternate(core_step, tf_step, args.iters * 4, warmup=30)
+        rows.append({"case": f"{count} x 1 KiB", "core": core_ms, "tf": tf_ms,
+                     "plans": core.stats()["plans"]})
+    else:
+        ptf.init()
+        if args.worker == "sizes":
+            for mib in SIZES_MIB:
+                n = mib << 18
+                x, out = np.ones(n, np.float32), np.empty(n, np.float32)
+                v = tf.Variable(tf.ones([n]))
+
+                @tf.function
+                def tf_call(v=v, mib=mib):
+                    return ptf.allreduce(v, op=ptf.Sum, name=f"sizes.tf{mib}")
+
+                def core_call(x=x, out=out, mib=mib):
+                    core.submit(_native.OP_ALLREDUCE, x, f"sizes.core{mib}", f32, reduce_op=0,
+                                output=out).wait()
+
+                iters = args.iters if mib < 256 else max(3, args.iters // 2)
+                core_ms, tf_ms = _alternate(core_call, tf_call, iters)
+                rows.append({"case": f"{mib} MiB", "core": core_ms, "tf": tf_ms})
+        else:
+            for name in args.profiles.split(","):
+                with open(os.path.join(ROOT, "perseus_tf", "profiles", f"{name}.json")) as f:
+                    profile = json.load(f)
+                sizes = [int(t["elements"]) for t in profile["tensors"]]
+                arrays = [np.ones(n, np.float32) for n in sizes]
+                names = [f"{name}.core.{i}" for i in range(len(sizes))]
+                variables = [tf.Variable(tf.ones([n])) for n in sizes]
+
+                @tf.function
+                def tf_call(variables=variables, name=name):
+                    return ptf.grouped_allreduce(variables, op=ptf.Sum, gradients=True,
+                                                 name=f"{name}.tf")
+
+                def core_call(arrays=arrays, names=names):
+                    core.submit_group(arrays, names, f32, reduce_op=0, plannable=True).wait()
+
+                core_ms, tf_ms = _alternate(core_call, tf_call, args.iters, warmup=8)
+                mib = sum(sizes) * 4 / (1 << 20)
+                rows.append({"case": f"{name} ({len(sizes)} tensors, {mib:.0f} MiB)",
+                             "core": core_ms, "tf": tf_ms})
+    if _native.topology()["rank"] == 0:
+        print("RESULT " + json.dumps(rows), flush=True)
+
+
+def _launch(args, table, ranks):
+    cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(ranks), "--",
+           sys.executable, os.path.abspath(__file__), "--worker", table,
+           "--iters", str(args.iters), "--profiles", args.profiles]
+    env = dict(os.environ, PERSEUS_ALLREDUCE_DTYPE="1")  # no compression anywhere
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise SystemExit(f"{table} at {ranks} ranks failed (exit {proc.returncode}):\n"
+                     f"{proc.stderr[-4000:]}")
+
+
+TARGETS = {"sizes": 1.2, "profiles": 1.2, "small": 2.0}
+WHAT = {"sizes": "perseus_tf.allreduce(tf.Variable) in tf.function vs _core.submit(output=)",
+        "profiles": "perseus_tf.grouped_allreduce(variables) in tf.function vs "
+                    "_core.submit_group",
+        "small": "PerseusStrategy replica all_reduce in tf.function vs _core offline-plan step"}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    for table in args.tables.split(","):
+        ranks = args.small_np if table == "small" else args.np
+        rows = _launch(args, table, ranks)
+        target = TARGETS[table]
+        print(f"\n## {table}, {ranks} ranks: {WHAT[table]}")
+        print(f"{'case':<36} {'_core ms':>9} {'TF ms':>9} {'ratio':>7}  target")
+        for r in rows:
+            ratio = r["tf"] / r["core"]
+            verdict = "PASS" if ratio <= target else "FAIL"
+            print(f"{r['case']:<36} {r['core']:>9.2f} {r['tf']:>9.2f} {ratio:>6.2f}x  "
+                  f"<= {target}x: {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
