@@ -1,5 +1,5 @@
 // Allgather, alltoall and reducescatter on a stream.
-#include "cc/runtime/runtime.h"
+#include "cc/runtime/executor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,10 +11,7 @@
 #include <sstream>
 
 #include "cc/core/reduce.h"
-#include "cc/rendezvous/store_client.h"
 #include "cc/runtime/runtime_internal.h"
-#include "cc/transport/gloo_transport.h"
-#include "cc/transport/shm_transport.h"
 
 namespace perseus {
 namespace {
@@ -25,7 +22,7 @@ std::vector<int64_t> Trailing(const std::vector<int64_t>& shape) {
 
 }  // namespace
 
-void Runtime::ExecuteAllgather(int stream, const Response& r, Request& q) {
+void Executor::Allgather(int stream, const Response& r, Request& q) {
   const std::vector<int64_t>& dims = r.first_dims[0];
   std::vector<int64_t> trailing = Trailing(q.meta.shape);
   size_t row = static_cast<size_t>(NumElements(trailing)) * DataTypeSize(q.meta.dtype);
@@ -39,10 +36,10 @@ void Runtime::ExecuteAllgather(int stream, const Response& r, Request& q) {
   shape.insert(shape.end(), trailing.begin(), trailing.end());
   void* out = q.allocate(shape);
   if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
-  transport_->Allgatherv(stream, q.input, out, bytes);
+  c_.world->Allgatherv(stream, q.input, out, bytes);
 }
 
-void Runtime::ExecuteAlltoall(int stream, const Response& r, Request& q) {
+void Executor::Alltoall(int stream, const Response& r, Request& q) {
   const int me = options_.rank;
   std::vector<int64_t> trailing = Trailing(q.meta.shape);
   int64_t row = NumElements(trailing) * static_cast<int64_t>(DataTypeSize(q.meta.dtype));
@@ -63,13 +60,13 @@ void Runtime::ExecuteAlltoall(int stream, const Response& r, Request& q) {
   for (const auto& sent_by : r.splits) {
     for (int64_t rows_sent : sent_by) any |= rows_sent > 0;
   }
-  transport_->Alltoallv(stream, q.input, send, out, recv, any && row > 0);
+  c_.world->Alltoallv(stream, q.input, send, out, recv, any && row > 0);
 }
 
 // Each rank gets the reduced rows of its own block. Over TCP a ring
 // reduce-scatter moves each block once per step; when every rank shares this
 // host's memory, the shared-memory allreduce is cheaper than either.
-void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {
+void Executor::Reducescatter(int stream, const Response& r, Request& q) {
   const TensorMeta& m = r.metas[0];
   const DataType dtype = m.dtype;
   const size_t esize = DataTypeSize(dtype);
@@ -86,12 +83,12 @@ void Runtime::ExecuteReducescatter(int stream, const Response& r, Request& q) {
   std::vector<size_t> counts(options_.size);
   for (int i = 0; i < options_.size; ++i) counts[i] = (base + (i < extra ? 1 : 0)) * row_elems;
   const ReduceFn fn = GetReduceFn(dtype, m.reduce_op);
-  if (topology_.one_host_shm) {
+  if (c_.topology.one_host_shm) {
     TimelineSpan span(timeline_, 1 + stream, "shm allreduce", "communication");
-    shm_->Allreduce(stream, buf.data(), n, dtype, fn);
+    c_.groups.host->Allreduce(stream, buf.data(), n, dtype, fn);
   } else {
     TimelineSpan span(timeline_, 1 + stream, "gloo reduce-scatter", "communication");
-    transport_->ReduceScatter(stream, buf.data(), counts, dtype, fn);
+    c_.world->ReduceScatter(stream, buf.data(), counts, dtype, fn);
   }
   const int64_t me = options_.rank;
   const int64_t my_rows = base + (me < extra ? 1 : 0);

@@ -13,6 +13,7 @@
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
+#include "cc/runtime/executor.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
 #include "cc/transport/shm_transport.h"
@@ -45,7 +46,7 @@ void Runtime::BackgroundLoop() {
     }
   }
   // Every rank saw the same shutdown flag in the same cycle: drain and stop.
-  StopThreads();
+  executor_->Stop();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_.load() == State::kRunning) state_ = State::kShutdown;
@@ -216,6 +217,70 @@ void Runtime::RunCycle(bool* stop) {
   const bool lone = ready.size() == 1;
   for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan);
   if (!plan_.active() && !*stop && negotiator_->PlanReady()) EnterOffline();
+}
+
+void Runtime::Dispatch(Response response, bool lone, bool any_in_plan) {
+  std::vector<std::shared_ptr<Request>> requests;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < response.names.size(); ++i) {
+      auto it = pending_.find(response.names[i]);
+      if (it == pending_.end()) {
+        // Only a joined rank is missing names: it takes part with no data.
+        if (response.error.ok()) requests.push_back(StandIn(response, i));
+        continue;
+      }
+      requests.push_back(it->second);
+      pending_.erase(it);
+    }
+    if (response.op == OpType::kJoin) joined_ = false;
+  }
+  if (response.op == OpType::kJoin) {
+    for (auto& q : requests) q->result = response.metas[0].root;
+  }
+  if (!response.error.ok() || response.op == OpType::kBarrier || response.op == OpType::kJoin) {
+    for (auto& q : requests) q->done(response.error);
+    return;
+  }
+  // Online work uses the first `streams` streams in turn; while any rank
+  // runs a plan, it goes to the extra stream so that the two orders never
+  // mix. Every rank decides from what the cycle told all of them (not from
+  // its own plan state: ranks leave a plan at their own pace), so each
+  // collective runs on the same stream everywhere.
+  int stream = any_in_plan
+                   ? options_.streams
+                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
+  if (lone && executor_->RunHereIfIdle(stream, response, requests)) return;
+  executor_->Submit(stream, std::move(response), std::move(requests));
+}
+
+std::shared_ptr<Request> Runtime::StandIn(const Response& response, size_t index) {
+  auto q = std::make_shared<Request>();
+  q->meta = response.metas[index];
+  q->done = [](const Status&) {};
+  const size_t esize = DataTypeSize(q->meta.dtype);
+  switch (response.op) {
+    case OpType::kAllgather:
+      // No rows from this rank; the gathered result is discarded.
+      if (!q->meta.shape.empty()) q->meta.shape[0] = 0;
+      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
+        q->scratch.resize(std::max<size_t>(1, NumElements(shape) * DataTypeSize(q->meta.dtype)));
+        return q->scratch.data();
+      };
+      break;
+    default: {
+      // Zeros in (neutral for a sum, the only reduction a joined rank
+      // should meet), result discarded.
+      q->scratch.assign(std::max<size_t>(1, NumElements(q->meta.shape) * esize), 0);
+      q->input = q->output = q->scratch.data();
+      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
+        size_t need = NumElements(shape) * DataTypeSize(q->meta.dtype);
+        if (need > q->scratch.size()) q->scratch.resize(need);
+        return q->scratch.data();
+      };
+    }
+  }
+  return q;
 }
 
 }  // namespace perseus

@@ -1,7 +1,7 @@
-// The executor: streams, dispatch, the execute switch and the plain and fused
-// allreduce (downsampling included). A plan bucket reports its outcome to
-// the closure its plan attached; the executor never reads plan state.
-#include "cc/runtime/runtime.h"
+// The executor (executor.h): streams, the execute switch, the plain and fused
+// allreduce. Compressed allreduces are in compression/, the other
+// collectives in collectives.cc.
+#include "cc/runtime/executor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +17,6 @@
 #include "cc/runtime/fusion.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/allreduce_algorithms.h"
-#include "cc/transport/gloo_transport.h"
 
 namespace perseus {
 namespace {
@@ -34,43 +33,48 @@ std::string JsonEscape(const std::string& text) {
 
 }  // namespace
 
-void Runtime::Dispatch(Response response, bool lone, bool any_in_plan) {
-  std::vector<std::shared_ptr<Request>> requests;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (size_t i = 0; i < response.names.size(); ++i) {
-      auto it = pending_.find(response.names[i]);
-      if (it == pending_.end()) {
-        // Only a joined rank is missing names: it takes part with no data.
-        if (response.error.ok()) requests.push_back(StandIn(response, i));
-        continue;
-      }
-      requests.push_back(it->second);
-      pending_.erase(it);
-    }
-    if (response.op == OpType::kJoin) joined_ = false;
+Executor::Executor(const ExecutorContext& context)
+    : c_(context), options_(c_.options), timeline_(*c_.timeline) {
+  CompressionContext compression;
+  compression.options = &options_;
+  compression.timeline = &timeline_;
+  compression.world = c_.world;
+  compression.residuals = &residuals_;
+  compression.allreduce = [this](int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
+                                 size_t half_across) {
+    AllreduceBuffer(stream, data, count, dtype, fn, half_across);
+  };
+  fp16_ = MakeFp16Compressor(compression);
+  topk_ = MakeTopkCompressor(compression);
+  downsample_ = MakeDownsampleCompressor(compression);
+  stats_.resize(options_.streams + 1);
+  for (int s = 0; s <= options_.streams; ++s) streams_.emplace_back(new Stream());
+  for (int s = 0; s <= options_.streams; ++s) {
+    streams_[s]->thread = std::thread(&Executor::StreamLoop, this, s);
   }
-  if (response.op == OpType::kJoin) {
-    for (auto& q : requests) q->result = response.metas[0].root;
-  }
-  if (!response.error.ok() || response.op == OpType::kBarrier || response.op == OpType::kJoin) {
-    for (auto& q : requests) q->done(response.error);
-    return;
-  }
-  // Online work uses the first `streams` streams in turn; while any rank
-  // runs a plan, it goes to the extra stream so that the two orders never
-  // mix. Every rank decides from what the cycle told all of them (not from
-  // its own plan state: ranks leave a plan at their own pace), so each
-  // collective runs on the same stream everywhere.
-  int stream = any_in_plan
-                   ? options_.streams
-                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
-  if (lone && RunHereIfIdle(stream, response, requests)) return;
-  DispatchTo(stream, std::move(response), std::move(requests));
 }
 
-bool Runtime::RunHereIfIdle(int stream, Response& response,
-                            std::vector<std::shared_ptr<Request>>& requests) {
+Executor::~Executor() { Stop(); }
+
+void Executor::Stop() {
+  for (auto& s : streams_) {
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->stop = true;
+    }
+    s->cv.notify_all();
+  }
+  for (auto& s : streams_) {
+    if (s->thread.joinable()) s->thread.join();
+  }
+}
+
+std::vector<StreamStats> Executor::stats() {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  return stats_;
+}
+
+bool Executor::RunHereIfIdle(int stream, Response& response, Requests& requests) {
   // Saves a thread hand-off. The stream's order is unchanged: nothing else
   // can be dispatched to it while this thread is busy.
   Stream& s = *streams_[stream];
@@ -79,7 +83,7 @@ bool Runtime::RunHereIfIdle(int stream, Response& response,
     if (!s.queue.empty() || s.busy) return false;
     s.busy = true;
   }
-  RunOnStream(stream, response, requests);
+  Run(stream, response, requests);
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.busy = false;
@@ -88,8 +92,7 @@ bool Runtime::RunHereIfIdle(int stream, Response& response,
   return true;
 }
 
-void Runtime::DispatchTo(int stream, Response response,
-                         std::vector<std::shared_ptr<Request>> requests) {
+void Executor::Submit(int stream, Response response, Requests requests) {
   Stream& s = *streams_[stream];
   {
     std::lock_guard<std::mutex> lock(s.mu);
@@ -99,36 +102,7 @@ void Runtime::DispatchTo(int stream, Response response,
   s.cv.notify_one();
 }
 
-std::shared_ptr<Request> Runtime::StandIn(const Response& response, size_t index) {
-  auto q = std::make_shared<Request>();
-  q->meta = response.metas[index];
-  q->done = [](const Status&) {};
-  const size_t esize = DataTypeSize(q->meta.dtype);
-  switch (response.op) {
-    case OpType::kAllgather:
-      // No rows from this rank; the gathered result is discarded.
-      if (!q->meta.shape.empty()) q->meta.shape[0] = 0;
-      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
-        q->scratch.resize(std::max<size_t>(1, NumElements(shape) * DataTypeSize(q->meta.dtype)));
-        return q->scratch.data();
-      };
-      break;
-    default: {
-      // Zeros in (neutral for a sum, the only reduction a joined rank
-      // should meet), result discarded.
-      q->scratch.assign(std::max<size_t>(1, NumElements(q->meta.shape) * esize), 0);
-      q->input = q->output = q->scratch.data();
-      q->allocate = [q](const std::vector<int64_t>& shape) -> void* {
-        size_t need = NumElements(shape) * DataTypeSize(q->meta.dtype);
-        if (need > q->scratch.size()) q->scratch.resize(need);
-        return q->scratch.data();
-      };
-    }
-  }
-  return q;
-}
-
-void Runtime::StreamLoop(int index) {
+void Executor::StreamLoop(int index) {
   Stream& s = *streams_[index];
   while (true) {
     Response response;
@@ -143,7 +117,7 @@ void Runtime::StreamLoop(int index) {
       s.work.pop_front();
       s.busy = true;
     }
-    RunOnStream(index, response, requests);
+    Run(index, response, requests);
     {
       std::lock_guard<std::mutex> lock(s.mu);
       s.busy = false;
@@ -152,15 +126,10 @@ void Runtime::StreamLoop(int index) {
   }
 }
 
-void Runtime::RunOnStream(int index, Response& response,
-                          std::vector<std::shared_ptr<Request>>& requests) {
-  if (state_.load() == State::kFailed) {
-    Status failure;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      failure = failure_;
-    }
-    for (auto& q : requests) q->done(failure);
+void Executor::Run(int index, Response& response, Requests& requests) {
+  const Status failed = c_.failure();
+  if (!failed.ok()) {
+    for (auto& q : requests) q->done(failed);
     return;
   }
   auto start = Clock::now();
@@ -184,12 +153,10 @@ void Runtime::RunOnStream(int index, Response& response,
   try {
     complete = Execute(index, response, requests);
   } catch (const std::exception& e) {
-    Fail(response.plan_check ? std::string(e.what())
-                             : std::string("stream ") + std::to_string(index) + " " +
-                                   OpTypeName(response.op) + " of '" + response.names[0] +
-                                   "' failed: " + e.what());
-    std::lock_guard<std::mutex> lock(mu_);
-    status = failure_;
+    status = c_.fail(response.control ? std::string(e.what())
+                                      : std::string("stream ") + std::to_string(index) + " " +
+                                            OpTypeName(response.op) + " of '" +
+                                            response.names[0] + "' failed: " + e.what());
   }
   const auto end = Clock::now();
   // Recorded before the requests complete, so a caller that stops the
@@ -198,7 +165,7 @@ void Runtime::RunOnStream(int index, Response& response,
   double secs = std::chrono::duration<double>(end - start).count();
   {
     std::lock_guard<std::mutex> lock(stats_mu_);
-    StreamStats& st = stats_.streams[index];
+    StreamStats& st = stats_[index];
     ++st.responses;
     st.tensors += static_cast<int64_t>(response.names.size());
     for (const TensorMeta& m : response.metas) {
@@ -212,10 +179,11 @@ void Runtime::RunOnStream(int index, Response& response,
   }
 }
 
-bool Runtime::Execute(int stream, const Response& r,
-                      std::vector<std::shared_ptr<Request>>& requests) {
-  if (r.plan_check) {
-    CheckPlan(*r.plan_check);
+bool Executor::Execute(int stream, const Response& r, Requests& requests) {
+  if (r.control) {
+    r.control([this, stream](void* data, size_t count, DataType dtype, ReduceFn fn) {
+      AllreduceBuffer(stream, data, count, dtype, fn);
+    });
     return true;
   }
   if (requests.size() != r.names.size()) {
@@ -223,24 +191,24 @@ bool Runtime::Execute(int stream, const Response& r,
   }
   switch (r.op) {
     case OpType::kAllreduce:
-      return ExecuteAllreduce(stream, r, requests);
+      return Allreduce(stream, r, requests);
     case OpType::kBroadcast: {
       Request& q = *requests[0];
       size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
       if (options_.rank == q.meta.root && q.output != q.input && bytes) {
         std::memcpy(q.output, q.input, bytes);
       }
-      transport_->Broadcast(stream, q.output, bytes, q.meta.root);
+      c_.world->Broadcast(stream, q.output, bytes, q.meta.root);
       break;
     }
     case OpType::kAllgather:
-      ExecuteAllgather(stream, r, *requests[0]);
+      Allgather(stream, r, *requests[0]);
       break;
     case OpType::kAlltoall:
-      ExecuteAlltoall(stream, r, *requests[0]);
+      Alltoall(stream, r, *requests[0]);
       break;
     case OpType::kReducescatter:
-      ExecuteReducescatter(stream, r, *requests[0]);
+      Reducescatter(stream, r, *requests[0]);
       break;
     case OpType::kBarrier:
     case OpType::kJoin:
@@ -249,8 +217,7 @@ bool Runtime::Execute(int stream, const Response& r,
   return true;
 }
 
-bool Runtime::ExecuteAllreduce(int stream, const Response& r,
-                               std::vector<std::shared_ptr<Request>>& requests) {
+bool Executor::Allreduce(int stream, const Response& r, Requests& requests) {
   const TensorMeta& m0 = r.metas[0];
   StreamScratch& scratch = streams_[stream]->scratch;
   switch (m0.compression) {
@@ -305,8 +272,8 @@ bool Runtime::ExecuteAllreduce(int stream, const Response& r,
   return true;
 }
 
-void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
-                              size_t half_across) {
+void Executor::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
+                               size_t half_across) {
   AllreduceCall call;
   call.channel = stream;
   call.data = buf;
@@ -316,17 +283,17 @@ void Runtime::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtyp
   call.half_across = half_across;
   call.scale = static_cast<float>(options_.gradient_scale);
   call.half = &streams_[stream]->scratch.half;
-  RunAllreduce(ChooseAllreduce(count * DataTypeSize(dtype), half_across > 0, topology_), groups_,
-               call, timeline_);
+  RunAllreduce(ChooseAllreduce(count * DataTypeSize(dtype), half_across > 0, c_.topology),
+               c_.groups, call, timeline_);
 }
 
-int64_t Runtime::PayloadBytes(const TensorMeta& m) const {
+int64_t Executor::PayloadBytes(const TensorMeta& m) const {
   const int64_t n = NumElements(m.shape);
   switch (m.compression) {
     case kCompressFp16:
       return 2 * n;
     case kCompressMixed:  // what crosses hosts
-      return (transport_ && transport_->hierarchical() ? 2 : 4) * n;
+      return (c_.topology.two_level ? 2 : 4) * n;
     case kCompressTopk:
       return TopkCount(n, options_.topk_ratio) * (4 + (options_.topk_fp16 ? 2 : 4));
     case kCompressDownsample:

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cc/core/common.h"
+#include "cc/core/reduce.h"
 #include "cc/runtime/message.h"
 
 namespace perseus {
@@ -37,6 +38,9 @@ struct BucketOutcome {
   int64_t votes = 0;
   std::vector<double> perf_ms;
 };
+
+// A stream's allreduce of a buffer (its algorithm chosen as for any bucket).
+using BufferAllreduce = std::function<void(void* data, size_t count, DataType dtype, ReduceFn fn)>;
 
 // One unit of work that every rank executes in the same order.
 struct Response {
@@ -62,8 +66,10 @@ struct Response {
   int plan_index = -1;
   int perf_slots = 0;
   double perf_value = 0;
-  // Set: not a collective of tensors but the offline plan check.
-  std::shared_ptr<PlanDigest> plan_check;
+  // Set: not a collective of tensors but work the plan attached (its
+  // check), run in this stream's order on every rank, given the stream's
+  // allreduce of a buffer.
+  std::function<void(const BufferAllreduce&)> control;
   // A plan bucket's verdict: what the plan does with the bucket's outcome,
   // attached when the plan dispatches it (the executor only reports). False:
   // do not deliver; the plan took the requests back.

@@ -243,7 +243,10 @@ void Runtime::RunOffline(bool* stop) {
       Response check;
       check.op = OpType::kAllreduce;
       check.names.push_back("perseus.plan_check");
-      check.plan_check = DigestPlanLocked(plan_.steps());
+      std::shared_ptr<PlanDigest> digest = DigestPlanLocked(plan_.steps());
+      check.control = [this, digest](const BufferAllreduce& allreduce) {
+        CheckPlan(*digest, allreduce);
+      };
       plan_.Checked();
       buckets.emplace_back(0, std::move(check));
       work.emplace_back();
@@ -300,8 +303,8 @@ void Runtime::RunOffline(bool* stop) {
   // join the online cycle another rank waits in before its own bucket.
   const int plan_streams = options_.streams;
   for (size_t i = 0; i < buckets.size(); ++i) {
-    DispatchTo(static_cast<int>(buckets[i].first % plan_streams), std::move(buckets[i].second),
-               std::move(work[i]));
+    executor_->Submit(static_cast<int>(buckets[i].first % plan_streams),
+                      std::move(buckets[i].second), std::move(work[i]));
   }
   if (online) RunCycle(stop);
 }

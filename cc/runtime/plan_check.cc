@@ -67,7 +67,7 @@ std::shared_ptr<PlanDigest> Runtime::DigestPlanLocked(int64_t step) const {
   return digest;
 }
 
-void Runtime::CheckPlan(const PlanDigest& plan) {
+void Runtime::CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce) {
   TimelineSpan span(timeline_, 1, "plan check", "negotiation");
   const int64_t step = plan.step;
   const std::vector<int64_t>& digests = plan.digests;
@@ -78,7 +78,7 @@ void Runtime::CheckPlan(const PlanDigest& plan) {
   ReduceFn min64 = GetReduceFn(DataType::kInt64, ReduceOp::kMin);
   // Minimum of x and of -x: the smallest and (negated) largest value.
   std::vector<int64_t> head{all, -all, count, -count};
-  AllreduceBuffer(0, head.data(), head.size(), DataType::kInt64, min64);
+  allreduce(head.data(), head.size(), DataType::kInt64, min64);
   if (head[0] == -head[1] && head[2] == -head[3]) {
     std::lock_guard<std::mutex> stats_lock(stats_mu_);
     ++stats_.plan_checks;
@@ -92,7 +92,7 @@ void Runtime::CheckPlan(const PlanDigest& plan) {
     at[i] = d;
     at[longest + i] = -d;
   }
-  AllreduceBuffer(0, at.data(), at.size(), DataType::kInt64, min64);
+  allreduce(at.data(), at.size(), DataType::kInt64, min64);
   int64_t pos = -1;
   for (int64_t i = 0; i < longest && pos < 0; ++i) {
     if (at[i] != -at[longest + i]) pos = i;
@@ -105,8 +105,8 @@ void Runtime::CheckPlan(const PlanDigest& plan) {
                                    : "no tensor (its plan has " + std::to_string(count) + ")";
   mine.resize(std::min(mine.size(), kPlanCheckText - 1));
   std::memcpy(text.data() + kPlanCheckText * options_.rank, mine.data(), mine.size());
-  AllreduceBuffer(0, text.data(), text.size(), DataType::kUint8,
-                  GetReduceFn(DataType::kUint8, ReduceOp::kSum));
+  allreduce(text.data(), text.size(), DataType::kUint8,
+            GetReduceFn(DataType::kUint8, ReduceOp::kSum));
   // Ranks grouped by what they hold, in order of first appearance.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (int r = 0; r < options_.size; ++r) {

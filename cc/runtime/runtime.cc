@@ -141,28 +141,7 @@ Status Runtime::Init(const InitOptions& options) {
     stats_.hierarchical = transport_->hierarchical() && options.allreduce_mode != 0;
     stats_.shm = shm_ != nullptr;
   }
-  topology_.one_host_shm = shm_ && options.cross_size == 1;
-  topology_.two_level = transport_->hierarchical();
-  topology_.mode = options.allreduce_mode;
-  groups_.world = transport_.get();
-  groups_.host = shm_ ? static_cast<GroupCollectives*>(shm_.get()) : transport_->host();
-  groups_.leaders = transport_->leaders();
-  residuals_.Clear();
-  CompressionContext compression;
-  compression.options = &options_;
-  compression.timeline = &timeline_;
-  compression.world = transport_.get();
-  compression.residuals = &residuals_;
-  compression.allreduce = [this](int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
-                                 size_t half_across) {
-    AllreduceBuffer(stream, data, count, dtype, fn, half_across);
-  };
-  fp16_ = MakeFp16Compressor(compression);
-  topk_ = MakeTopkCompressor(compression);
-  downsample_ = MakeDownsampleCompressor(compression);
   dispatched_ = 0;
-  streams_.clear();
-  for (int s = 0; s <= options.streams; ++s) streams_.emplace_back(new Stream());
   state_ = State::kRunning;
   last_cycle_ = started_ = Clock::now();
   plan_waiting_ = false;
@@ -172,9 +151,27 @@ Status Runtime::Init(const InitOptions& options) {
   perf_sum_.clear();
   perf_steps_ = 0;
   plan_ = OfflinePlan();
-  for (int s = 0; s <= options.streams; ++s) {
-    streams_[s]->thread = std::thread(&Runtime::StreamLoop, this, s);
-  }
+  ExecutorContext ec;
+  ec.options = options_;
+  ec.world = transport_.get();
+  ec.topology.one_host_shm = shm_ && options.cross_size == 1;
+  ec.topology.two_level = transport_->hierarchical();
+  ec.topology.mode = options.allreduce_mode;
+  ec.groups.world = transport_.get();
+  ec.groups.host = shm_ ? static_cast<GroupCollectives*>(shm_.get()) : transport_->host();
+  ec.groups.leaders = transport_->leaders();
+  ec.timeline = &timeline_;
+  ec.failure = [this] {
+    if (state_.load() != State::kFailed) return Status::OK();
+    std::lock_guard<std::mutex> lock(mu_);
+    return failure_;
+  };
+  ec.fail = [this](const std::string& what) {
+    Fail(what);
+    std::lock_guard<std::mutex> lock(mu_);
+    return failure_;
+  };
+  executor_.reset(new Executor(ec));
   background_ = std::thread(&Runtime::BackgroundLoop, this);
   return Status::OK();
 }
@@ -186,7 +183,7 @@ void Runtime::Shutdown() {
   }
   queue_cv_.notify_all();
   if (background_.joinable()) background_.join();
-  StopThreads();
+  if (executor_) executor_->Stop();
   FailAllPending(Status::Error(StatusCode::kUnavailable,
                                "Perseus was shut down before this collective ran"));
   StopHeartbeat();
@@ -197,19 +194,6 @@ void Runtime::Shutdown() {
   if (!timeline_.Write(&timeline_error)) std::fprintf(stderr, "Perseus: %s\n", timeline_error.c_str());
   if (state_.load() == State::kRunning) state_ = State::kShutdown;
   ++generation_;
-}
-
-void Runtime::StopThreads() {
-  for (auto& s : streams_) {
-    {
-      std::lock_guard<std::mutex> lock(s->mu);
-      s->stop = true;
-    }
-    s->cv.notify_all();
-  }
-  for (auto& s : streams_) {
-    if (s->thread.joinable()) s->thread.join();
-  }
 }
 
 Status Runtime::Enqueue(std::shared_ptr<Request> request) {
@@ -278,8 +262,12 @@ void Runtime::StartTimeline(const std::string& path) {
 bool Runtime::StopTimeline(std::string* error) { return timeline_.Write(error); }
 
 Stats Runtime::GetStats() {
+  std::vector<StreamStats> streams;
+  if (executor_) streams = executor_->stats();
   std::lock_guard<std::mutex> lock(stats_mu_);
-  return stats_;
+  Stats out = stats_;
+  if (!streams.empty()) out.streams = std::move(streams);
+  return out;
 }
 
 Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype) {

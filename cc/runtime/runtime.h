@@ -13,7 +13,7 @@
 //   request.cc       local validation of a request
 //   controller.cc    background loop, negotiation cycle, stall budget
 //   plan.cc          offline plan state machine; plan_check.cc its check
-//   executor.cc      streams, dispatch, execute switch, plain/fused allreduce
+//   executor.{h,cc}  Executor: streams, execute switch, plain/fused allreduce
 //   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions)
 //   compression/     fp16, top-k and downsampling behind one interface
 //   collectives.cc   allgather, alltoall, reduce-scatter
@@ -39,7 +39,7 @@
 #include "cc/core/common.h"
 #include "cc/core/reduce.h"
 #include "cc/core/timeline.h"
-#include "cc/runtime/compression/compression.h"
+#include "cc/runtime/executor.h"
 #include "cc/runtime/faults.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
@@ -105,20 +105,13 @@ class Runtime {
   std::shared_ptr<Request> StandIn(const Response& response, size_t index);
   void BackgroundLoop();
   void RunCycle(bool* stop);
-  // lone: the cycle's only response, which may run on this thread.
   // Local checks of one request (may adjust its compression and flags).
   Status Check(Request& request);
-  // any_in_plan: some rank runs an offline plan in this cycle (then online
-  // work takes the extra stream on every rank).
+  // Hands a response with its local requests to the executor. lone: the
+  // cycle's only response, which may run on this thread. any_in_plan: some
+  // rank runs an offline plan in this cycle (then online work takes the
+  // extra stream on every rank).
   void Dispatch(Response response, bool lone, bool any_in_plan);
-  void RunOnStream(int index, Response& response,
-                   std::vector<std::shared_ptr<Request>>& requests);
-  // Runs the response on the calling thread when `stream` is idle; false
-  // (nothing done) when it is busy or has work queued.
-  bool RunHereIfIdle(int stream, Response& response,
-                     std::vector<std::shared_ptr<Request>>& requests);
-  void DispatchTo(int stream, Response response,
-                  std::vector<std::shared_ptr<Request>> requests);
   // Offline mode (plan.cc): runs plan_'s buckets, negotiates the rest.
   void RunOffline(bool* stop);
   // How long plannable requests wait for a plan bucket this rank cannot
@@ -130,35 +123,16 @@ class Runtime {
   // Plan check: this rank's digest of the plan, and the check itself
   // (throws, naming the first tensor where the ranks' plans differ).
   std::shared_ptr<PlanDigest> DigestPlanLocked(int64_t step) const;
-  void CheckPlan(const PlanDigest& plan);
+  void CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce);
   // A plan bucket's collective finished with `votes`; false: do not deliver
   // (the real requests go back to pending, to be negotiated online).
   bool PlanBucketFinished(int64_t votes, const std::vector<std::shared_ptr<Request>>& requests,
                           int plan_index);
   // Perf check: a step's per-rank times (from the first bucket's slots).
   void PerfCheckStep(const std::vector<double>& ms_by_rank);
-  void StreamLoop(int stream);
-  // These return false when the requests must not be completed (an aborted
-  // plan bucket).
-  bool Execute(int stream, const Response& response,
-               std::vector<std::shared_ptr<Request>>& requests);
-  bool ExecuteAllreduce(int stream, const Response& r,
-                        std::vector<std::shared_ptr<Request>>& requests);
-  // Allreduces count elements of buf on the stream: the flat ring, or in two
-  // levels when the topology has hosts. half_across > 0 (mixed compression,
-  // float32 only): between hosts, the first half_across elements travel as
-  // float16 times the gradient scale and the rest as plain float16.
-  void AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
-                       size_t half_across = 0);
-  // Bytes one rank puts on the wire for a tensor (statistics).
-  int64_t PayloadBytes(const TensorMeta& m) const;
-  void ExecuteAllgather(int stream, const Response& r, Request& req);
-  void ExecuteAlltoall(int stream, const Response& r, Request& req);
-  void ExecuteReducescatter(int stream, const Response& r, Request& req);
   void Fail(const std::string& what);
   std::string IdentifyFailedRanks();
   void FailAllPending(const Status& status);
-  void StopThreads();
   void ConnectTransport(TransportOptions* bo);
   std::string ConnectWithDeadline(const TransportOptions& bo);
   Status RollCall(const InitOptions& o, const std::string& prefix,
@@ -183,9 +157,6 @@ class Runtime {
   void StopHeartbeat();
   std::unique_ptr<GlooTransport> transport_;
   std::unique_ptr<ShmTransport> shm_;  // among this host's ranks
-  // How allreduces travel (set at Init from the connected transports).
-  AllreduceTopology topology_;
-  AllreduceGroups groups_;
   std::unique_ptr<Negotiator> negotiator_;
 
   std::mutex mu_;  // guards queue_, pending_, shutdown_requested_, failure_
@@ -215,27 +186,13 @@ class Runtime {
   std::vector<double> perf_sum_;
   int perf_steps_ = 0;
 
-  struct Stream {
-    std::thread thread;
-    std::mutex mu;
-    std::condition_variable cv;
-    std::deque<Response> queue;
-    std::deque<std::vector<std::shared_ptr<Request>>> work;
-    bool stop = false;
-    bool busy = false;  // a response of this stream is running (here or inline)
-    StreamScratch scratch;
-    StreamStats stats;
-  };
-  std::vector<std::unique_ptr<Stream>> streams_;
+  std::unique_ptr<Executor> executor_;  // the streams
 
   std::mutex stats_mu_;
   Stats stats_;
   Timeline timeline_;
   std::mutex raw_mu_;
 
-  // Compressed allreduces and the residuals of top-k and downsampling.
-  Residuals residuals_;
-  std::unique_ptr<Compressor> fp16_, topk_, downsample_;
 };
 
 }  // namespace perseus

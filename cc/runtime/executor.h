@@ -1,0 +1,102 @@
+// The executor: the stream threads and what runs on them. It takes a response
+// with the local requests it covers, in the order every rank dispatches them,
+// runs the collective on that stream (fused, compressed, or one of the other
+// collectives), and completes the requests. It knows nothing of negotiation
+// or plans: a plan bucket reports its outcome to the closure its plan
+// attached (Response::on_outcome), and the plan check is work the plan
+// attached (Response::control).
+//
+// Streams 0..streams-1 take online work in turn, and a plan's buckets; the
+// extra stream `streams` takes online work while any rank runs a plan.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/core/common.h"
+#include "cc/core/timeline.h"
+#include "cc/runtime/compression/compression.h"
+#include "cc/runtime/negotiation.h"
+#include "cc/runtime/options.h"
+#include "cc/runtime/request.h"
+#include "cc/runtime/stats.h"
+#include "cc/transport/allreduce_algorithms.h"
+#include "cc/transport/transport.h"
+
+namespace perseus {
+
+using Requests = std::vector<std::shared_ptr<Request>>;
+
+struct ExecutorContext {
+  InitOptions options;
+  Transport* world = nullptr;  // broadcast, allgather, alltoall, reduce-scatter, top-k
+  AllreduceTopology topology;  // how allreduces travel
+  AllreduceGroups groups;
+  Timeline* timeline = nullptr;
+  // The runtime's failure once it failed (OK while it runs): queued work
+  // then completes with it instead of running.
+  std::function<Status()> failure;
+  // Fails the runtime with this description; returns the failure every
+  // request now completes with.
+  std::function<Status(const std::string&)> fail;
+};
+
+class Executor {
+ public:
+  // Starts options.streams + 1 stream threads.
+  explicit Executor(const ExecutorContext& context);
+  ~Executor();
+  // Runs what is queued, then joins the threads.
+  void Stop();
+
+  // Queues the response on `stream`, after what is queued there.
+  void Submit(int stream, Response response, Requests requests);
+  // Runs it on the calling thread when `stream` is idle (saving a thread
+  // hand-off); false, with nothing done, when the stream is busy.
+  bool RunHereIfIdle(int stream, Response& response, Requests& requests);
+
+  std::vector<StreamStats> stats();
+
+ private:
+  struct Stream {
+    std::thread thread;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<Response> queue;
+    std::deque<Requests> work;
+    bool stop = false;
+    bool busy = false;  // a response of this stream is running (here or inline)
+    StreamScratch scratch;
+  };
+
+  void StreamLoop(int stream);
+  void Run(int stream, Response& response, Requests& requests);
+  // False when the requests must not be completed (a voted-down plan bucket).
+  bool Execute(int stream, const Response& r, Requests& requests);
+  bool Allreduce(int stream, const Response& r, Requests& requests);
+  void AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
+                       size_t half_across = 0);
+  void Allgather(int stream, const Response& r, Request& q);
+  void Alltoall(int stream, const Response& r, Request& q);
+  void Reducescatter(int stream, const Response& r, Request& q);
+  // Bytes one rank puts on the wire for a tensor (statistics).
+  int64_t PayloadBytes(const TensorMeta& m) const;
+
+  ExecutorContext c_;
+  const InitOptions& options_;
+  Timeline& timeline_;
+  Residuals residuals_;
+  std::unique_ptr<Compressor> fp16_, topk_, downsample_;
+  std::vector<std::unique_ptr<Stream>> streams_;
+  std::mutex stats_mu_;
+  std::vector<StreamStats> stats_;
+};
+
+}  // namespace perseus
