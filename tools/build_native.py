@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _sources(folder):
     path = os.path.join(ROOT, "cc", folder)
-    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".cc"))
+    return sorted(os.path.join(path, f) for f in os.listdir(path)
+                  if f.endswith(".cc") and not f.endswith("_test.cc"))
 
 
 def tf_tag():

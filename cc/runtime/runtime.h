@@ -12,7 +12,8 @@
 //   connect.cc       roll call and connecting the transport
 //   request.cc       local validation of a request
 //   controller.cc    background loop, negotiation cycle, stall budget
-//   plan.cc          offline plan state machine; plan_check.cc its check
+//   plan.{h,cc}      OfflinePlan, the plan state machine; offline.cc drives it;
+//                    plan_check.cc compares the ranks' plans
 //   executor.{h,cc}  Executor: streams, execute switch, plain/fused allreduce
 //   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions)
 //   compression/     fp16, top-k and downsampling behind one interface

@@ -1,0 +1,192 @@
+#include "cc/runtime/negotiation.h"
+
+#include <string>
+#include <vector>
+
+#include "cc/runtime/message.h"
+#include "cc/testing/check.h"
+
+using namespace perseus;
+
+namespace {
+
+TensorMeta Meta(const std::string& name, std::vector<int64_t> shape,
+                DataType dtype = DataType::kFloat32, int32_t flags = 0) {
+  TensorMeta m;
+  m.name = name;
+  m.shape = std::move(shape);
+  m.dtype = dtype;
+  m.flags = flags;
+  return m;
+}
+
+// One cycle in which every rank submits `metas`.
+std::vector<Response> Cycle(Negotiator& n, int ranks, const std::vector<TensorMeta>& metas,
+                            int64_t now_ms = 0) {
+  n.BeginCycle(now_ms, false);
+  for (int r = 0; r < ranks; ++r) {
+    for (const TensorMeta& m : metas) n.Add(r, m);
+  }
+  return n.TakeReady();
+}
+
+}  // namespace
+
+TEST(ReadyOnlyWhenEveryRankAsked) {
+  Negotiator n(3, 0);
+  n.BeginCycle(0, false);
+  n.Add(0, Meta("a", {4}));
+  n.Add(1, Meta("a", {4}));
+  CHECK(n.TakeReady().empty());
+  CHECK(n.HasPending());
+  n.BeginCycle(1, false);
+  n.Add(2, Meta("a", {4}));
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK_EQ(ready[0].names[0], std::string("a"));
+  CHECK(ready[0].error.ok());
+  CHECK(!n.HasPending());
+}
+
+TEST(ReadyInTheOrderNamesFirstAppeared) {
+  Negotiator n(2, 0);  // no fusion
+  n.BeginCycle(0, false);
+  n.Add(0, Meta("b", {1}));
+  n.Add(0, Meta("a", {1}));
+  n.Add(1, Meta("a", {1}));
+  n.Add(1, Meta("b", {1}));
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 2u);
+  CHECK_EQ(ready[0].names[0], std::string("b"));
+  CHECK_EQ(ready[1].names[0], std::string("a"));
+}
+
+TEST(DisagreeingShapesBecomeAnErrorNamingTheRanks) {
+  Negotiator n(2, 1 << 20);
+  n.BeginCycle(0, false);
+  n.Add(0, Meta("w", {4}));
+  n.Add(1, Meta("w", {5}));
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(!ready[0].error.ok());
+  CHECK(ready[0].error.code == StatusCode::kFailedPrecondition);
+  const std::string& msg = ready[0].error.message;
+  CHECK(msg.find("'w'") != std::string::npos);
+  CHECK(msg.find("shape") != std::string::npos);
+  CHECK(msg.find("[4]") != std::string::npos && msg.find("[5]") != std::string::npos);
+}
+
+TEST(FusionUpToTheThresholdAndOneDtypePerBucket) {
+  Negotiator n(2, 64);  // 64 bytes: 16 float32
+  std::vector<Response> ready =
+      Cycle(n, 2, {Meta("a", {8}), Meta("b", {8}), Meta("c", {8}), Meta("i", {2}, DataType::kInt32)});
+  // a+b fill one bucket (64 bytes); c starts another; the int32 tensor is
+  // apart. A bucket keeps the place of its first member.
+  CHECK_EQ(ready.size(), 3u);
+  CHECK_EQ(ready[0].names.size(), 2u);
+  CHECK_EQ(ready[0].names[1], std::string("b"));
+  CHECK_EQ(ready[1].names[0], std::string("c"));
+  CHECK_EQ(ready[2].names[0], std::string("i"));
+  std::vector<Response> more = Cycle(n, 2, {Meta("x", {4}), Meta("y", {4})});
+  CHECK_EQ(more.size(), 1u);  // small ones share one bucket
+}
+
+TEST(StallTimeoutNamesWhoAskedAndWhoDidNot) {
+  Negotiator n(3, 0);
+  n.BeginCycle(1000, false);
+  n.Add(0, Meta("late", {1}));
+  n.Add(2, Meta("late", {1}));
+  n.TakeReady();
+  n.BeginCycle(1500, false);
+  CHECK(n.TakeStalled(2000).empty());  // not yet
+  n.BeginCycle(3500, false);
+  CHECK(!n.StallReport(2000).empty());
+  std::vector<Response> stalled = n.TakeStalled(2000);
+  CHECK_EQ(stalled.size(), 1u);
+  const std::string& msg = stalled[0].error.message;
+  CHECK(msg.find("'late'") != std::string::npos);
+  CHECK(msg.find("rank 1") != std::string::npos);
+  CHECK(msg.find("PERSEUS_STALL_TIMEOUT_SECONDS") != std::string::npos);
+  CHECK(!n.HasPending());
+}
+
+TEST(PlanLearnedFromRepeatedStepsHoldsOnlyTensorsOfOneCycle) {
+  Negotiator n(2, 1 << 20);
+  const std::vector<TensorMeta> group_a = {Meta("a0", {4}, DataType::kFloat32, kMetaPlannable),
+                                           Meta("a1", {4}, DataType::kFloat32, kMetaPlannable)};
+  const std::vector<TensorMeta> group_b = {Meta("b0", {4}, DataType::kFloat32, kMetaPlannable)};
+  int steps = 0;
+  while (!n.PlanReady() && steps < 10) {
+    Cycle(n, 2, group_a);  // each step's two groups complete in two cycles
+    Cycle(n, 2, group_b);
+    ++steps;
+  }
+  CHECK(n.PlanReady());
+  CHECK(steps <= 3);
+  Plan plan = n.TakePlan();
+  CHECK_EQ(plan.buckets.size(), 2u);  // never one bucket across the two cycles
+  CHECK_EQ(plan.metas.size(), 3u);
+  CHECK_EQ(plan.bucket_of.at("a1"), 0u);
+  CHECK_EQ(plan.bucket_of.at("b0"), 1u);
+}
+
+TEST(AChangedStepIsNotPlanned) {
+  Negotiator n(2, 1 << 20);
+  for (int step = 0; step < 6; ++step) {
+    Cycle(n, 2, {Meta("g", {4 + step}, DataType::kFloat32, kMetaPlannable)});
+  }
+  CHECK(!n.PlanReady());
+}
+
+TEST(MatchesPlanComparesWhatTheBucketDependsOn) {
+  TensorMeta a = Meta("t", {2, 3}, DataType::kFloat32, kMetaPlannable);
+  CHECK(MatchesPlan(a, a));
+  TensorMeta b = a;
+  b.shape = {3, 2};
+  CHECK(!MatchesPlan(a, b));
+  b = a;
+  b.dtype = DataType::kFloat64;
+  CHECK(!MatchesPlan(a, b));
+}
+
+TEST(CycleMessagesRoundTrip) {
+  CycleMessage msg;
+  msg.shutdown = true;
+  for (int i = 0; i < 100; ++i) {
+    TensorMeta m = Meta("tensor/" + std::to_string(i), {}, DataType::kFloat16);
+    if (i % 3) m.shape = {i, 2, 0};
+    m.op = i % 2 ? OpType::kAllgather : OpType::kAlltoall;
+    m.reduce_op = ReduceOp::kMax;
+    m.root = i % 4;
+    m.prescale = 0.5 + i;
+    m.postscale = 1.0 / (i + 1);
+    m.splits = {i, 0, 1};
+    m.group = i;
+    m.compression = kCompressTopk;
+    m.flags = kMetaPlannable | kMetaNonFinite;
+    msg.requests.push_back(m);
+  }
+  std::vector<char> bytes = EncodeCycle(msg);
+  CycleMessage back = DecodeCycle(bytes.data(), bytes.size());
+  CHECK(back.shutdown);
+  CHECK_EQ(back.requests.size(), msg.requests.size());
+  for (size_t i = 0; i < back.requests.size() && i < msg.requests.size(); ++i) {
+    const TensorMeta &x = back.requests[i], &y = msg.requests[i];
+    CHECK(x.name == y.name && x.op == y.op && x.dtype == y.dtype && x.reduce_op == y.reduce_op &&
+          x.shape == y.shape && x.root == y.root && x.prescale == y.prescale &&
+          x.postscale == y.postscale && x.splits == y.splits && x.group == y.group &&
+          x.compression == y.compression && x.flags == y.flags);
+  }
+  CycleMessage empty = DecodeCycle(EncodeCycle(CycleMessage()).data(),
+                                   EncodeCycle(CycleMessage()).size());
+  CHECK(!empty.shutdown && empty.requests.empty());
+}
+
+TEST(TruncatedCycleMessagesAreRejected) {
+  CycleMessage msg;
+  msg.requests.push_back(Meta("some/tensor", {3, 4}));
+  std::vector<char> bytes = EncodeCycle(msg);
+  for (size_t cut = 1; cut < bytes.size(); cut += 3) {
+    CHECK_THROWS(DecodeCycle(bytes.data(), bytes.size() - cut));
+  }
+}

@@ -1,0 +1,245 @@
+// The runtime's offline mode: entering a plan, dispatching a step's buckets
+// (OfflinePlan, plan.h, keeps the state), deadlines, leaving.
+#include "cc/runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <sstream>
+
+#include "cc/core/reduce.h"
+#include "cc/rendezvous/store_client.h"
+#include "cc/runtime/faults.h"
+#include "cc/runtime/fusion.h"
+#include "cc/runtime/plan.h"
+#include "cc/runtime/runtime_internal.h"
+#include "cc/transport/gloo_transport.h"
+#include "cc/transport/shm_transport.h"
+
+namespace perseus {
+// ---- Offline plans -------------------------------------------------------
+//
+// Online negotiation watches plannable allreduces (a training step's
+// gradients, sums or averages). Once a step has repeated with the same names
+// and metas and a cycle ends exactly between two steps, every rank (deciding
+// identically) takes the plan and stops sending control messages for those
+// tensors: each rank runs the plan's buckets in order as soon as their
+// tensors are pending locally. Other collectives still negotiate online, on
+// demand (no idle cycles while a plan runs), on the extra stream.
+//
+// Leaving is agreed in-band. Every plan bucket carries one extra element,
+// this rank's vote, summed with the data. A rank votes 1 when its data does
+// not fit the plan: a plannable request whose name, meta or grouped call
+// differs, or that arrives for a bucket already run this step, or when it
+// is shutting down. A voting rank runs the rest of the step's buckets at once
+// with zeros for what it lacks; a bucket with votes is delivered nowhere (its
+// requests go back to pending), and once the step's buckets are done every
+// rank leaves the plan and sends its pending requests online, where a real
+// mismatch is reported by name and a changed step is learned again. Every
+// rank runs every bucket of the step exactly once, so no rank waits forever.
+
+void Runtime::EnterOffline() {
+  std::lock_guard<std::mutex> lock(mu_);
+  plan_.Enter(negotiator_->TakePlan());
+  // Plannable requests not yet sent run from the plan instead.
+  std::deque<TensorMeta> keep;
+  for (TensorMeta& m : queue_) {
+    if (!(m.flags & kMetaPlannable)) {
+      keep.push_back(std::move(m));
+    } else if (!plan_.Fits(m)) {
+      plan_.VoteToLeave();
+    }
+  }
+  queue_.swap(keep);
+  bool completes;
+  for (const auto& kv : pending_) {
+    const TensorMeta& m = kv.second->meta;
+    if ((m.flags & kMetaPlannable) && plan_.Fits(m)) plan_.Arrive(m, &completes);
+  }
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plans;
+}
+
+void Runtime::LeaveOfflineLocked() {
+  plan_.Leave();
+  // Pending plannable requests were never sent: negotiate them now.
+  std::vector<const TensorMeta*> resend;
+  for (const auto& kv : pending_) {
+    if (kv.second->meta.flags & kMetaPlannable) resend.push_back(&kv.second->meta);
+  }
+  std::sort(resend.begin(), resend.end(),
+            [](const TensorMeta* a, const TensorMeta* b) { return a->name < b->name; });
+  for (const TensorMeta* m : resend) queue_.push_back(*m);
+  // The negotiator restarts learning by itself once every rank reports,
+  // in a cycle, that it has left (Negotiator::BeginCycle).
+  last_cycle_ = Clock::now() - std::chrono::hours(1);  // next cycle at once
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plan_exits;
+}
+
+std::chrono::milliseconds Runtime::PlanDeadline() const {
+  // Well inside GLOO_TIMEOUT_SECONDS: a rank that had its data entered the
+  // bucket's collective and waits there for this rank's vote.
+  const double seconds = std::min(10.0, std::max(0.5, options_.timeout_seconds / 4));
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+void Runtime::ReportPlanTimeoutLocked(Clock::time_point oldest) {
+  const Response& b = plan_.next();
+  std::vector<std::string> missing;
+  for (const std::string& name : b.names) {
+    if (!pending_.count(name)) missing.push_back(name);
+  }
+  std::ostringstream msg;
+  msg << "Perseus rank " << WorldRank(options_.rank) << ": offline plan bucket "
+      << plan_.position() << " of " << plan_.plan().buckets.size() << " (plan step "
+      << plan_.steps() << ") has waited "
+      << std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - oldest).count() /
+             1000.0
+      << " s for ";
+  for (size_t i = 0; i < missing.size() && i < 3; ++i) msg << (i ? ", '" : "'") << missing[i] << "'";
+  if (missing.size() > 3) msg << " and " << missing.size() - 3 << " more";
+  msg << (missing.empty() ? "an earlier bucket" : "") << ", which this rank has not submitted, "
+      << "while later gradients wait: this step's calls do not come in the plan's order. "
+         "Leaving the plan; online negotiation takes over and learns the step again.\n";
+  std::fputs(msg.str().c_str(), stderr);
+  std::fflush(stderr);
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  ++stats_.plan_timeouts;
+}
+
+bool Runtime::PlanBucketFinished(int64_t votes,
+                                 const std::vector<std::shared_ptr<Request>>& requests,
+                                 int plan_index) {
+  bool deliver;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    deliver = plan_.Finished(votes);
+    if (plan_index + 1 == static_cast<int>(plan_.plan().buckets.size())) {
+      last_step_done_ = Clock::now();
+    }
+    if (!deliver) {
+      for (auto& q : requests) {
+        if (q->scratch.empty()) pending_.emplace(q->meta.name, q);  // real ones only
+      }
+    }
+  }
+  queue_cv_.notify_all();
+  return deliver;
+}
+
+void Runtime::RunOffline(bool* stop) {
+  std::vector<std::pair<size_t, Response>> buckets;
+  std::vector<std::vector<std::shared_ptr<Request>>> work;
+  bool online = false;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto runnable = [&] {
+      return state_.load() != State::kRunning || !queue_.empty() ||
+             negotiator_->HasPending() || plan_.CanDispatch(shutdown_requested_) ||
+             plan_.DoneLeaving();
+    };
+    while (!runnable()) {
+      // Plannable requests waiting here for the plan (their bucket, or an
+      // earlier one, lacks tensors this rank has not submitted) wait at
+      // most PlanDeadline(); then this rank votes to leave the plan.
+      Clock::time_point oldest = Clock::time_point::max();
+      for (const auto& kv : pending_) {
+        if (kv.second->meta.flags & kMetaPlannable) oldest = std::min(oldest, kv.second->enqueued);
+      }
+      if (oldest == Clock::time_point::max()) {
+        plan_waiting_ = false;  // between steps: nothing of ours is waiting
+        queue_cv_.wait_for(lock, std::chrono::seconds(1));
+        continue;
+      }
+      plan_waiting_ = true;
+      const auto deadline = oldest + PlanDeadline();
+      if (Clock::now() >= deadline) {
+        ReportPlanTimeoutLocked(oldest);
+        plan_.VoteToLeave();
+        break;
+      }
+      queue_cv_.wait_until(lock, deadline);
+    }
+    plan_waiting_ = false;
+    if (state_.load() != State::kRunning) return;
+    const int64_t check_every = options_.plan_check_n_steps;
+    if (plan_.CanDispatch(shutdown_requested_) && plan_.CheckDue(check_every)) {
+      // Every rank checks before dispatching the same plan step, on the
+      // first stream, after the work already queued there, so the check's
+      // collectives line up with the buckets on every rank. It runs on the
+      // stream's thread: this thread must stay free to negotiate online.
+      Response check;
+      check.op = OpType::kAllreduce;
+      check.names.push_back("perseus.plan_check");
+      std::shared_ptr<PlanDigest> digest = DigestPlanLocked(plan_.steps());
+      check.control = [this, digest](const BufferAllreduce& allreduce) {
+        CheckPlan(*digest, allreduce);
+      };
+      plan_.Checked();
+      buckets.emplace_back(0, std::move(check));
+      work.emplace_back();
+    }
+    while (plan_.CanDispatch(shutdown_requested_)) {
+      if (plan_.CheckDue(check_every)) break;  // this step is checked first (next pass)
+      const size_t index = plan_.position();
+      if (faults_ && index == 0) faults_->OnPlanStep(plan_.steps(), &plan_.mutable_plan());
+      Response r = plan_.next();
+      std::vector<std::shared_ptr<Request>> requests;
+      bool stand_in = false;
+      for (size_t i = 0; i < r.names.size(); ++i) {
+        auto it = pending_.find(r.names[i]);
+        if (it != pending_.end() && MatchesPlan(it->second->meta, r.metas[i])) {
+          requests.push_back(it->second);
+          pending_.erase(it);
+        } else {
+          requests.push_back(StandIn(r, i));  // zeros; this bucket is voted down
+          stand_in = true;
+        }
+      }
+      const bool vote = plan_.Vote(stand_in, shutdown_requested_);
+      r.carrier_vote = vote ? 1 : 0;
+      r.plan_index = static_cast<int>(index);
+      if (index == 0 && options_.perf_check_n_steps > 0) {
+        // This rank's time outside communication since its last step ended.
+        r.perf_slots = options_.size;
+        if (last_step_done_ != Clock::time_point{}) {
+          r.perf_value =
+              std::chrono::duration<double, std::milli>(Clock::now() - last_step_done_).count();
+        }
+      }
+      // The bucket reports its outcome; the plan decides here what it means.
+      r.on_outcome = [this, held = requests, index = r.plan_index](const BucketOutcome& o) {
+        if (!o.perf_ms.empty()) PerfCheckStep(o.perf_ms);
+        return PlanBucketFinished(o.votes, held, index);
+      };
+      buckets.emplace_back(index, std::move(r));
+      work.push_back(std::move(requests));
+      const bool step_ended = plan_.Dispatched();
+      std::lock_guard<std::mutex> stats_lock(stats_mu_);
+      ++stats_.responses;
+      if (buckets.back().second.names.size() > 1) ++stats_.fused_responses;
+      if (step_ended && !vote) ++stats_.offline_steps;
+    }
+    if (buckets.empty() && plan_.DoneLeaving()) {
+      LeaveOfflineLocked();
+      return;
+    }
+    online = !queue_.empty() || negotiator_->HasPending();
+  }
+  // Plan buckets always run on their streams' threads, never on this one: a
+  // rank whose negotiation thread sat in a bucket's collective could not
+  // join the online cycle another rank waits in before its own bucket.
+  const int plan_streams = options_.streams;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    executor_->Submit(static_cast<int>(buckets[i].first % plan_streams),
+                      std::move(buckets[i].second), std::move(work[i]));
+  }
+  if (online) RunCycle(stop);
+}
+
+}  // namespace perseus

@@ -1,0 +1,3 @@
+#include "cc/testing/check.h"
+
+PERSEUS_TEST_MAIN()
