@@ -23,12 +23,13 @@ except ImportError as e:  # pragma: no cover - only without a build
         "perseus_tf's native library is not built: run `pip install --no-build-isolation .` "
         f"(or `make native`) in the source tree ({e})") from e
 
-# Numeric codes shared with cc/core/common.h.
+# Numeric codes, as the native module defines them (cc/core/common.h,
+# cc/runtime/message.h): the op attributes and submit take plain ints.
 (OP_ALLREDUCE, OP_ALLGATHER, OP_BROADCAST, OP_ALLTOALL, OP_REDUCESCATTER, OP_BARRIER,
- OP_JOIN) = range(7)
-DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float64": 3, "int32": 4,
-               "int64": 5, "uint8": 6, "int8": 7, "bool": 8, "uint16": 9,
-               "int16": 10}
+ OP_JOIN) = (int(_core.OpType.__members__[name]) for name in (
+     "allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier", "join"))
+DTYPE_CODES = {name: int(code) for name, code in _core.DataType.__members__.items()}
+REDUCE_CODES = {name: int(code) for name, code in _core.ReduceOp.__members__.items()}
 
 
 def init(cluster=None, **overrides):
@@ -70,7 +71,8 @@ def init(cluster=None, **overrides):
                     f"the port? Set PERSEUS_MASTER_PORT to a free port (the same on every "
                     f"rank).") from e
             _store_server = server
-        _core.init(dict(
+        options = _core.InitOptions()
+        for name, value in dict(
             settings=shared_settings(cfg, topo),
             rank=topo.rank, size=topo.size, local_rank=topo.local_rank,
             local_size=topo.local_size, cross_rank=topo.cross_rank,
@@ -83,7 +85,7 @@ def init(cluster=None, **overrides):
             stall_timeout_seconds=cfg.stall_timeout_seconds,
             stall_check_seconds=cfg.stall_check_seconds,
             gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck),
-            timeline=timeline_path(cfg.timeline, topo.rank),
+            timeline_path=timeline_path(cfg.timeline, topo.rank),
             perf_check_n_steps=cfg.perf_check_n_steps,
             plan_check_n_steps=cfg.offline_neg_check_n_steps,
             allreduce_mode=-1 if cfg.allreduce_mode is None else cfg.allreduce_mode,
@@ -91,7 +93,10 @@ def init(cluster=None, **overrides):
             fusion_granularity=-1 if cfg.fusion is None else cfg.fusion,
             topk_ratio=cfg.topk_ratio, topk_threshold_bytes=cfg.topk_threshold,
             topk_fp16=bool(cfg.topk_fp16), topk_fallback=_DTYPE_COMPRESSION[cfg.allreduce_dtype],
-            downsample_n=cfg.downsample_n_elements, gradient_momentum=cfg.gradient_momentum))
+            downsample_n=cfg.downsample_n_elements,
+            gradient_momentum=cfg.gradient_momentum).items():
+            setattr(options, name, value)
+        _core.init(options)
         _config_in_use, _topology = cfg, topo
         _watch_launcher()
 
@@ -173,8 +178,9 @@ def timeline_path(template, rank):
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
-# How gradient reductions travel (codes of cc/runtime/message.h).
-COMPRESS_NONE, COMPRESS_FP16, COMPRESS_MIXED, COMPRESS_TOPK, COMPRESS_DOWNSAMPLE = range(5)
+# How gradient reductions travel.
+COMPRESS_NONE, COMPRESS_FP16, COMPRESS_MIXED, COMPRESS_TOPK, COMPRESS_DOWNSAMPLE = (
+    _core.COMPRESSION[name] for name in ("none", "fp16", "mixed", "topk", "downsample"))
 # PERSEUS_ALLREDUCE_DTYPE -> code: 0 float16, 1 none, 2 mixed (float32 inside
 # a host, float16 between hosts).
 _DTYPE_COMPRESSION = {0: COMPRESS_FP16, 1: COMPRESS_NONE, 2: COMPRESS_MIXED}

@@ -47,8 +47,11 @@ Min = 3
 Max = 4
 Product = 5
 
-_NATIVE_REDUCE = {Sum: 0, Average: 1, Min: 2, Max: 3, Product: 4}
-_COMPRESSION = {None: 0, "none": 0, "fp16": 1, "float16": 1, "mixed": 2}
+_NATIVE_REDUCE = {op: _native.REDUCE_CODES[name] for op, name in (
+    (Sum, "sum"), (Average, "average"), (Min, "min"), (Max, "max"), (Product, "product"))}
+_COMPRESSION = {None: _native.COMPRESS_NONE, "none": _native.COMPRESS_NONE,
+                "fp16": _native.COMPRESS_FP16, "float16": _native.COMPRESS_FP16,
+                "mixed": _native.COMPRESS_MIXED}
 
 
 def _compression(compression):

@@ -86,6 +86,9 @@ hvd.start_timeline(sys.argv[1])
 hvd.allreduce(tf.ones([4]), name="during")
 hvd.stop_timeline()
 hvd.allreduce(tf.ones([4]), name="after")           # not recorded
+hvd.start_timeline(sys.argv[2], mark_cycles=True)
+hvd.allreduce(tf.ones([4]), name="marked")
+hvd.stop_timeline()
 print("RAN", flush=True)
 """
 
@@ -93,9 +96,16 @@ print("RAN", flush=True)
 def test_horovod_start_and_stop_timeline(tmp_path):
     script = tmp_path / "hvd_tl.py"
     script.write_text(HVD_TIMELINE_SCRIPT)
-    proc = launch(2, [sys.executable, str(script), str(tmp_path / "hvd.json")], timeout=180)
+    proc = launch(2, [sys.executable, str(script), str(tmp_path / "hvd.json"),
+                      str(tmp_path / "marked.json")], timeout=180)
     assert proc.returncode == 0 and proc.stdout.count("RAN") == 2, proc.stderr[-3000:]
     for rank in range(2):
         events = json.loads((tmp_path / f"hvd.rank{rank}.json").read_text())["traceEvents"]
         firsts = [e["args"]["first"] for e in events if e["ph"] == "X" and "first" in e["args"]]
         assert firsts == ["during"], firsts
+        # Horovod's mark_cycles: cycles are recorded only when asked for.
+        assert not any(e["name"] == "negotiate" for e in events), events
+        marked = json.loads((tmp_path / f"marked.rank{rank}.json").read_text())["traceEvents"]
+        assert any(e["name"] == "negotiate" for e in marked), marked
+        assert [e["args"]["first"] for e in marked if e["ph"] == "X" and "first" in e["args"]] \
+            == ["marked"]

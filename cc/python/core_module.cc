@@ -344,49 +344,80 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<CommunicationError>(m, "CommunicationError", PyExc_RuntimeError);
   py::register_exception<InvalidError>(m, "InvalidArgumentError", PyExc_ValueError);
 
-  m.def("init", [](py::dict o) {
-    InitOptions opts;
-    opts.rank = o["rank"].cast<int>();
-    opts.size = o["size"].cast<int>();
-    opts.local_rank = o["local_rank"].cast<int>();
-    opts.local_size = o["local_size"].cast<int>();
-    opts.cross_rank = o["cross_rank"].cast<int>();
-    opts.cross_size = o["cross_size"].cast<int>();
-    opts.store_addr = o["store_addr"].cast<std::string>();
-    opts.store_port = o["store_port"].cast<int>();
-    opts.secret = o["secret"].cast<std::string>();
-    opts.job_id = o["job_id"].cast<std::string>();
-    opts.host_addr = o["host_addr"].cast<std::string>();
-    opts.gloo_iface = o["gloo_iface"].cast<std::string>();
-    opts.streams = o["streams"].cast<int>();
-    opts.timeout_seconds = o["timeout_seconds"].cast<double>();
-    opts.fusion_threshold_bytes = o["fusion_threshold_bytes"].cast<int64_t>();
-    opts.cycle_time_ms = o["cycle_time_ms"].cast<double>();
-    opts.stall_timeout_seconds = o["stall_timeout_seconds"].cast<double>();
-    if (o.contains("stall_check_seconds")) {
-      opts.stall_check_seconds = o["stall_check_seconds"].cast<double>();
-    }
-    if (o.contains("gradient_scale")) opts.gradient_scale = o["gradient_scale"].cast<double>();
-    if (o.contains("nancheck")) opts.nancheck = o["nancheck"].cast<bool>();
-    if (o.contains("timeline")) opts.timeline_path = o["timeline"].cast<std::string>();
-    if (o.contains("perf_check_n_steps")) opts.perf_check_n_steps = o["perf_check_n_steps"].cast<int>();
-    if (o.contains("plan_check_n_steps")) opts.plan_check_n_steps = o["plan_check_n_steps"].cast<int>();
-    if (o.contains("allreduce_mode")) opts.allreduce_mode = o["allreduce_mode"].cast<int>();
-    if (o.contains("shm")) opts.shm = o["shm"].cast<bool>();
-    if (o.contains("fusion_granularity")) {
-      opts.fusion_granularity = o["fusion_granularity"].cast<int>();
-    }
-    if (o.contains("topk_ratio")) opts.topk_ratio = o["topk_ratio"].cast<double>();
-    if (o.contains("settings")) opts.settings = o["settings"].cast<std::string>();
-    if (o.contains("topk_threshold_bytes")) {
-      opts.topk_threshold_bytes = o["topk_threshold_bytes"].cast<int64_t>();
-    }
-    if (o.contains("topk_fp16")) opts.topk_fp16 = o["topk_fp16"].cast<bool>();
-    if (o.contains("topk_fallback")) opts.topk_fallback = o["topk_fallback"].cast<int>();
-    if (o.contains("downsample_n")) opts.downsample_n = o["downsample_n"].cast<int>();
-    if (o.contains("gradient_momentum")) {
-      opts.gradient_momentum = o["gradient_momentum"].cast<double>();
-    }
+  // The codes Python passes to the ops and to submit: one definition each,
+  // here, from the C++ enums (Python turns them into ints where it must).
+  py::enum_<DataType>(m, "DataType")
+      .value("float16", DataType::kFloat16)
+      .value("bfloat16", DataType::kBFloat16)
+      .value("float32", DataType::kFloat32)
+      .value("float64", DataType::kFloat64)
+      .value("int32", DataType::kInt32)
+      .value("int64", DataType::kInt64)
+      .value("uint8", DataType::kUint8)
+      .value("int8", DataType::kInt8)
+      .value("bool", DataType::kBool)
+      .value("uint16", DataType::kUint16)
+      .value("int16", DataType::kInt16);
+  py::enum_<ReduceOp>(m, "ReduceOp")
+      .value("sum", ReduceOp::kSum)
+      .value("average", ReduceOp::kAverage)
+      .value("min", ReduceOp::kMin)
+      .value("max", ReduceOp::kMax)
+      .value("product", ReduceOp::kProduct);
+  py::enum_<OpType>(m, "OpType")
+      .value("allreduce", OpType::kAllreduce)
+      .value("allgather", OpType::kAllgather)
+      .value("broadcast", OpType::kBroadcast)
+      .value("alltoall", OpType::kAlltoall)
+      .value("reducescatter", OpType::kReducescatter)
+      .value("barrier", OpType::kBarrier)
+      .value("join", OpType::kJoin);
+  py::dict compression;
+  compression["none"] = kCompressNone;
+  compression["fp16"] = kCompressFp16;
+  compression["mixed"] = kCompressMixed;
+  compression["topk"] = kCompressTopk;
+  compression["downsample"] = kCompressDownsample;
+  m.attr("COMPRESSION") = compression;
+
+  // Runtime::Init's options, field by field (cc/runtime/options.h).
+  py::class_<InitOptions>(m, "InitOptions")
+      .def(py::init<>())
+      .def_readwrite("rank", &InitOptions::rank)
+      .def_readwrite("size", &InitOptions::size)
+      .def_readwrite("local_rank", &InitOptions::local_rank)
+      .def_readwrite("local_size", &InitOptions::local_size)
+      .def_readwrite("cross_rank", &InitOptions::cross_rank)
+      .def_readwrite("cross_size", &InitOptions::cross_size)
+      .def_readwrite("store_addr", &InitOptions::store_addr)
+      .def_readwrite("store_port", &InitOptions::store_port)
+      .def_readwrite("secret", &InitOptions::secret)
+      .def_readwrite("job_id", &InitOptions::job_id)
+      .def_readwrite("host_addr", &InitOptions::host_addr)
+      .def_readwrite("gloo_iface", &InitOptions::gloo_iface)
+      .def_readwrite("streams", &InitOptions::streams)
+      .def_readwrite("timeout_seconds", &InitOptions::timeout_seconds)
+      .def_readwrite("fusion_threshold_bytes", &InitOptions::fusion_threshold_bytes)
+      .def_readwrite("fusion_granularity", &InitOptions::fusion_granularity)
+      .def_readwrite("cycle_time_ms", &InitOptions::cycle_time_ms)
+      .def_readwrite("stall_check_seconds", &InitOptions::stall_check_seconds)
+      .def_readwrite("stall_timeout_seconds", &InitOptions::stall_timeout_seconds)
+      .def_readwrite("gradient_scale", &InitOptions::gradient_scale)
+      .def_readwrite("nancheck", &InitOptions::nancheck)
+      .def_readwrite("timeline_path", &InitOptions::timeline_path)
+      .def_readwrite("perf_check_n_steps", &InitOptions::perf_check_n_steps)
+      .def_readwrite("plan_check_n_steps", &InitOptions::plan_check_n_steps)
+      .def_readwrite("allreduce_mode", &InitOptions::allreduce_mode)
+      .def_readwrite("shm", &InitOptions::shm)
+      .def_readwrite("topk_ratio", &InitOptions::topk_ratio)
+      .def_readwrite("settings", &InitOptions::settings)
+      .def_readwrite("topk_threshold_bytes", &InitOptions::topk_threshold_bytes)
+      .def_readwrite("topk_fp16", &InitOptions::topk_fp16)
+      .def_readwrite("topk_fallback", &InitOptions::topk_fallback)
+      .def_readwrite("downsample_n", &InitOptions::downsample_n)
+      .def_readwrite("gradient_momentum", &InitOptions::gradient_momentum);
+
+  m.def("init", [](const InitOptions& opts) {
     Status s;
     {
       py::gil_scoped_release release;
@@ -433,7 +464,9 @@ PYBIND11_MODULE(_core, m) {
     if (!s.ok()) Raise(s);
   });
   m.def("process_set_ids", &Runtime::ProcessSetIds);
-  m.def("start_timeline", [](const std::string& path) { Runtime::Get().StartTimeline(path); });
+  m.def("start_timeline", [](const std::string& path, bool mark_cycles) {
+    Runtime::Get().StartTimeline(path, mark_cycles);
+  }, py::arg("path"), py::arg("mark_cycles") = true);
   m.def("stop_timeline", [] {
     std::string error;
     if (!Runtime::Get().StopTimeline(&error)) throw CommunicationError(error);
@@ -450,7 +483,6 @@ PYBIND11_MODULE(_core, m) {
     d["ranks"] = ranks;
     return d;
   });
-  m.def("f16c_available", &CpuHasF16C);
   // The store handshake's MAC, exposed so tests can check it against hmac.
   m.def("hmac_sha256", [](py::bytes key, py::bytes data) {
     const Sha256Digest mac = HmacSha256(std::string(key), std::string(data));

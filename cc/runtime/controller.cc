@@ -156,7 +156,7 @@ void Runtime::RunCycle(bool* stop) {
     }
   }
 
-  if (timeline_.enabled() && (my_requests > 0 || size == 1)) {
+  if (timeline_.enabled() && mark_cycles_ && (my_requests > 0 || size == 1)) {
     timeline_.Record(0, "negotiate", "negotiation", exchange_start, Clock::now(),
                      "\"requests\": " + std::to_string(my_requests) +
                          ", \"control_bytes\": " + std::to_string(sent));

@@ -145,6 +145,7 @@ Status Runtime::Init(const InitOptions& options) {
   state_ = State::kRunning;
   last_cycle_ = started_ = Clock::now();
   plan_waiting_ = false;
+  mark_cycles_ = true;
   timeline_.Start(options.process_set_id == 0 ? options.timeline_path : std::string(),
                   WorldRank(options.rank), "rank " + std::to_string(WorldRank(options.rank)));
   last_step_done_ = Clock::time_point{};
@@ -255,7 +256,8 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
   return Status::OK();
 }
 
-void Runtime::StartTimeline(const std::string& path) {
+void Runtime::StartTimeline(const std::string& path, bool mark_cycles) {
+  mark_cycles_ = mark_cycles;
   timeline_.Start(path, WorldRank(options_.rank), "rank " + std::to_string(WorldRank(options_.rank)));
 }
 

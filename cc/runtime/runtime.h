@@ -90,7 +90,9 @@ class Runtime {
   // Starts (or restarts) this rank's timeline into `path`, or writes and
   // stops it (Horovod's start_timeline/stop_timeline; PERSEUS_TIMELINE
   // starts it at Init). Returns false with `error` when the file fails.
-  void StartTimeline(const std::string& path);
+  // mark_cycles: also record each negotiation cycle (thread 0), as
+  // PERSEUS_TIMELINE does.
+  void StartTimeline(const std::string& path, bool mark_cycles);
   bool StopTimeline(std::string* error);
 
   // Benchmark baseline: a raw contiguous Gloo allreduce on a dedicated
@@ -192,6 +194,7 @@ class Runtime {
   std::mutex stats_mu_;
   Stats stats_;
   Timeline timeline_;
+  std::atomic<bool> mark_cycles_{true};  // the timeline records negotiation cycles
   std::mutex raw_mu_;
 
 };

@@ -168,11 +168,13 @@ def rocm_built():
 def start_timeline(file_path, mark_cycles=False):
     """Starts recording this rank's timeline (a Chrome trace) into a file
     derived from `file_path`: trace.json becomes trace.rank<R>.json ("{rank}"
-    in the name is replaced instead). Negotiation cycles are always marked."""
+    in the name is replaced instead). With mark_cycles, each negotiation cycle
+    is recorded too (a "negotiate" span on the negotiation thread)."""
     from perseus_tf import _native
 
     _native.ensure_initialized()
-    _native._core.start_timeline(_native.timeline_path(str(file_path), rank()))
+    _native._core.start_timeline(_native.timeline_path(str(file_path), rank()),
+                                 mark_cycles=bool(mark_cycles))
 
 
 def stop_timeline():
