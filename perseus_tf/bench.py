@@ -514,7 +514,6 @@ def run_allreduce(args) -> int:
 
 
 FLOAT32_BYTES = 4
-AVERAGE = 1  # ReduceOp::kAverage in cc/runtime/common.h
 GRAD_STD = 1e-3  # gradient values ~N(0, GRAD_STD), as issue 5 asks
 DEFAULT_TENSOR_BYTES = 1 << 10
 # Elements at the start of every tensor compared with the exact average after
@@ -678,6 +677,7 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     native = coll.native
     core = native._core
     code = native.DTYPE_CODES["float32"]
+    average = native.REDUCE_CODES["average"]
     grads = rank_gradients(np, tensors, coll.rank)
     # Backprop produces the last layer's gradient first. Names are the same
     # every step, as a training loop's are.
@@ -699,7 +699,7 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
     def ours():
         # One grouped call enqueued from C++, as the TF grouped-allreduce
         # kernel does for a step's gradients (PerseusStrategy, the shim).
-        core.submit_group(arrays, names, code, reduce_op=AVERAGE, compression=compression,
+        core.submit_group(arrays, names, code, reduce_op=average, compression=compression,
                           plannable=plannable).wait()
 
     def raw_gloo():
@@ -709,7 +709,7 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
 
     def ours_online():
         # The same step, never plannable: negotiated every step.
-        core.submit_group(arrays, online_names, code, reduce_op=AVERAGE,
+        core.submit_group(arrays, online_names, code, reduce_op=average,
                           compression=compression, plannable=False).wait()
 
     counters, online_counters = [], []
