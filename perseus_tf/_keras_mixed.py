@@ -15,7 +15,10 @@ import tensorflow as tf
 _installed = False
 
 
-def install():
+def install(is_perseus):
+    """Patches Keras 3's LossScaleOptimizer once; is_perseus(strategy) tells
+    the strategies whose replicas must agree (given by the strategy module,
+    which this one does not import)."""
     global _installed
     if _installed:
         return
@@ -30,11 +33,9 @@ def install():
 
     def check_finite(self, grads):
         finite = local_check(self, grads)
-        from perseus_tf.strategy import PerseusStrategy
-
         strategy = tf.distribute.get_strategy()
         context = tf.distribute.get_replica_context()
-        if not isinstance(strategy, PerseusStrategy) or context is None:
+        if not is_perseus(strategy) or context is None:
             return finite
         bad = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
         bad_replicas = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)

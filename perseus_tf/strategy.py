@@ -288,7 +288,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         extended._cluster_resolver = _cluster_resolver()
         if cluster_resolver is not None:
             extended._cluster_resolver = cluster_resolver
-        _keras_mixed.install()
+        _keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))
         _gradients.install()
         _install_batch_norm_statistics()
         _keras_files.install_step_resume()   # before the restore check wraps it

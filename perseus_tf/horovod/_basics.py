@@ -8,9 +8,9 @@ ask `hvd.rank() == 0` once training is over.
 
 import tensorflow as tf
 
-from perseus_tf import _core, ops
-
-_NOT_INITIALIZED = "Perseus-TF (Horovod API) has not been initialized; use hvd.init()."
+from perseus_tf import ops
+from perseus_tf.horovod._process_sets import add_process_set, process_set_by_id
+from perseus_tf.horovod._world import _checked, rank, size  # noqa: F401 (API)
 
 
 def init(comm=None, process_sets=None, **overrides):
@@ -34,7 +34,6 @@ def init(comm=None, process_sets=None, **overrides):
             "Perseus-TF always starts with every rank. Use hvd.add_process_set(ranks) "
             "for collectives among a subset.")
     if process_sets is not None and not isinstance(process_sets, str):
-        from perseus_tf.horovod._process_sets import add_process_set
         for process_set in process_sets:
             add_process_set(process_set)
 
@@ -46,22 +45,6 @@ def shutdown():
 
 def is_initialized():
     return ops.is_initialized()
-
-
-def _checked(query):
-    if _core.state() == "uninitialized":
-        raise ValueError(_NOT_INITIALIZED)
-    return query()
-
-
-def size():
-    """Number of ranks in the job."""
-    return _checked(ops.size)
-
-
-def rank():
-    """This process's rank, 0 .. size() - 1."""
-    return _checked(ops.rank)
 
 
 def local_size():
@@ -107,7 +90,6 @@ def local_rank_op(name=None):
 
 
 def process_set_included_op(process_set_id=0, name=None):
-    from perseus_tf.horovod._process_sets import process_set_by_id
     included = process_set_by_id(process_set_id).included()
     return tf.constant(1 if included else 0, tf.int32, name=name)
 
@@ -115,7 +97,6 @@ def process_set_included_op(process_set_id=0, name=None):
 def _set_size(process_set_id):
     if process_set_id == 0:
         return size()
-    from perseus_tf.horovod._process_sets import process_set_by_id
     return process_set_by_id(process_set_id).size()
 
 

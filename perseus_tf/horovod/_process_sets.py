@@ -7,7 +7,7 @@ The registration itself is native: `perseus_tf.ops.add_process_set`.
 """
 
 from perseus_tf import ops
-from perseus_tf.horovod import _basics
+from perseus_tf.horovod import _world
 
 _registered = {}  # id -> ProcessSet
 
@@ -58,7 +58,7 @@ class ProcessSet:
         """
         if self.process_set_id is None:
             return None
-        me = _basics.rank()
+        me = _world.rank()
         if me not in self.ranks:
             raise ValueError(f"rank {me} is not part of {self}")
         return self.ranks.index(me)
@@ -67,7 +67,7 @@ class ProcessSet:
         """Whether this process is a member, or None while not registered."""
         if self.process_set_id is None:
             return None
-        return _basics.rank() in self.ranks
+        return _world.rank() in self.ranks
 
     def invalidate(self):
         self.process_set_id = None
@@ -88,7 +88,7 @@ class _GlobalProcessSet(ProcessSet):
     @property
     def ranks(self):
         try:
-            return list(range(_basics.size()))
+            return list(range(_world.size()))
         except ValueError:  # before init
             return []
 
@@ -97,10 +97,10 @@ class _GlobalProcessSet(ProcessSet):
         pass
 
     def size(self):
-        return _basics.size()
+        return _world.size()
 
     def rank(self):
-        return _basics.rank()
+        return _world.rank()
 
     def included(self):
         return True
@@ -123,7 +123,7 @@ def add_process_set(process_set):
         process_set = ProcessSet(process_set)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set} is already registered")
-    n = _basics.size()
+    n = _world.size()
     bad = [r for r in process_set.ranks if not 0 <= r < n]
     if not process_set.ranks or bad:
         raise ValueError(f"process set ranks must be a non-empty subset of 0..{n - 1}, "
