@@ -5,6 +5,12 @@ MirroredStrategy) made global: the replica count is the world size, datasets
 are sharded per rank, variables start from rank 0's values, and every
 reduction goes through PerseusCrossDeviceOps across processes.
 
+The package also holds the Keras patches the strategy installs:
+keras_mixed (mixed-precision step skipping agreed by all ranks) and
+keras_files (one writer for checkpoints and backups, restore checks, step
+resume). They take what they need to know of the strategy as arguments and
+never import this module.
+
 Example (started with `perseusrun -np 4 -- python train.py`):
     strategy = perseus_tf.PerseusStrategy()
     with strategy.scope():
@@ -29,13 +35,12 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
-from perseus_tf import _keras_files
 from perseus_tf import _gradients
-from perseus_tf import _keras_mixed
 from perseus_tf import _native
 from perseus_tf import config
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
+from perseus_tf.strategy import keras_files, keras_mixed
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -288,10 +293,10 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         extended._cluster_resolver = _cluster_resolver()
         if cluster_resolver is not None:
             extended._cluster_resolver = cluster_resolver
-        _keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))
+        keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))
         _gradients.install()
         _install_batch_norm_statistics()
-        _keras_files.install_step_resume()   # before the restore check wraps it
+        keras_files.install_step_resume()   # before the restore check wraps it
         if perseus_ops.size() > 1:
-            _keras_files.install(perseus_ops.rank())
-            _keras_files.install_restore_check()
+            keras_files.install(perseus_ops.rank())
+            keras_files.install_restore_check()
