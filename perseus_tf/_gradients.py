@@ -17,7 +17,8 @@ always runs, with the accumulated gradients divided by N; what is
 conditional is inside the merge call, in cross-replica context: the
 gradient all-reduce (PerseusCrossDeviceOps asks `pending_step()`) and the
 optimizer's variable updates run only on every N-th call, so ranks
-communicate once per N steps. The accumulators are local to each process.
+communicate once per N steps. The sums are kept by the accumulator the
+Horovod shim uses too (_accumulator.py), local to each process.
 """
 
 import contextlib
@@ -63,45 +64,21 @@ def _accumulation_steps():
     return getattr(tf.distribute.get_strategy(), "_accumulate_n_steps", 1)
 
 
-class _Accumulator:
-    """Per-optimizer local sums of gradients and a step counter."""
-
-    def __init__(self, variables):
-        import tensorflow as tf
-
-        def local(shape, dtype, name):
-            # A variable of this process alone (each replica its own copy).
-            with tf.init_scope():
-                return tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
-                                   synchronization=tf.VariableSynchronization.ON_READ,
-                                   aggregation=tf.VariableAggregation.NONE)
-
-        self.sums = [local(v.shape, v.dtype, "perseus_grad_sum") for v in variables]
-        self.count = local([], tf.int64, "perseus_accumulated")
-        self.keys = [id(v) for v in variables]
-
-    def step(self, grads, n):
-        """Adds grads; returns (gradients to apply: sum / n, is_apply_step)."""
-        import tensorflow as tf
-
-        totals = [s.read_value() + tf.convert_to_tensor(g) for s, g in zip(self.sums, grads)]
-        count = self.count.assign_add(1, read_value=True)
-        is_step = tf.equal(count % n, 0)
-        for s, t in zip(self.sums, totals):
-            s.assign(tf.where(is_step, tf.zeros_like(t), t))
-        return [t / tf.cast(n, t.dtype) for t in totals], is_step
-
-
 def _accumulating_apply(self, original, n, grads_and_vars, args, kwargs):
     import tensorflow as tf
 
+    from perseus_tf._accumulator import GradientAccumulator
+
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     variables = [v for _, v in grads_and_vars]
+    keys = [id(v) for v in variables]
     acc = getattr(self, "_perseus_accumulator", None)
-    if acc is None or acc.keys != [id(v) for v in variables]:
-        acc = _Accumulator(variables)
+    if acc is None or acc.keys != keys:
+        acc = GradientAccumulator(n, "PERSEUS_ACCUMULATE_N_STEPS")
+        acc.keys = keys  # the variables it sums for: new ones need new sums
         self._perseus_accumulator = acc
-    grads, is_step = acc.step([g for g, _ in grads_and_vars], n)
+    is_step, totals = acc.add([g for g, _ in grads_and_vars])
+    grads = [t / tf.cast(n, t.dtype) for t in totals]
     _pending[0] = is_step
     try:
         with gradient_reduction():

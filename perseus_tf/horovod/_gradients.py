@@ -10,6 +10,7 @@ import warnings
 import tensorflow as tf
 
 from perseus_tf import ops
+from perseus_tf._accumulator import GradientAccumulator
 from perseus_tf.horovod import _basics
 from perseus_tf.horovod._collectives import (Average, _device, _sparse_allreduce, check_op)
 from perseus_tf.horovod._process_sets import global_process_set, op_kwargs
@@ -179,9 +180,10 @@ def _native_compression(compression):
 class LocalAccumulator:
     """Sums gradients locally over `k` backward passes; reduces on the k-th.
 
-    Works eagerly, in tf.function and in TF1 graphs. Its variables are
-    local (TF1: LOCAL_VARIABLES collection) and start at zero on every rank,
-    so the ranks' counters agree and they reduce on the same step.
+    The sums are kept by the accumulator PerseusStrategy uses too
+    (perseus_tf/_accumulator.py): local variables that start at zero on every
+    rank, so the ranks' counters agree and they reduce on the same pass.
+    Works eagerly, in tf.function and in TF1 graphs.
 
     Args:
       k: backward passes per applied step.
@@ -190,69 +192,30 @@ class LocalAccumulator:
     """
 
     def __init__(self, k, average, reducer):
-        if int(k) != k or k < 1:
-            raise ValueError(f"backward_passes_per_step must be a positive integer, got {k}")
-        self.k = int(k)
+        self.sums = GradientAccumulator(k, "backward_passes_per_step")
+        self.k = self.sums.k
         self.average = average
         self.reducer = reducer
-        self.counter = None
-        self.sums = None
-        self.graph = None
-
-    @staticmethod
-    def _variable(shape, dtype, name):
-        with tf.init_scope():  # out of any tf.function or tf.cond being built
-            initial = tf.zeros(shape, dtype)
-            if tf.executing_eagerly():
-                return tf.Variable(initial, trainable=False, name=name)
-            return tf.compat.v1.Variable(
-                initial, trainable=False, name=name, use_resource=True,
-                collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
-
-    def _build(self, grads):
-        with tf.init_scope():
-            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        if self.sums is not None and graph is self.graph:
-            return
-        self.graph = graph
-        self.counter = self._variable([], tf.int64, "hvd_backward_passes")
-        self.sums = [None if g is None else self._variable(g.shape, g.dtype, f"hvd_grad_sum_{i}")
-                     for i, g in enumerate(grads)]
 
     def accumulate(self, grads, variables):
-        """Adds `grads` to the sums; returns (is_apply_step, gradients to apply).
+        """Adds `grads`; returns (is_apply_step, gradients to apply).
 
         On the k-th pass the gradients are the reduced sums (divided by k when
         averaging); on the others, the unreduced sums (not to be applied).
         """
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
-        self._build(grads)
-        if len(grads) != len(self.sums) or any(
-                (g is None) != (s is None) for g, s in zip(grads, self.sums)):
-            raise ValueError("backward_passes_per_step > 1 needs the same variables to have "
-                             "gradients on every pass")
-        adds = [s.assign_add(g) for s, g in zip(self.sums, grads) if g is not None]
-        with tf.control_dependencies(adds):
-            count = self.counter.assign_add(1)
-        is_step = tf.equal(count % self.k, 0)
+        is_step, totals = self.sums.add(grads)
 
         def reduced():
-            sums = [None if s is None else tf.identity(s.read_value()) for s in self.sums]
-            out = self.reducer(sums, variables)
+            out = self.reducer(totals, variables)
             if self.average:
                 out = [None if g is None else g / tf.cast(self.k, g.dtype) for g in out]
             return [tf.zeros([]) if g is None else g for g in out]
 
         def pending():
-            return [tf.zeros([]) if s is None else tf.identity(s.read_value())
-                    for s in self.sums]
+            return [tf.zeros([]) if t is None else tf.identity(t) for t in totals]
 
-        with tf.control_dependencies([count]):
-            chosen = tf.cond(is_step, reduced, pending)
+        chosen = tf.cond(is_step, reduced, pending)
         chosen = [None if g is None else c for g, c in zip(grads, chosen)]
         return is_step, chosen
-
-    def reset(self):
-        """Zeroes the sums (call after applying)."""
-        return tf.group(*[s.assign(tf.zeros_like(s)) for s in self.sums if s is not None])

@@ -61,8 +61,7 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
             applied = self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
                                                       name=name)
             with tf.control_dependencies([applied]):
-                with tf.control_dependencies([self._accumulator.reset()]):
-                    return tf.constant(True)
+                return tf.constant(True)
 
         def skip():
             advance = [] if global_step is None else [global_step.assign_add(1)]

@@ -88,8 +88,7 @@ class _DistributedMixin:
             applied = apply_fn(summed)
             deps = [] if applied is None or not tf.is_tensor(applied) else [applied]
             with tf.control_dependencies(deps):
-                with tf.control_dependencies([state.accumulator.reset()]):
-                    return tf.constant(True)
+                return tf.constant(True)
 
         def skip():
             with tf.control_dependencies([self.iterations.assign_add(1)]):
