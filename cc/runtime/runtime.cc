@@ -10,7 +10,6 @@
 #include <exception>
 #include <map>
 #include <sstream>
-#include <unordered_set>
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
@@ -209,32 +208,32 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
   }
   const auto now = Clock::now();
   bool wake = false;
-  std::unordered_set<std::string> names;  // a grouped call's, to find one named twice
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // All or nothing: the whole call is in pending_ before the background
+    // thread can look at any of it (it waits for mu_), so a plan bucket
+    // never sees half a call. A name already pending (from an earlier call,
+    // or twice in this one) takes back what this call inserted.
     for (size_t i = 0; i < requests.size(); ++i) {
       const TensorMeta& m = requests[i]->meta;
-      const bool twice = pending_.count(m.name) > 0 ||
-                         (requests.size() > 1 && !names.insert(m.name).second);
-      if (twice) {
+      const bool joining_twice = m.op == OpType::kJoin && joined_;
+      if (joining_twice || !pending_.emplace(m.name, requests[i]).second) {
+        for (size_t j = 0; j < i; ++j) pending_.erase(requests[j]->meta.name);
+        if (joining_twice) {
+          return Status::Error(StatusCode::kInvalidArgument,
+                               "Perseus join: join() is already in progress on this rank");
+        }
         return Status::Error(StatusCode::kInvalidArgument,
                              std::string("Perseus ") + OpTypeName(m.op) + " of tensor '" + m.name +
                                  "': a collective with this name is already in flight on rank " +
                                  std::to_string(options_.rank) +
                                  "; concurrent collectives need distinct names");
       }
-      if (m.op == OpType::kJoin && joined_) {
-        return Status::Error(StatusCode::kInvalidArgument,
-                             "Perseus join: join() is already in progress on this rank");
-      }
     }
-    // All or nothing: the whole call is in pending_ before the background
-    // thread can look at any of it, so a plan bucket never sees half a call.
     for (const auto& q : requests) {
       TensorMeta& m = q->meta;
       q->enqueued = now;
       if (m.op == OpType::kJoin) joined_ = true;
-      pending_.emplace(m.name, q);
       if (plan_.active() && (m.flags & kMetaPlannable)) {
         // Runs from the plan; one that does not fit it votes to leave the
         // plan. The background thread is woken when this completes a

@@ -2,8 +2,10 @@
 // Requests (cc/runtime/runtime.h) and completes the op when the runtime
 // calls back. All kernels are asynchronous, so a waiting collective holds no
 // TF thread.
+#include <algorithm>
 #include <atomic>
 #include <memory>
+#include <mutex>
 
 #include "cc/runtime/runtime.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -181,46 +183,64 @@ class BroadcastKernel : public SameShapeKernel {
 };
 
 // N tensors, one request each, all enqueued together so that they are
-// negotiated in one cycle and fused.
+// negotiated in one cycle and fused. The per-tensor work is kept small (a
+// call may carry hundreds of gradients every step): the names are built once
+// per kernel, each request's callback holds one pointer, and outputs that
+// cannot reuse their input share one allocation.
 class GroupedAllreduceKernel : public CollectiveKernel {
  public:
   explicit GroupedAllreduceKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
     OP_REQUIRES_OK(c, reduce_.Read(c));
+    for (int i = 0; i < c->num_inputs(); ++i) names_.push_back(tensor_name_ + "." + std::to_string(i));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     const int n = ctx->num_inputs();
+    // What the N callbacks share: the first error, and who completes the op.
     struct Group {
+      Group(OpKernelContext* c, DoneCallback d, int n) : ctx(c), done(std::move(d)), left(n) {}
+      OpKernelContext* ctx;
+      DoneCallback done;
       std::atomic<int> left;
       std::mutex mu;
       Status status;
-    };
-    auto group = std::make_shared<Group>();
-    group->left = n;
-    auto finish_one = [ctx, done, group](const Status& s) {
-      if (!s.ok()) {
-        std::lock_guard<std::mutex> lock(group->mu);
-        if (group->status.ok()) group->status = s;
-      }
-      if (--group->left == 0) {
-        ctx->SetStatus(group->status);
-        done();
+      void Finish(const perseus::Status& s) {
+        if (!s.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          if (status.ok()) status = ToTf(s);
+        }
+        if (--left == 0) {
+          ctx->SetStatus(status);
+          done();
+        }
       }
     };
     std::vector<std::shared_ptr<Request>> reqs;
+    reqs.reserve(n);
+    std::vector<int> unforwarded;
     for (int i = 0; i < n; ++i) {
       auto req = std::make_shared<Request>();
       if (!Prepare(ctx, i, OpType::kAllreduce, req.get())) return done();
-      req->meta.name = tensor_name_ + "." + std::to_string(i);
+      req->meta.name = names_[i];
       reduce_.Apply(req.get());
       req->meta.group = n;  // the call's size: plans match whole calls
-      Tensor* out = nullptr;
-      OP_REQUIRES_OK_ASYNC(
-          ctx, ctx->forward_input_or_allocate_output({i}, i, ctx->input(i).shape(), &out),
-          done);
-      req->output = DataOf(*out);
-      req->done = [finish_one](const perseus::Status& s) { finish_one(ToTf(s)); };
+      std::unique_ptr<Tensor> forwarded =
+          ctx->forward_input(i, OpKernelContext::Params::kNoReservation, ctx->input_dtype(i),
+                             ctx->input(i).shape(), DEVICE_MEMORY, AllocatorAttributes());
+      if (forwarded != nullptr) {
+        req->output = DataOf(*forwarded);
+        ctx->set_output(i, *forwarded);
+      } else {
+        unforwarded.push_back(i);
+      }
       reqs.push_back(std::move(req));
+    }
+    if (!unforwarded.empty()) {
+      OP_REQUIRES_OK_ASYNC(ctx, AllocateShared(ctx, unforwarded, &reqs), done);
+    }
+    auto group = std::make_shared<Group>(ctx, std::move(done), n);
+    for (auto& req : reqs) {
+      req->done = [group](const perseus::Status& s) { group->Finish(s); };
     }
     // One call: queued all together (or not at all), so an offline plan
     // never sees half of it.
@@ -228,12 +248,39 @@ class GroupedAllreduceKernel : public CollectiveKernel {
     perseus::Status s = rt == nullptr ? NotAMember(*reqs[0]) : rt->EnqueueGroup(reqs);
     if (!s.ok()) {
       ctx->SetStatus(ToTf(s));
-      done();
+      group->done();
     }
   }
 
  private:
+  // Outputs `which` (inputs that could not be reused) as views of one
+  // buffer, each at a 64-byte aligned offset (what Eigen kernels expect).
+  static Status AllocateShared(OpKernelContext* ctx, const std::vector<int>& which,
+                               std::vector<std::shared_ptr<Request>>* reqs) {
+    constexpr int64_t kAlign = 64;
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (int i : which) {
+      offsets.push_back(total);
+      total += (ctx->input(i).TotalBytes() + kAlign - 1) / kAlign * kAlign;
+    }
+    Tensor buffer;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_INT8, TensorShape({std::max<int64_t>(total, 1)}),
+                                          &buffer));
+    for (size_t k = 0; k < which.size(); ++k) {
+      const Tensor& in = ctx->input(which[k]);
+      Tensor out;
+      TF_RETURN_IF_ERROR(out.BitcastFrom(
+          buffer.Slice(offsets[k], offsets[k] + static_cast<int64_t>(in.TotalBytes())),
+          in.dtype(), in.shape()));
+      (*reqs)[which[k]]->output = DataOf(out);
+      ctx->set_output(which[k], out);
+    }
+    return OkStatus();
+  }
+
   ReduceAttrs reduce_;
+  std::vector<std::string> names_;
 };
 
 // Allgather, alltoall, reducescatter: the output shape is known only after

@@ -121,6 +121,18 @@ def check_duplicate_name_in_flight_is_rejected():
     h.wait()
 
 
+def check_group_naming_a_tensor_twice_is_rejected_and_leaves_nothing_pending():
+    f32 = DTYPE_CODES["float32"]
+    arrays = [np.full(3, R + 1.0, np.float32) for _ in range(3)]
+    expect(_core.InvalidArgumentError,
+           lambda: _core.submit_group(arrays, ["twice.a", "twice.b", "twice.a"], f32),
+           "already in flight")
+    # Nothing of the refused call stayed pending: the same names run now.
+    _core.submit_group(arrays[:2], ["twice.a", "twice.b"], f32).wait()
+    for a in arrays[:2]:
+        np.testing.assert_array_equal(a, np.full(3, N * (N + 1) / 2))
+
+
 def check_allgather_and_broadcast_numpy():
     got = _core.submit(OP_ALLGATHER, np.full((R + 1, 2), R, np.int32), "ag", 4).wait()[0]
     np.testing.assert_array_equal(got, np.concatenate([np.full((r + 1, 2), r) for r in range(N)]))

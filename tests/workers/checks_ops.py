@@ -84,6 +84,33 @@ def check_grouped_allreduce_fused_or_not():
         assert fused >= 1, "30 small tensors in one group were not fused"
 
 
+def check_grouped_allreduce_mixed_dtypes_reused_and_new_buffers():
+    """One grouped call with several dtypes, an empty tensor and inputs the
+    kernel can and cannot reuse (computed in the function vs captured), so
+    outputs come both from forwarded inputs and from the shared allocation."""
+    specs = [((3, 2), np.float32), ((5,), np.int32), ((0,), np.float64), ((7,), np.float16),
+             ((2, 2, 2), np.int64), ((1,), np.float32)]
+    xs = [all_data(shape, dt, seed=40 + i) for i, (shape, dt) in enumerate(specs)]
+    captured = [tf.constant(x[R]) for x in xs]
+
+    @tf.function
+    def step():
+        # Even positions computed here (the kernel may write in place), odd
+        # ones captured (it must allocate).
+        inputs = [t * tf.ones_like(t) if i % 2 == 0 else t for i, t in enumerate(captured)]
+        return ptf.grouped_allreduce(inputs, op=ptf.Sum, name="mixed_group")
+
+    for _ in range(2):
+        got = step()
+        for (shape, dt), x, g in zip(specs, xs, got):
+            assert g.dtype.as_numpy_dtype == dt and tuple(g.shape) == shape, (g.dtype, g.shape)
+            want = np.sum(np.stack([as_f64(v) for v in x]), axis=0)
+            np.testing.assert_allclose(as_f64(g.numpy()), want, rtol=2e-3 if dt == np.float16 else 1e-6)
+    # The captured inputs are untouched (the results went to new buffers).
+    for x, t in zip(xs, captured):
+        np.testing.assert_array_equal(t.numpy(), x[R])
+
+
 def check_many_independent_ops_in_tf_function():
     shapes = [(i % 7 + 1,) for i in range(60)]
 
