@@ -184,3 +184,21 @@ def test_horovod_compare_rejects_an_unknown_workload():
         [sys.executable, str(REPO / "benchmarks" / "horovod_compare.py"), "--workloads",
          "gradients:resnet51"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "unknown workload 'gradients:resnet51'" in proc.stderr
+
+
+def test_tf_adapter_benchmark_small_step_runs_from_the_plan():
+    # The TF-op path against _core: the 500 x 1 KiB step (PerseusStrategy's
+    # gradient all-reduce) and a model's gradient set, 2 ranks, few calls.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "tf_adapter.py"), "--tables", "small,profiles",
+         "--small-np", "2", "--np", "2", "--iters", "2", "--profiles", "resnet50"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    small = re.search(r"^500 x 1 KiB\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+x\s+-?[\d.]+x",
+                      proc.stdout, re.M)
+    assert small and all(float(v) > 0 for v in small.groups()), proc.stdout
+    planned = re.search(r"offline plan: (\d+) plan steps for (\d+) calls of each path; "
+                        r"TF path plannable: True", proc.stdout)
+    assert planned and int(planned.group(1)) > 0, proc.stdout
+    assert re.search(r"^resnet50 \(161 tensors, \d+ MiB\)\s+[\d.]+\s+[\d.]+\s+[\d.]+x", proc.stdout,
+                     re.M), proc.stdout
