@@ -58,7 +58,7 @@ class GradientAccumulator:
         self.counter = None
         self._graph = None
 
-    def _build(self, grads):
+    def _build(self, grads, variables):
         with tf.init_scope():
             graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         if self.sums is not None and graph is self._graph:
@@ -69,19 +69,24 @@ class GradientAccumulator:
             return
         self._graph = graph
         self.counter = _local_variable([], tf.int64, "perseus_accumulated_passes")
-        self.sums = [None if g is None else _local_variable(g.shape, g.dtype,
+        # A variable's shape is fully known where its gradient's may not be
+        # (inside a function traced with unknown batch dimensions).
+        shapes = [v.shape if v is not None else g.shape if g is not None else None
+                  for g, v in zip(grads, variables or [None] * len(grads))]
+        self.sums = [None if g is None else _local_variable(shape, g.dtype,
                                                             f"perseus_grad_sum_{i}")
-                     for i, g in enumerate(grads)]
+                     for i, (g, shape) in enumerate(zip(grads, shapes))]
 
-    def add(self, grads):
-        """Adds one pass of `grads`; returns (is_step, totals).
+    def add(self, grads, variables=None):
+        """Adds one pass of `grads` (of `variables`, when given: their shapes
+        size the sums); returns (is_step, totals).
 
         `is_step` is a boolean tensor, True on every k-th pass. `totals` are
         the sums including this pass (None where the gradient is None); on
         the k-th pass the stored sums are cleared.
         """
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        self._build(grads)
+        self._build(grads, variables)
         totals = [None if g is None else s.read_value() + g for s, g in zip(self.sums, grads)]
         count = self.counter.assign_add(1, read_value=True)
         is_step = tf.equal(count % self.k, 0)

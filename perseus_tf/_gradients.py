@@ -77,7 +77,7 @@ def _accumulating_apply(self, original, n, grads_and_vars, args, kwargs):
         acc = GradientAccumulator(n, "PERSEUS_ACCUMULATE_N_STEPS")
         acc.keys = keys  # the variables it sums for: new ones need new sums
         self._perseus_accumulator = acc
-    is_step, totals = acc.add([g for g, _ in grads_and_vars])
+    is_step, totals = acc.add([g for g, _ in grads_and_vars], variables)
     grads = [t / tf.cast(n, t.dtype) for t in totals]
     _pending[0] = is_step
     try:

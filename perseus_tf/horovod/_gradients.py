@@ -205,7 +205,7 @@ class LocalAccumulator:
         """
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
-        is_step, totals = self.sums.add(grads)
+        is_step, totals = self.sums.add(grads, None if variables is None else list(variables))
 
         def reduced():
             out = self.reducer(totals, variables)
