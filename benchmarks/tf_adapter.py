@@ -15,10 +15,14 @@ call by call so that both see the same machine:
              Target: <= 1.2x.
   small      500 gradients of 1 KiB at --small-np ranks: PerseusStrategy's
              replica all-reduce inside tf.function against `_core`'s
-             offline-plan step. Target: <= 2x. Beside it, "TF alone": the
-             same function with tf.identity_n in place of the all-reduce,
-             TF's own cost of passing 500 tensors through a tf.function;
-             "adapter/core" is (TF - TF alone) / _core.
+             offline-plan step. Target: <= 2x. Two cases: the gradients
+             made and consumed inside the step, as in training, and 500
+             eager tensors captured from Python with 500 results returned.
+
+Beside each case, "TF alone": the same tf.function with tf.identity (or
+tf.identity_n) in place of the collective, TF's own cost of the call;
+"adapter/core" is (TF - TF alone) / _core, what the collective adds to the
+function, against the runtime alone.
 
 No compression on either path. Prints median milliseconds per call.
 
@@ -81,22 +85,27 @@ def _worker(args):
     if args.worker == "small":
         strategy = ptf.PerseusStrategy()
         count = 500
-        tensors = [tf.ones([256]) for _ in range(count)]
+        captured = [tf.ones([256]) for _ in range(count)]
 
-        @tf.function
-        def tf_step():
+        def reduce(tensors):
+            # Marked as gradients, as a Keras optimizer's apply does: the
+            # reduction may run from the offline plan.
+            with _gradients.gradient_reduction():
+                return tf.distribute.get_replica_context().all_reduce("sum", tensors)
+
+        def made_in_step(collective):
+            # As in training: the gradients are made inside the step and what
+            # the reduction returns is consumed there (here summed to one
+            # tensor, as an optimizer's apply consumes them).
             def replica():
-                # Marked as gradients, as a Keras optimizer's apply does: the
-                # reduction may run from the offline plan.
-                with _gradients.gradient_reduction():
-                    return tf.distribute.get_replica_context().all_reduce("sum", tensors)
-            return strategy.run(replica)
+                grads = [tf.fill([256], 1.0) for _ in range(count)]
+                return tf.add_n(collective(grads))
+            return tf.function(lambda: strategy.run(replica))
 
-        # The same function with no collective (TF passing 500 tensors in and
-        # out of a tf.function): what TF costs whatever the adapter does.
-        @tf.function
-        def tf_alone():
-            return strategy.run(lambda: tf.identity_n(tensors))
+        def from_python(collective):
+            # 500 eager tensors captured as inputs and 500 results returned
+            # to Python each call.
+            return tf.function(lambda: strategy.run(lambda: collective(captured)))
 
         arrays = [np.ones(256, np.float32) for _ in range(count)]
         names = [f"small.{i}" for i in range(count)]
@@ -104,20 +113,25 @@ def _worker(args):
         def core_step():
             core.submit_group(arrays, names, f32, reduce_op=0, plannable=True).wait()
 
-        # Enough repetitions for both paths to run from their offline plans.
-        before = core.stats()["offline_steps"]
-        core_ms, tf_ms = _alternate(core_step, tf_step, args.iters * 4, warmup=30)
-        # The plan covers what repeats: here one _core call and one TF call
-        # together, so a plan step is one call of each.
-        offline = f"{core.stats()['offline_steps'] - before} plan steps for " \
-                  f"{args.iters * 4 + 30} calls of each path"
-        _, alone_ms = _alternate(core_step, tf_alone, args.iters * 4, warmup=5)
-        graph = tf_step.get_concrete_function().graph
-        plannable = [op.get_attr("plannable") for op in graph.get_operations()
-                     if op.type == "PerseusGroupedAllreduce"]
-        rows.append({"case": f"{count} x 1 KiB", "core": core_ms, "tf": tf_ms,
-                     "tf_alone": alone_ms, "offline": offline,
-                     "plannable": bool(plannable) and all(plannable)})
+        for case, build in (("in the step", made_in_step), ("from Python", from_python)):
+            tf_step = build(reduce)
+            # The same function with tf.identity_n in place of the
+            # collective: what TF costs whatever the adapter does.
+            tf_alone = build(tf.identity_n)
+            # Enough repetitions for both paths to run from their offline
+            # plans. The plan covers what repeats: here one _core call and
+            # one TF call together, so a plan step is one call of each.
+            before = core.stats()["offline_steps"]
+            core_ms, tf_ms = _alternate(core_step, tf_step, args.iters * 4, warmup=30)
+            offline = f"{core.stats()['offline_steps'] - before} plan steps for " \
+                      f"{args.iters * 4 + 30} calls of each path"
+            _, alone_ms = _alternate(core_step, tf_alone, args.iters * 4, warmup=5)
+            graph = tf_step.get_concrete_function().graph
+            plannable = [op.get_attr("plannable") for op in graph.get_operations()
+                         if op.type == "PerseusGroupedAllreduce"]
+            rows.append({"case": f"{count} x 1 KiB, {case}", "core": core_ms, "tf": tf_ms,
+                         "tf_alone": alone_ms, "offline": offline,
+                         "plannable": bool(plannable) and all(plannable)})
     else:
         ptf.init()
         if args.worker == "sizes":
@@ -130,13 +144,18 @@ def _worker(args):
                 def tf_call(v=v, mib=mib):
                     return ptf.allreduce(v, op=ptf.Sum, name=f"sizes.tf{mib}")
 
+                # TF's own cost of a call that returns the variable.
+                tf_alone = tf.function(lambda v=v: tf.identity(v))
+
                 def core_call(x=x, out=out, mib=mib):
                     core.submit(_native.OP_ALLREDUCE, x, f"sizes.core{mib}", f32, reduce_op=0,
                                 output=out).wait()
 
                 iters = args.iters if mib < 256 else max(3, args.iters // 2)
                 core_ms, tf_ms = _alternate(core_call, tf_call, iters)
-                rows.append({"case": f"{mib} MiB", "core": core_ms, "tf": tf_ms})
+                _, alone_ms = _alternate(core_call, tf_alone, iters)
+                rows.append({"case": f"{mib} MiB", "core": core_ms, "tf": tf_ms,
+                             "tf_alone": alone_ms})
         else:
             for name in args.profiles.split(","):
                 with open(os.path.join(ROOT, "perseus_tf", "profiles", f"{name}.json")) as f:
@@ -154,10 +173,13 @@ def _worker(args):
                 def core_call(arrays=arrays, names=names):
                     core.submit_group(arrays, names, f32, reduce_op=0, plannable=True).wait()
 
+                tf_alone = tf.function(lambda variables=variables: tf.identity_n(variables))
+
                 core_ms, tf_ms = _alternate(core_call, tf_call, args.iters, warmup=8)
+                _, alone_ms = _alternate(core_call, tf_alone, args.iters)
                 mib = sum(sizes) * 4 / (1 << 20)
                 rows.append({"case": f"{name} ({len(sizes)} tensors, {mib:.0f} MiB)",
-                             "core": core_ms, "tf": tf_ms})
+                             "core": core_ms, "tf": tf_ms, "tf_alone": alone_ms})
     if _native.topology()["rank"] == 0:
         print("RESULT " + json.dumps(rows), flush=True)
 
@@ -182,20 +204,22 @@ WHAT = {"sizes": "perseus_tf.allreduce(tf.Variable) in tf.function vs _core.subm
         "small": "PerseusStrategy replica all_reduce in tf.function vs _core offline-plan step"}
 
 
-def _print_small(rows, target):
-    """The step against _core, and beside it TF's own cost for the same
-    function without the collective: `adapter` is what the collective adds
-    to the TF function (TF - TF alone), the part the adapter and runtime own."""
-    print(f"{'case':<16} {'_core ms':>9} {'TF ms':>9} {'TF alone':>9} {'TF/core':>8} "
+def _print(rows, target):
+    """Each case against _core, and beside it TF's own cost for the same
+    function without the collective ("TF alone"): adapter/core is what the
+    collective adds to the TF function, (TF - TF alone) / _core, the part the
+    adapter and the runtime own."""
+    print(f"{'case':<36} {'_core ms':>9} {'TF ms':>9} {'TF alone':>9} {'TF/core':>8} "
           f"{'adapter/core':>13}  target")
     for r in rows:
         ratio = r["tf"] / r["core"]
         added = (r["tf"] - r["tf_alone"]) / r["core"]
-        print(f"{r['case']:<16} {r['core']:>9.2f} {r['tf']:>9.2f} {r['tf_alone']:>9.2f} "
+        print(f"{r['case']:<36} {r['core']:>9.2f} {r['tf']:>9.2f} {r['tf_alone']:>9.2f} "
               f"{ratio:>7.2f}x {added:>12.2f}x  TF/core <= {target}x: "
               f"{'PASS' if ratio <= target else 'FAIL'}; adapter/core <= {target}x: "
               f"{'PASS' if added <= target else 'FAIL'}")
-        print(f"(offline plan: {r['offline']}; TF path plannable: {r['plannable']})")
+        if "offline" in r:
+            print(f"  (offline plan: {r['offline']}; TF path plannable: {r['plannable']})")
 
 
 def main(argv=None):
@@ -207,15 +231,7 @@ def main(argv=None):
         rows = _launch(args, table, ranks)
         target = TARGETS[table]
         print(f"\n## {table}, {ranks} ranks: {WHAT[table]}")
-        if table == "small":
-            _print_small(rows, target)
-            continue
-        print(f"{'case':<36} {'_core ms':>9} {'TF ms':>9} {'ratio':>7}  target")
-        for r in rows:
-            ratio = r["tf"] / r["core"]
-            verdict = "PASS" if ratio <= target else "FAIL"
-            print(f"{r['case']:<36} {r['core']:>9.2f} {r['tf']:>9.2f} {ratio:>6.2f}x  "
-                  f"<= {target}x: {verdict}")
+        _print(rows, target)
     return 0
 
 
