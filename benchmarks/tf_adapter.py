@@ -8,7 +8,12 @@ call by call so that both see the same machine:
              `_core.submit` with a separate output array, against
              `perseus_tf.allreduce` of a tf.Variable inside tf.function
              (the variable's buffer cannot be reused, so both copy).
-             Target: TF path <= 1.2x.
+             Target: TF path <= 1.2x. For 1 to 16 MiB also "x10 in one
+             call": ten dependent allreduces in a tf.range loop inside one
+             tf.function against ten `_core` calls in a row, per
+             allreduce, which is the op path without TF's cost of calling
+             a function from Python (a training step makes many
+             collectives per call).
   profiles   a model's gradient set (perseus_tf/profiles) as one grouped,
              plannable sum: `_core.submit_group` against
              `perseus_tf.grouped_allreduce` of variables inside tf.function.
@@ -38,6 +43,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES_MIB = [1, 4, 16, 64, 256]
+# Sizes that also run LOOP_CALLS allreduces inside one tf.function.
+LOOP_MAX_MIB = 16
+LOOP_CALLS = 10
 
 
 def parse_args(argv=None):
@@ -46,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--small-np", type=int, default=4, help="ranks for the small-tensor table")
     p.add_argument("--iters", type=int, default=10, help="timed calls per path and case")
     p.add_argument("--profiles", default="resnet50", help="comma-separated profile names")
+    p.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)),
+                   help="comma-separated MiB for the sizes table")
     p.add_argument("--tables", default="sizes,profiles,small")
     p.add_argument("--worker", choices=["sizes", "profiles", "small"], help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -135,7 +145,7 @@ def _worker(args):
     else:
         ptf.init()
         if args.worker == "sizes":
-            for mib in SIZES_MIB:
+            for mib in map(int, args.sizes.split(",")):
                 n = mib << 18
                 x, out = np.ones(n, np.float32), np.empty(n, np.float32)
                 v = tf.Variable(tf.ones([n]))
@@ -156,6 +166,8 @@ def _worker(args):
                 _, alone_ms = _alternate(core_call, tf_alone, iters)
                 rows.append({"case": f"{mib} MiB", "core": core_ms, "tf": tf_ms,
                              "tf_alone": alone_ms})
+                if mib <= LOOP_MAX_MIB:
+                    rows.append(_in_one_call(ptf, core, x, out, v, mib, args.iters))
         else:
             for name in args.profiles.split(","):
                 with open(os.path.join(ROOT, "perseus_tf", "profiles", f"{name}.json")) as f:
@@ -184,10 +196,47 @@ def _worker(args):
         print("RESULT " + json.dumps(rows), flush=True)
 
 
+def _in_one_call(ptf, core, x, out, v, mib, iters):
+    """Per allreduce: LOOP_CALLS dependent allreduces of `v` in a tf.range
+    loop inside one tf.function, against as many `_core` calls in a row."""
+    import tensorflow as tf
+    from perseus_tf import _native
+
+    f32 = _native.DTYPE_CODES["float32"]
+
+    def chain(collective):
+        @tf.function
+        def run():
+            y = tf.zeros_like(v)
+            for _ in tf.range(LOOP_CALLS):
+                with tf.control_dependencies([y]):  # one after the other
+                    y = collective(v)
+            return y
+        return run
+
+    tf_loop = chain(lambda t: ptf.allreduce(t, op=ptf.Sum, name=f"loop.tf{mib}"))
+    tf_alone = chain(tf.identity)
+
+    def core_calls():
+        for _ in range(LOOP_CALLS):
+            core.submit(_native.OP_ALLREDUCE, x, f"loop.core{mib}", f32, reduce_op=0,
+                        output=out).wait()
+
+    core_ms, tf_ms = _alternate(core_calls, tf_loop, iters)
+    _, alone_ms = _alternate(core_calls, tf_alone, iters)
+    # The loop's result is every rank's variable summed: a wrong loop (one
+    # that skipped the collective) cannot pass for a fast one.
+    expected = float(_native.topology()["size"])
+    if not bool(tf.reduce_all(tf_loop() == expected)):
+        raise SystemExit(f"{mib} MiB x{LOOP_CALLS} in one call: wrong sum")
+    return {"case": f"{mib} MiB x{LOOP_CALLS} in one call", "core": core_ms / LOOP_CALLS,
+            "tf": tf_ms / LOOP_CALLS, "tf_alone": alone_ms / LOOP_CALLS}
+
+
 def _launch(args, table, ranks):
     cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(ranks), "--",
            sys.executable, os.path.abspath(__file__), "--worker", table,
-           "--iters", str(args.iters), "--profiles", args.profiles]
+           "--iters", str(args.iters), "--profiles", args.profiles, "--sizes", args.sizes]
     env = dict(os.environ, PERSEUS_ALLREDUCE_DTYPE="1")  # no compression anywhere
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     for line in proc.stdout.splitlines():

@@ -188,10 +188,12 @@ def test_horovod_compare_rejects_an_unknown_workload():
 
 def test_tf_adapter_benchmark_small_step_runs_from_the_plan():
     # The TF-op path against _core: the 500 x 1 KiB step (PerseusStrategy's
-    # gradient all-reduce) and a model's gradient set, 2 ranks, few calls.
+    # gradient all-reduce), a model's gradient set and 1 MiB per call and
+    # ten in one tf.function (which checks its sum), 2 ranks, few calls.
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "tf_adapter.py"), "--tables", "small,profiles",
-         "--small-np", "2", "--np", "2", "--iters", "2", "--profiles", "resnet50"],
+        [sys.executable, str(REPO / "benchmarks" / "tf_adapter.py"), "--tables",
+         "small,profiles,sizes", "--small-np", "2", "--np", "2", "--iters", "2",
+         "--profiles", "resnet50", "--sizes", "1"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     figures = r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+x\s+-?[\d.]+x"
@@ -203,3 +205,6 @@ def test_tf_adapter_benchmark_small_step_runs_from_the_plan():
     assert len(planned) == 2 and all(int(p[0]) > 0 for p in planned), proc.stdout
     assert re.search(rf"^resnet50 \(161 tensors, \d+ MiB\){figures}", proc.stdout,
                      re.M), proc.stdout
+    for case in (r"1 MiB", r"1 MiB x10 in one call"):
+        row = re.search(rf"^{case}{figures}", proc.stdout, re.M)
+        assert row and all(float(v) > 0 for v in row.groups()), proc.stdout
