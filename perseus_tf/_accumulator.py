@@ -42,6 +42,8 @@ class GradientAccumulator:
     Args:
       k: passes per applied step (an integer >= 1).
       what: the setting `k` came from, named in errors.
+      variables: the variables whose gradients it sums, when the caller
+        keeps one accumulator per variable list (see `serves`).
 
     Example:
       acc = GradientAccumulator(4, "backward_passes_per_step")
@@ -49,14 +51,20 @@ class GradientAccumulator:
       tf.cond(is_step, lambda: apply(reduce(totals)), lambda: skip())
     """
 
-    def __init__(self, k, what="accumulation steps"):
+    def __init__(self, k, what="accumulation steps", variables=None):
         if int(k) != k or k < 1:
             raise ValueError(f"{what} must be a positive integer, got {k}")
         self.k = int(k)
         self.what = what
+        self._variable_ids = None if variables is None else [id(v) for v in variables]
         self.sums = None
         self.counter = None
         self._graph = None
+
+    def serves(self, variables):
+        """True if this accumulator was made for exactly `variables` (the
+        same objects in the same order): other variables need new sums."""
+        return self._variable_ids == [id(v) for v in variables]
 
     def _build(self, grads, variables):
         with tf.init_scope():

@@ -71,11 +71,9 @@ def _accumulating_apply(self, original, n, grads_and_vars, args, kwargs):
 
     grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
     variables = [v for _, v in grads_and_vars]
-    keys = [id(v) for v in variables]
     acc = getattr(self, "_perseus_accumulator", None)
-    if acc is None or acc.keys != keys:
-        acc = GradientAccumulator(n, "PERSEUS_ACCUMULATE_N_STEPS")
-        acc.keys = keys  # the variables it sums for: new ones need new sums
+    if acc is None or not acc.serves(variables):
+        acc = GradientAccumulator(n, "PERSEUS_ACCUMULATE_N_STEPS", variables=variables)
         self._perseus_accumulator = acc
     is_step, totals = acc.add([g for g, _ in grads_and_vars], variables)
     grads = [t / tf.cast(n, t.dtype) for t in totals]
