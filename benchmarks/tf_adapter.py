@@ -167,7 +167,7 @@ def _worker(args):
                 rows.append({"case": f"{mib} MiB", "core": core_ms, "tf": tf_ms,
                              "tf_alone": alone_ms})
                 if mib <= LOOP_MAX_MIB:
-                    rows.append(_in_one_call(ptf, core, x, out, v, mib, args.iters))
+                    rows.append(_in_one_call(ptf, core_call, v, mib, args.iters))
         else:
             for name in args.profiles.split(","):
                 with open(os.path.join(ROOT, "perseus_tf", "profiles", f"{name}.json")) as f:
@@ -196,13 +196,11 @@ def _worker(args):
         print("RESULT " + json.dumps(rows), flush=True)
 
 
-def _in_one_call(ptf, core, x, out, v, mib, iters):
+def _in_one_call(ptf, core_call, v, mib, iters):
     """Per allreduce: LOOP_CALLS dependent allreduces of `v` in a tf.range
-    loop inside one tf.function, against as many `_core` calls in a row."""
+    loop inside one tf.function, against as many `core_call`s in a row."""
     import tensorflow as tf
     from perseus_tf import _native
-
-    f32 = _native.DTYPE_CODES["float32"]
 
     def chain(collective):
         @tf.function
@@ -219,8 +217,7 @@ def _in_one_call(ptf, core, x, out, v, mib, iters):
 
     def core_calls():
         for _ in range(LOOP_CALLS):
-            core.submit(_native.OP_ALLREDUCE, x, f"loop.core{mib}", f32, reduce_op=0,
-                        output=out).wait()
+            core_call()
 
     core_ms, tf_ms = _alternate(core_calls, tf_loop, iters)
     _, alone_ms = _alternate(core_calls, tf_alone, iters)
