@@ -10,10 +10,12 @@
 #include <exception>
 #include <map>
 #include <sstream>
+#include <unordered_set>
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
 #include "cc/runtime/executor.h"
+#include "cc/runtime/faults.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
 #include "cc/transport/shm_transport.h"
@@ -215,31 +217,72 @@ void Runtime::RunCycle(bool* stop) {
     }
   }
   const bool lone = ready.size() == 1;
-  for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan);
+  // Whether this rank was in join() when the cycle's message left: a
+  // response of this cycle that it lacks may come after the join's own
+  // (responses are in the order tensors were first seen), and it still
+  // takes part in that one with zeros.
+  bool joined;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    joined = joined_;
+  }
+  for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan, joined);
   if (!plan_.active() && !*stop && negotiator_->PlanReady()) EnterOffline();
 }
 
-void Runtime::Dispatch(Response response, bool lone, bool any_in_plan) {
+void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool joined) {
   std::vector<std::shared_ptr<Request>> requests;
+  std::string not_submitted;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < response.names.size(); ++i) {
       auto it = pending_.find(response.names[i]);
       if (it == pending_.end()) {
-        // Only a joined rank is missing names: it takes part with no data.
-        if (response.error.ok()) requests.push_back(StandIn(response, i));
+        if (!response.error.ok()) continue;
+        // Only a rank in join() may lack a name: it takes part with zeros.
+        // Any other rank would add zeros nobody asked for to the result.
+        if (!joined) {
+          not_submitted = response.names[i];
+          break;
+        }
+        requests.push_back(StandIn(response, i));
         continue;
       }
       requests.push_back(it->second);
       pending_.erase(it);
     }
-    if (response.op == OpType::kJoin) joined_ = false;
+    if (!response.error.ok()) {
+      // A request failed here may have arrived after this cycle's message
+      // was sent: unsent, it is still queued. It must not reach the next
+      // cycle, where it would pair with another rank's retry of that name
+      // while no request of this rank is left to take part.
+      std::unordered_set<std::string> failed;
+      for (const auto& q : requests) failed.insert(q->meta.name);
+      if (!failed.empty()) {
+        queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                                    [&](const TensorMeta& m) { return failed.count(m.name); }),
+                     queue_.end());
+      }
+    }
+    if (!not_submitted.empty()) {
+      // Back where Fail() finds them: they fail with the job.
+      for (auto& q : requests) pending_.emplace(q->meta.name, q);
+    } else if (response.op == OpType::kJoin) {
+      joined_ = false;
+    }
+  }
+  if (!not_submitted.empty()) {
+    Fail(std::string("internal error: negotiation started ") + OpTypeName(response.op) +
+         " of '" + not_submitted + "', which rank " + std::to_string(WorldRank(options_.rank)) +
+         " has not submitted and it is not in join()");
+    return;
   }
   if (response.op == OpType::kJoin) {
     for (auto& q : requests) q->result = response.metas[0].root;
   }
   if (!response.error.ok() || response.op == OpType::kBarrier || response.op == OpType::kJoin) {
     for (auto& q : requests) q->done(response.error);
+    if (faults_ && !response.error.ok()) faults_->AfterErrorResponse();
     return;
   }
   // Online work uses the first `streams` streams in turn; while any rank

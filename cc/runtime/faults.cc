@@ -2,6 +2,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
+#include <chrono>
+#include <thread>
 #include <utility>
 
 namespace perseus {
@@ -22,12 +25,22 @@ std::unique_ptr<FaultInjector> FaultInjector::FromEnv(int world_rank, int proces
       any = true;
     }
   }
+  if (const char* delay = std::getenv("PERSEUS_TEST_ERROR_DISPATCH_DELAY_MS")) {
+    faults->error_dispatch_delay_ms_ = std::max(0, std::atoi(delay));
+    any = any || faults->error_dispatch_delay_ms_ > 0;
+  }
   if (!any) faults.reset();
   return faults;
 }
 
 void FaultInjector::BeforeSharedMemory() const {
   if (exit_before_shm_) std::_Exit(7);
+}
+
+void FaultInjector::AfterErrorResponse() const {
+  if (error_dispatch_delay_ms_ > 0) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(error_dispatch_delay_ms_));
+  }
 }
 
 void FaultInjector::OnPlanStep(int64_t step, Plan* plan) const {

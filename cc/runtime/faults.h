@@ -7,6 +7,12 @@
 //                                   of a bucket in its copy of the plan when
 //                                   plan step S starts (a divergence the votes
 //                                   cannot see; the plan check must).
+//   PERSEUS_TEST_ERROR_DISPATCH_DELAY_MS=N
+//                                   every rank pauses N ms after completing
+//                                   requests with an error response, so that
+//                                   a caller woken by it submits its next
+//                                   request before the cycle's later
+//                                   responses are dispatched.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +29,12 @@ class FaultInjector {
 
   void BeforeSharedMemory() const;
   void OnPlanStep(int64_t step, Plan* plan) const;
+  void AfterErrorResponse() const;
 
  private:
   bool exit_before_shm_ = false;
   int64_t swap_step_ = -1;
+  int error_dispatch_delay_ms_ = 0;
 };
 
 }  // namespace perseus

@@ -114,7 +114,8 @@ class Runtime {
   // cycle's only response, which may run on this thread. any_in_plan: some
   // rank runs an offline plan in this cycle (then online work takes the
   // extra stream on every rank).
-  void Dispatch(Response response, bool lone, bool any_in_plan);
+  // joined: this rank was in join() when the cycle began (it may lack names).
+  void Dispatch(Response response, bool lone, bool any_in_plan, bool joined);
   // Offline mode (plan.cc): runs plan_'s buckets, negotiates the rest.
   void RunOffline(bool* stop);
   // How long plannable requests wait for a plan bucket this rank cannot

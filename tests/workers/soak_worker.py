@@ -6,10 +6,13 @@ tools/soak.py for a long one):
     soak_worker.py STEPS SEED
 
 Each step every rank submits, in an order of its own:
-  - the step's gradients: plannable grouped allreduces (one call per dtype,
-    float32 sometimes with fp16 compression), plus a few plannable single
-    requests. The set (names, dtypes, shapes) is kept for a random number of
-    steps and then changes, so offline plans are entered and left;
+  - the step's gradients: plannable grouped allreduces (one call per dtype:
+    float32, sometimes with fp16 compression, float16, bfloat16, float64,
+    int32, int64), plus a few plannable single requests. About 3% of them
+    have 100,000-300,000 elements (several shared-memory chunks); some have a
+    zero dimension. The set (names, dtypes, shapes) is kept for a random
+    number of steps, now and then about a hundred, and then changes, so
+    offline plans are entered and left;
   - a random mix of online collectives: allreduce (sum, average, min, max,
     product, pre/postscale), allgather (a different first dimension per rank,
     zero included), broadcast (random root), alltoall (random splits, zero
@@ -42,6 +45,12 @@ DT = _native.DTYPE_CODES
 # the sum is divided by the gradient scale after.
 FP16_BOUND = 2.0 ** -10
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "int64", "uint8", "int8", "bool"]
+# Gradients as users' models make them: mostly float32, every other type that
+# a grouped Sum takes, integers included.
+GRADIENT_DTYPES = ["float32", "float32", "float32", "float16", "float64", "bfloat16", "int32",
+                   "int64"]
+# About this share of gradient tensors has 100,000-300,000 elements.
+LARGE_SHARE = 0.03
 REDUCE = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4}
 
 
@@ -158,12 +167,20 @@ class Soak:
         r = self.shared
         tensors = []
         for i in range(int(r.integers(1, 31))):
-            dtype = str(r.choice(["float32", "float32", "float32", "float16", "float64", "bfloat16"]))
-            shape = self.shape(min_rank=1) if r.random() < 0.9 else (int(r.integers(100, 20000)),)
+            dtype = str(r.choice(GRADIENT_DTYPES))
+            draw = r.random()
+            if draw < LARGE_SHARE:  # several shared-memory chunks, fused or alone
+                shape = (int(r.integers(100_000, 300_001)),)
+            elif draw < 0.12:
+                shape = (int(r.integers(100, 20000)),)
+            else:
+                shape = self.shape(min_rank=1)
             tensors.append((f"grad.s{step}.t{i}", dtype, shape))
         fp16 = bool(r.random() < 0.3)
         singles = int(r.integers(0, 3))
-        self.set_left = int(r.integers(3, 40))
+        # Mostly short-lived sets (plans entered and left often), sometimes
+        # one kept for a hundred steps (long runs from one plan).
+        self.set_left = int(r.integers(3, 40)) if r.random() < 0.8 else int(r.integers(80, 130))
         return tensors, fp16, singles
 
     def online_ops(self, step):
@@ -240,6 +257,13 @@ class Soak:
                     self.check_equal(step, f"gradient {name} {dtype}", got, want)
         return submit, check
 
+    def online_name(self, kind, step, j):
+        """Half the online collectives reuse a name from earlier steps (with
+        another dtype and shape), as a training loop's metrics do."""
+        if self.shared.random() < 0.5:
+            return f"{kind}.{j}"
+        return f"{kind}.{step}.{j}"
+
     def group_of(self, on_set):
         if not on_set:
             return list(range(self.size)), self.rank
@@ -256,7 +280,7 @@ class Soak:
         shape = self.shape()
         inputs = [self.data(step, j, q, dtype, shape, op) for q in ranks]
         x = inputs[me].copy()
-        name = f"ar.{step}.{j}"
+        name = self.online_name("ar", step, j)
 
         def submit():
             return _core.submit(_native.OP_ALLREDUCE, x, name, DT[dtype], reduce_op=REDUCE[op],
@@ -274,7 +298,7 @@ class Soak:
         firsts = [int(self.shared.integers(0, 5)) for _ in ranks]
         inputs = [self.data(step, j, q, dtype, (firsts[k],) + trailing)
                   for k, q in enumerate(ranks)]
-        name = f"ag.{step}.{j}"
+        name = self.online_name("ag", step, j)
 
         def submit():
             return _core.submit(_native.OP_ALLGATHER, inputs[me], name, DT[dtype],
@@ -290,7 +314,7 @@ class Soak:
         shape = self.shape()
         inputs = [self.data(step, j, q, dtype, shape) for q in ranks]
         x = inputs[me].copy()
-        name = f"bc.{step}.{j}"
+        name = self.online_name("bc", step, j)
 
         def submit():
             return _core.submit(_native.OP_BROADCAST, x, name, DT[dtype], root=root, output=x,
@@ -307,7 +331,7 @@ class Soak:
         splits = [[int(self.shared.integers(0, 4)) for _ in range(n)] for _ in range(n)]
         inputs = [self.data(step, j, q, dtype, (sum(splits[k]),) + trailing)
                   for k, q in enumerate(ranks)]
-        name = f"a2a.{step}.{j}"
+        name = self.online_name("a2a", step, j)
 
         def submit():
             return _core.submit(_native.OP_ALLTOALL, inputs[me], name, DT[dtype],
@@ -332,7 +356,7 @@ class Soak:
         rows = int(self.shared.integers(0, 3 * n + 2))
         shape = (rows,) + self.shape()
         inputs = [self.data(step, j, q, dtype, shape) for q in ranks]
-        name = f"rs.{step}.{j}"
+        name = self.online_name("rs", step, j)
 
         def submit():
             return _core.submit(_native.OP_REDUCESCATTER, inputs[me], name, DT[dtype],

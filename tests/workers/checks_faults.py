@@ -1,0 +1,79 @@
+"""Cases a fault probe found, through the pybind11 module. Run by
+tests/test_faults.py at 2 and 4 ranks with PERSEUS_STALL_TIMEOUT_SECONDS=2,
+PERSEUS_STALL_CHECK_TIME_SECONDS=0 and the test-only
+PERSEUS_TEST_ERROR_DISPATCH_DELAY_MS=100 (a caller woken by an error submits
+its next request before the cycle's later responses are dispatched: the
+window the probe hit 3 times in 30 by chance, every time).
+
+Checks run in name order; each makes the same collectives on every rank
+whatever its outcome, and ends with a barrier that tolerates stalls.
+"""
+
+import time
+
+import numpy as np
+
+from perseus_tf._native import DTYPE_CODES, OP_ALLREDUCE, _core
+
+from rank_checks import start_native
+
+R = N = None
+F32 = DTYPE_CODES["float32"]
+
+
+def setup():
+    global R, N
+    R, N = start_native()
+    return R
+
+
+def _allreduce(name, value):
+    x = np.full(4, value, np.float32)
+    _core.submit(OP_ALLREDUCE, x, name, F32, output=x).wait()
+    return float(x[0])
+
+
+def _sync(tag):
+    """A barrier that outlasts stalls: a rank whose attempt stalled out
+    (the others were still busy) tries again until all meet."""
+    for _ in range(20):
+        try:
+            _allreduce(f"sync.{tag}", 0.0)
+            return
+        except _core.MismatchError:
+            continue
+    raise AssertionError(f"ranks never met at sync.{tag}")
+
+
+def check_a_a_failed_request_leaves_nothing_behind():
+    # Rank 0 allreduces a{i} (nobody else does: it stalls out), then x{i};
+    # the others allreduce x{i} and retry it once when it stalls out. x{i}
+    # stalls on the others in the cycle rank 0's a{i} does, and rank 0
+    # submits x{i} while that cycle is still dispatching: its x{i} fails
+    # too. Once, a stale copy of rank 0's x{i} then stayed queued, met the
+    # others' retry, and rank 0 took part with zeros: they got 2(N-1)
+    # instead of 1 + 2(N-1), with no error anywhere. Every outcome must now
+    # be the true sum or an error.
+    want = 1.0 + 2.0 * (N - 1)
+    outcomes = []
+    for i in range(3):
+        if R == 0:
+            try:
+                _allreduce(f"a{i}", 1.0)
+                raise AssertionError(f"a{i}, which only rank 0 submitted, completed")
+            except _core.MismatchError:
+                pass
+            try:
+                outcomes.append(_allreduce(f"x{i}", 1.0))
+            except _core.MismatchError:
+                outcomes.append("error")
+        else:
+            for _ in range(2):
+                try:
+                    outcomes.append(_allreduce(f"x{i}", 2.0))
+                    break
+                except _core.MismatchError:
+                    outcomes.append("error")
+        _sync(f"a{i}")
+    wrong = [o for o in outcomes if o not in ("error", want)]
+    assert not wrong, f"rank {R}: sums {wrong} instead of {want} (all outcomes {outcomes})"
