@@ -185,6 +185,22 @@ def test_rank_dying_during_fit_fails_every_survivor(np_):
     _assert_last_rank_killed_and_named(proc, np_)
 
 
+@pytest.mark.parametrize("np_", [2, 4])
+def test_rank_leaving_cleanly_during_fit_is_named_at_once(np_):
+    # sys.exit(0) in a callback on the last rank, mid-epoch, while the
+    # offline plan runs: it shuts down between two plan steps. The others
+    # once waited in a negotiation cycle for GLOO_TIMEOUT_SECONDS and then
+    # named nobody; now each says at once that this rank left.
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "fit_failure_worker.py"), "exit"],
+                  env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
+    victim = np_ - 1
+    reports = _survivor_reports(proc, np_)
+    assert sorted(reports) == list(range(victim)), proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank, (seconds, message) in reports.items():
+        assert f"rank {victim} has called shutdown and left the job" in message, message
+        assert seconds < 5, f"rank {rank} took {seconds}s to notice"
+
+
 
 SHM_FALLBACK = r"""
 import numpy as np

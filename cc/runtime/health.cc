@@ -23,6 +23,10 @@ std::string ClosedKey(const std::string& job, int rank) {
   return "__closed__/" + job + "/rank" + std::to_string(rank);
 }
 
+std::string LeftKey(const std::string& job, int generation, int rank) {
+  return job + "/gen" + std::to_string(generation) + "/left/rank" + std::to_string(rank);
+}
+
 }  // namespace
 
 void Runtime::PerfCheckStep(const std::vector<double>& ms_by_rank) {
@@ -88,6 +92,17 @@ void Runtime::Fail(const std::string& what) {
   FailAllPending(status);
 }
 
+void Runtime::AnnounceLeaving() {
+  if (options_.process_set_id == 0 && store_) {
+    try {
+      store_->set(LeftKey(options_.job_id, generation_, WorldRank(options_.rank)), {'1'});
+    } catch (const std::exception&) {
+      // the store is gone: the others still see the closed connections
+    }
+  }
+  if (shm_) shm_->Abort();  // ranks waiting for this one in a barrier stop waiting
+}
+
 std::string Runtime::HeartbeatKey(int world_rank) const {
   return options_.job_id + "/heartbeat/" + std::to_string(world_rank);
 }
@@ -151,6 +166,19 @@ std::string Runtime::IdentifyFailedRanks() {
       } catch (const std::exception&) {
         beats = nullptr;
       }
+    }
+    // Ranks that shut down between plan steps said so (AnnounceLeaving).
+    std::vector<int> left;
+    for (int r = 0; r < options_.size; ++r) {
+      if (r != options_.rank &&
+          store_->TryGet(LeftKey(job, generation_, WorldRank(r)), std::chrono::milliseconds(0),
+                         &ignored)) {
+        left.push_back(WorldRank(r));
+      }
+    }
+    if (!left.empty()) {
+      return RankList(left) + (left.size() == 1 ? " has" : " have") +
+             " called shutdown and left the job while this rank still ran collectives with it";
     }
     // A rank that died closed its store connection; the store may take a
     // moment to notice, so look for up to a second.

@@ -141,7 +141,7 @@ void Runtime::RunOffline(bool* stop) {
     auto runnable = [&] {
       return state_.load() != State::kRunning || !queue_.empty() ||
              negotiator_->HasPending() || plan_.CanDispatch(shutdown_requested_) ||
-             plan_.DoneLeaving();
+             plan_.DoneLeaving() || (shutdown_requested_ && plan_.AtStepBoundary());
     };
     while (!runnable()) {
       // Plannable requests waiting here for the plan (their bucket, or an
@@ -167,6 +167,18 @@ void Runtime::RunOffline(bool* stop) {
     }
     plan_waiting_ = false;
     if (state_.load() != State::kRunning) return;
+    if (shutdown_requested_ && plan_.AtStepBoundary() && queue_.empty() &&
+        !negotiator_->HasPending()) {
+      // Between steps, nothing of this rank in flight: leave the job here.
+      // A cycle to say so could wait for ranks that run a plan step and
+      // never negotiate; instead the store says so, and the others'
+      // collectives with this rank fail at once on its closed connections.
+      shutdown_by_ = "rank " + std::to_string(WorldRank(options_.rank)) + " called shutdown";
+      lock.unlock();
+      AnnounceLeaving();
+      *stop = true;
+      return;
+    }
     const int64_t check_every = options_.plan_check_n_steps;
     if (plan_.CanDispatch(shutdown_requested_) && plan_.CheckDue(check_every)) {
       // Every rank checks before dispatching the same plan step, on the

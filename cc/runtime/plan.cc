@@ -44,6 +44,11 @@ bool OfflinePlan::CanDispatch(bool shutting_down) const {
   const bool ready = have_[pos_] == plan_.buckets[pos_].names.size();
   const bool voting = leave_vote_ || aborting_ || shutting_down;
   if (step_started_) return voting || ready;
+  // A rank that shuts down starts no step: the others may never run it
+  // (they go on to other work, or save, or stop too). It leaves once its
+  // buckets in flight are done (AtStepBoundary), and they find out from
+  // its closed connections.
+  if (shutting_down) return false;
   // A new step starts with real data, or with a vote once the previous
   // step's buckets are all finished (then it is the step that leaves).
   if (voting) return in_flight_ == 0 && !aborting_;

@@ -43,6 +43,8 @@ class OfflinePlan {
   // This rank voted a bucket down and every bucket of the step finished:
   // time to leave.
   bool DoneLeaving() const { return aborting_ && !step_started_ && in_flight_ == 0; }
+  // Between steps with nothing in flight: a rank that shuts down stops here.
+  bool AtStepBoundary() const { return !step_started_ && in_flight_ == 0; }
 
   // The bucket to dispatch next, and its index.
   const Response& next() const { return plan_.buckets[pos_]; }

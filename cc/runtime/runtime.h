@@ -136,6 +136,10 @@ class Runtime {
   void PerfCheckStep(const std::vector<double>& ms_by_rank);
   void Fail(const std::string& what);
   std::string IdentifyFailedRanks();
+  // This rank shuts down between plan steps without a last cycle: the store
+  // records it for the others' error messages, and shared-memory waiters
+  // for it are woken.
+  void AnnounceLeaving();
   void FailAllPending(const Status& status);
   void ConnectTransport(TransportOptions* bo);
   std::string ConnectWithDeadline(const TransportOptions& bo);

@@ -265,7 +265,7 @@ void ShmTransport::Barrier(Segment& s) {
     if (h->generation.load(std::memory_order_acquire) != gen) return;
     if (int32_t who = h->aborted.load()) {
       throw std::runtime_error("rank " + std::to_string(h->world[who - 1]) +
-                               " failed during a shared-memory collective");
+                               " failed or shut down during a shared-memory collective");
     }
     // Who has not arrived yet: gone, or late?
     std::vector<int> late;

@@ -53,7 +53,7 @@ class ShmTransport : public GroupCollectives {
   void Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) override;
   // Local rank 0's bytes to every rank of the host.
   void Broadcast(int stream, void* data, size_t bytes) override;
-  // Wakes every waiting rank with an error (this rank's runtime failed).
+  // Wakes every waiting rank with an error (this rank failed or left).
   void Abort();
 
   size_t slot_bytes() const { return slot_bytes_; }

@@ -1,10 +1,13 @@
-"""Keras fit under PerseusStrategy while the last rank dies (SIGKILL) mid-epoch.
+"""Keras fit under PerseusStrategy while the last rank leaves mid-epoch:
+killed (argument `kill`, the default: SIGKILL) or by `sys.exit(0)` in a
+callback (`exit`: a clean exit, which shuts its runtime down).
 
 Survivors print `REPORTED <seconds> <message>` when fit raises.
 """
 
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -25,11 +28,14 @@ with strategy.scope():
 x = np.ones((64 * size, 4), np.float32)
 y = np.ones((64 * size, 1), np.float32)
 died_at = [None]
+how = sys.argv[1] if len(sys.argv) > 1 else "kill"
 
 
 class Die(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if batch == 5 and rank == size - 1:
+            if how == "exit":
+                sys.exit(0)
             os.kill(os.getpid(), signal.SIGKILL)
         if batch == 5:
             died_at[0] = time.time()
