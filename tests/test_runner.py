@@ -227,7 +227,24 @@ def test_carriage_return_updates_are_forwarded_as_they_come(tmp_path):
             proc.wait()
     assert got == b"[0] 1/3 [=>  ]\r", got
     assert rest == b"[0] waited\n[0] 2/3 [==> ]\r[0] 3/3 [===]\r\n", rest
-    assert launcher._segments(b"a\r\nb\rc") == ([b"a\r\n", b"b\r"], b"c")
+    assert launcher._segments(b"a\r\nb\rc") == ([b"a\r\n", b"b\r"], [b"c"])
+    assert launcher._segments(b"d\ne", [b"x", b"y"]) == ([b"xyd\n"], [b"e"])
+    assert launcher._segments(b"more", [b"x"]) == ([], [b"x", b"more"])
+
+
+def test_long_lines_are_forwarded_in_linear_time():
+    """An 8 MB line (a dumped array, say) once took 19 s to forward, the rank
+    blocked in write() throughout: each 64 KiB read re-scanned everything
+    before it. It must arrive whole, and in well under that."""
+    child = ("import sys\n"
+             "sys.stdout.write('x' * (8 << 20) + '\\n' + 'after\\n'); sys.stdout.flush()\n")
+    start = time.monotonic()
+    result = subprocess.run(perseusrun_cmd("-np", "1", sys.executable, "-c", child), cwd=REPO,
+                            env=ENV, capture_output=True, timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout == b"[0] " + b"x" * (8 << 20) + b"\n[0] after\n"
+    assert took < 8, f"forwarding an 8 MB line took {took:.1f} s"
 
 
 # ---------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import ipaddress
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -448,15 +449,26 @@ def describe_status(returncode: int, remote: bool = False) -> str:
     return f"failed with exit status {returncode}"
 
 
-def _segments(buffer: bytes):
-    """Splits buffer into complete segments, each ending in \\n or \\r (a
-    \\r\\n pair stays together); returns (segments, the unfinished rest)."""
-    segments, start = [], 0
-    for i, byte in enumerate(buffer):
-        if byte == 0x0A or (byte == 0x0D and buffer[i + 1:i + 2] != b"\n"):
-            segments.append(buffer[start:i + 1])
-            start = i + 1
-    return segments, buffer[start:]
+# A segment ends at \n, or at a \r not followed by \n (a \r\n pair stays
+# together; a \r that ends a read ends its segment).
+_SEGMENT_END = re.compile(rb"\n|\r(?!\n)")
+
+
+def _segments(buffer: bytes, pending=None):
+    """Splits buffer into complete segments, each ending in \n or \r (a
+    \r\n pair stays together); returns (segments, the unfinished rest).
+
+    pending: a list of earlier unfinished pieces, joined to the first
+    segment only once it completes, so a long line costs time linear in its
+    length however many reads bring it."""
+    pending = pending or []
+    ends = [m.end() for m in _SEGMENT_END.finditer(buffer)]
+    if not ends:
+        return [], pending + [buffer] if buffer else pending
+    segments = [b"".join(pending) + buffer[:ends[0]]]
+    segments += [buffer[a:b] for a, b in zip(ends, ends[1:])]
+    rest = buffer[ends[-1]:]
+    return segments, [rest] if rest else []
 
 
 def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock) -> None:
@@ -466,7 +478,7 @@ def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock) -> None:
     # valid in our locale's encoding passes through untouched.
     raw = getattr(stream, "buffer", None)
     broken = False
-    pending = b""
+    pending = []  # unfinished pieces of the current segment
     after_cr = False  # the last segment sent ended in \\r
     fd = pipe.fileno()
     with pipe:
@@ -476,9 +488,9 @@ def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock) -> None:
             except OSError:
                 chunk = b""
             if chunk:
-                segments, pending = _segments(pending + chunk)
+                segments, pending = _segments(chunk, pending)
             else:
-                segments, pending = ([pending + b"\n"] if pending else []), b""
+                segments, pending = ([b"".join(pending) + b"\n"] if pending else []), []
             parts = []
             for segment in segments:
                 # A \\r\\n split across two reads: the \\n ends the line
