@@ -232,6 +232,64 @@ def test_carriage_return_updates_are_forwarded_as_they_come(tmp_path):
     assert launcher._segments(b"more", [b"x"]) == ([], [b"x", b"more"])
 
 
+TF_NOISE = [
+    "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    "I0000 00:00:1795595146.043765   13913 cudart_stub.cc:31] Could not find cuda drivers on "
+    "your machine, GPU will not be used.",
+    "E0000 00:00:1795595149.673293   13913 cuda_platform.cc:52] failed call to cuInit: "
+    "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)",
+    "W0000 00:00:1795595149.673293   13913 gpu_device.cc:2344] Cannot dlopen some GPU libraries.",
+    "2026-11-25 08:00:00.123456: E external/local_xla/xla/stream_executor/cuda/cuda_dnn.cc:9261] "
+    "Unable to register cuDNN factory: Attempting to register factory for plugin cuDNN",
+    "2026-11-25 08:00:00.123456: I tensorflow/core/platform/cpu_feature_guard.cc:182] This "
+    "TensorFlow binary is optimized to use available CPU instructions",
+]
+TF_REAL_ERROR = ("E0000 00:00:1795595149.673293   13913 some_kernel.cc:52] OOM when allocating "
+                 "tensor with shape [1024,1024]")
+
+
+@pytest.mark.parametrize("how", ["default", "--tf-logs", "PERSEUS_TF_LOGS=1",
+                                 "TF_CPP_MIN_LOG_LEVEL=0"])
+def test_tensorflow_start_up_lines_stay_off_the_screen(how):
+    """TF's C++ start-up notes (and the cuInit error of a machine without a
+    GPU) are dropped by default; a real error, and the rank's own lines,
+    stay. --tf-logs, PERSEUS_TF_LOGS=1 or the user's own
+    TF_CPP_MIN_LOG_LEVEL show them all again."""
+    child = ("import sys\n"
+             f"lines = {TF_NOISE + [TF_REAL_ERROR]!r}\n"
+             "sys.stderr.write('\\n'.join(lines) + '\\n'); sys.stderr.flush()\n"
+             "print('user line', flush=True)\n")
+    env = dict(ENV)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    options = []
+    if how == "--tf-logs":
+        options = ["--tf-logs"]
+    elif how != "default":
+        name, value = how.split("=")
+        env[name] = value
+    result = subprocess.run(perseusrun_cmd(*options, "-np", "1", sys.executable, "-c", child),
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert rank_lines(result.stdout) == {0: ["user line"]}
+    shown = rank_lines(result.stderr).get(0, [])
+    if how == "default":
+        assert shown == [TF_REAL_ERROR], shown
+    else:
+        assert shown == TF_NOISE + [TF_REAL_ERROR], shown
+
+
+def test_a_real_tensorflow_start_is_quiet():
+    # What this TensorFlow really prints on import (TF 2.15 and 2.21 differ).
+    result = subprocess.run(
+        perseusrun_cmd("-np", "1", sys.executable, "-c",
+                       "import tensorflow as tf; tf.constant(1.0) + 1; print('ready')"),
+        cwd=REPO, env={k: v for k, v in ENV.items() if k != "TF_CPP_MIN_LOG_LEVEL"},
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert rank_lines(result.stdout) == {0: ["ready"]}
+    assert result.stderr.strip() == "", result.stderr[-3000:]
+
+
 def test_long_lines_are_forwarded_in_linear_time():
     """An 8 MB line (a dumped array, say) once took 19 s to forward, the rank
     blocked in write() throughout: each 64 KiB read re-scanned everything

@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
              "their own before they are sent SIGTERM (and SIGKILL "
              f"{KILL_DELAY_S:g} s later); default {DEFAULT_GRACE_S:g}")
     parser.add_argument(
+        "--tf-logs", action="store_true",
+        help="show TensorFlow's own C++ log lines (start-up notes such as "
+             "'Could not find cuda drivers' and 'failed call to cuInit' on a "
+             "machine without a GPU, and every I/W line). By default perseusrun "
+             "drops them from the ranks' output unless TF_CPP_MIN_LOG_LEVEL is "
+             "set; PERSEUS_TF_LOGS=1 does the same as this option")
+    parser.add_argument(
         "--verbose", action="store_true",
         help="print rank placement, the rendezvous port, the commands run "
              "and each rank's exit")
@@ -449,6 +456,36 @@ def describe_status(returncode: int, remote: bool = False) -> str:
     return f"failed with exit status {returncode}"
 
 
+# TensorFlow's C++ log lines: absl's format (TF >= 2.16, "I0000
+# 00:00:1795595146.043765 1234 file.cc:31] ...", seconds since the epoch
+# before absl is initialised) and TF 2.15's ("2026-11-25 08:00:00.123: I
+# tensorflow/...cc:182] ..."), and absl's note that it logs to stderr.
+_TF_LOG_LINE = re.compile(
+    rb"^(?:([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ \S+:\d+\] "
+    rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: ([IWEF]) \S+:\d+\] )")
+_ABSL_NOTE = b"WARNING: All log messages before absl::InitializeLog() is called"
+# Errors TensorFlow logs at every start on a machine without a GPU (or with
+# a CUDA build beside another): noise, not the user's problem.
+_TF_BENIGN_ERRORS = (b"failed call to cuInit", b"Unable to register cuDNN factory",
+                     b"Unable to register cuFFT factory", b"Unable to register cuBLAS factory")
+
+
+def tf_log_noise(segment: bytes) -> bool:
+    """True for a line perseusrun keeps off the screen by default: TF's C++
+    info and warning lines, the start-up errors of a machine without a GPU,
+    and absl's note about logging before InitializeLog. Real errors (E/F
+    lines about anything else) and everything else the rank prints stay."""
+    if segment.startswith(_ABSL_NOTE):
+        return True
+    m = _TF_LOG_LINE.match(segment)
+    if not m:
+        return False
+    severity = m.group(1) or m.group(2)
+    if severity in (b"I", b"W"):
+        return True
+    return severity == b"E" and any(text in segment for text in _TF_BENIGN_ERRORS)
+
+
 # A segment ends at \n, or at a \r not followed by \n (a \r\n pair stays
 # together; a \r that ends a read ends its segment).
 _SEGMENT_END = re.compile(rb"\n|\r(?!\n)")
@@ -471,9 +508,11 @@ def _segments(buffer: bytes, pending=None):
     return segments, [rest] if rest else []
 
 
-def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock) -> None:
+def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock,
+                   quiet: bool = False) -> None:
     """Copies pipe to stream, each line or \\r-ended update (a progress bar
-    redrawing itself) as soon as it is complete, each starting with prefix."""
+    redrawing itself) as soon as it is complete, each starting with prefix.
+    quiet: drop TensorFlow's C++ log noise (tf_log_noise)."""
     # Write bytes when the stream allows it, so that output that is not
     # valid in our locale's encoding passes through untouched.
     raw = getattr(stream, "buffer", None)
@@ -491,6 +530,8 @@ def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock) -> None:
                 segments, pending = _segments(chunk, pending)
             else:
                 segments, pending = ([b"".join(pending) + b"\n"] if pending else []), []
+            if quiet:
+                segments = [seg for seg in segments if not tf_log_noise(seg)]
             parts = []
             for segment in segments:
                 # A \\r\\n split across two reads: the \\n ends the line
@@ -538,10 +579,11 @@ class _Child:
 class RankGroup:
     """The child processes of one job and the threads forwarding their output."""
 
-    def __init__(self, verbose: bool = False):
+    def __init__(self, verbose: bool = False, quiet: bool = False):
         self.children = []
         self._readers = []
         self._verbose = verbose
+        self._quiet = quiet  # drop TF's C++ log noise from the output
         self._stdout_lock = threading.Lock()
         self._stderr_lock = threading.Lock()
 
@@ -578,7 +620,7 @@ class RankGroup:
         for pipe, stream, lock in ((proc.stdout, sys.stdout, self._stdout_lock),
                                    (proc.stderr, sys.stderr, self._stderr_lock)):
             reader = threading.Thread(
-                target=_forward_lines, args=(pipe, stream, tag, lock),
+                target=_forward_lines, args=(pipe, stream, tag, lock, self._quiet),
                 name=f"perseusrun-rank{rank}-output", daemon=True)
             reader.start()
             self._readers.append(reader)
@@ -776,7 +818,9 @@ def main(argv=None) -> int:
     job_id = secrets.token_hex(8)
     store = StoreServer(rendezvous_addr, 0, secret)
     port = store.start()
-    group = RankGroup(verbose=args.verbose)
+    show_tf_logs = (args.tf_logs or os.environ.get("PERSEUS_TF_LOGS") == "1"
+                    or "TF_CPP_MIN_LOG_LEVEL" in os.environ)
+    group = RankGroup(verbose=args.verbose, quiet=not show_tf_logs)
     received = []
 
     def forward(signum, _frame):
