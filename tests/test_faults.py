@@ -7,7 +7,7 @@ import pytest
 from harness import check_names, run_checks
 
 CHECKS = check_names("checks_faults")
-ENV = {"GLOO_TIMEOUT_SECONDS": "20", "PERSEUS_STALL_CHECK_TIME_SECONDS": "0",
+ENV = {"GLOO_TIMEOUT_SECONDS": "10", "PERSEUS_STALL_CHECK_TIME_SECONDS": "0",
        "PERSEUS_STALL_TIMEOUT_SECONDS": "2", "PERSEUS_TEST_ERROR_DISPATCH_DELAY_MS": "100"}
 
 

@@ -151,13 +151,16 @@ void Runtime::RunOffline(bool* stop) {
       for (const auto& kv : pending_) {
         if (kv.second->meta.flags & kMetaPlannable) oldest = std::min(oldest, kv.second->enqueued);
       }
-      if (oldest == Clock::time_point::max()) {
-        plan_waiting_ = false;  // between steps: nothing of ours is waiting
+      if (oldest == Clock::time_point::max() || plan_.PreviousStepRunning()) {
+        // Between steps: nothing of ours is waiting, or it waits for the
+        // previous step's collectives, which have deadlines of their own.
+        plan_waiting_ = false;
         queue_cv_.wait_for(lock, std::chrono::seconds(1));
         continue;
       }
       plan_waiting_ = true;
-      const auto deadline = oldest + PlanDeadline();
+      // Counted from when the previous step ended, if it ended later.
+      const auto deadline = std::max(oldest, last_step_done_) + PlanDeadline();
       if (Clock::now() >= deadline) {
         ReportPlanTimeoutLocked(oldest);
         plan_.VoteToLeave();

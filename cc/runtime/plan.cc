@@ -49,10 +49,16 @@ bool OfflinePlan::CanDispatch(bool shutting_down) const {
   // buckets in flight are done (AtStepBoundary), and they find out from
   // its closed connections.
   if (shutting_down) return false;
-  // A new step starts with real data, or with a vote once the previous
-  // step's buckets are all finished (then it is the step that leaves).
-  if (voting) return in_flight_ == 0 && !aborting_;
-  return ready;
+  // A new step starts only once every bucket of the previous step has
+  // finished here: their summed votes are then known, alike on every rank,
+  // so either no rank starts it (a vote came back: all leave) or every rank
+  // does (with real data, or with a vote: the step that leaves). A step
+  // started while the last bucket was in flight could hold a bucket that
+  // ranks leaving on that bucket's votes never run: the starter then waited
+  // in its collective until GLOO_TIMEOUT_SECONDS (the soak's shared-memory
+  // timeout).
+  if (in_flight_ != 0 || aborting_) return false;
+  return voting || ready;
 }
 
 bool OfflinePlan::CheckDue(int64_t n) const {

@@ -45,6 +45,9 @@ class OfflinePlan {
   bool DoneLeaving() const { return aborting_ && !step_started_ && in_flight_ == 0; }
   // Between steps with nothing in flight: a rank that shuts down stops here.
   bool AtStepBoundary() const { return !step_started_ && in_flight_ == 0; }
+  // Between steps, the previous step's buckets still running: the next
+  // step waits for their outcome (CanDispatch), and its requests are not late.
+  bool PreviousStepRunning() const { return !step_started_ && in_flight_ > 0; }
 
   // The bucket to dispatch next, and its index.
   const Response& next() const { return plan_.buckets[pos_]; }

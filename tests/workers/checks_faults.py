@@ -77,3 +77,38 @@ def check_a_a_failed_request_leaves_nothing_behind():
         _sync(f"a{i}")
     wrong = [o for o in outcomes if o not in ("error", want)]
     assert not wrong, f"rank {R}: sums {wrong} instead of {want} (all outcomes {outcomes})"
+
+
+def check_b_no_plan_step_is_started_by_some_ranks_only():
+    # The plan learned here is a step of (b, a): the first call holds b alone,
+    # later steps call a, then b. At step 20 rank 1 comes late and calls b
+    # before a: its b does not fit (its bucket is already past), so rank 1
+    # votes in the step's last bucket (a). The other ranks had their b in
+    # before a's bucket came back and once started step 21 at once with it;
+    # on a's votes rank 1 left the plan and never ran that bucket: they
+    # waited in their collective until GLOO_TIMEOUT_SECONDS (the soak's
+    # shared-memory timeout). Now a step starts only once the previous
+    # step's votes are known, alike everywhere: every rank leaves, and the
+    # job goes on with right sums.
+    def call(name, dtype, step):
+        x = np.full(1000, R + step, dtype)
+        return name, x, step, _core.submit_group([x], [name], DTYPE_CODES[dtype], plannable=True)
+
+    def wait(handles):
+        for name, x, step, handle in handles:
+            handle.wait()
+            want = sum(r + step for r in range(N))
+            assert (x == want).all(), (name, step, x[:3], want)
+
+    wait([call("orphan.b", "int64", 0)])
+    for step in range(1, 30):
+        if step == 20 and R == 1:
+            time.sleep(0.1)
+            handles = [call("orphan.b", "int64", step), call("orphan.a", "float32", step)]
+        else:
+            handles = [call("orphan.a", "float32", step)]
+            time.sleep(0.005 if step >= 20 else 0.03)
+            handles.append(call("orphan.b", "int64", step))
+        wait(handles)
+    st = _core.stats()
+    assert st["plans"] >= 1 and st["plan_exits"] >= 1, st

@@ -17,7 +17,9 @@ Each step every rank submits, in an order of its own:
     product, pre/postscale), allgather (a different first dimension per rank,
     zero included), broadcast (random root), alltoall (random splits, zero
     rows included), reducescatter, and the same on a process set.
-Dtypes and shapes are random, empty tensors included. The schedule comes from
+Dtypes and shapes are random, empty tensors included. Half the calls follow
+a 2 ms pause (the caller computing), so ranks reach plan buckets at
+different moments. The schedule comes from
 a generator every rank seeds alike; each rank's data from (seed, step, op,
 rank), so every rank knows every rank's input and checks its results against
 numpy. Values are small multiples of 1/2 (products: of +-1, 2, 1/2), so every
@@ -223,6 +225,12 @@ class Soak:
         handles = []
         for k in order:
             submit, check = work[k]
+            if self.own.random() < 0.5:
+                # The caller computes between its calls (as a backward pass
+                # does between gradients): a plan step learned mid-call then
+                # starts and ends mid-call, and ranks reach its buckets at
+                # different moments.
+                time.sleep(0.002)
             handles.append((submit(), check))
         for handle, check in handles:
             try:
