@@ -43,6 +43,7 @@ def test_clean_exit(ranks, module):
 
 
 def test_queries_before_init_raise_as_in_horovod():
+    # Also hvd._executing_eagerly, private but called by Horovod's own tests.
     code = ("import perseus_tf.horovod as hvd\n"
             "for query in (hvd.rank, hvd.size, hvd.local_rank, hvd.cross_size):\n"
             "    try:\n"
@@ -52,6 +53,10 @@ def test_queries_before_init_raise_as_in_horovod():
             "        assert 'hvd.init()' in str(e), e\n"
             "hvd.init()\n"
             "assert (hvd.rank(), hvd.size()) == (0, 1)\n"
+            "import tensorflow as tf\n"
+            "assert hvd._executing_eagerly() is True\n"
+            "traced = tf.function(lambda: tf.constant(hvd._executing_eagerly()))()\n"
+            "assert not bool(traced), 'inside tf.function it must say False'\n"
             "print('BEFORE INIT OK')\n")
     proc = subprocess.run([sys.executable, "-c", code], env=rank_env(), capture_output=True,
                           text=True, timeout=120, cwd=ROOT)

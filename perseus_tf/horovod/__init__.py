@@ -14,7 +14,8 @@ from perseus_tf.horovod._basics import (
     init, shutdown, is_initialized, size, rank, local_size, local_rank, cross_size, cross_rank,
     is_homogeneous, size_op, local_size_op, rank_op, local_rank_op, process_set_included_op,
     mpi_threads_supported, mpi_enabled, mpi_built, gloo_enabled, gloo_built, nccl_built,
-    ddl_built, ccl_built, cuda_built, rocm_built, start_timeline, stop_timeline)
+    ddl_built, ccl_built, cuda_built, rocm_built, start_timeline, stop_timeline,
+    _executing_eagerly)
 from perseus_tf.horovod._collectives import (
     Average, Sum, Adasum, Min, Max, Product, handle_average_backwards_compatibility,
     allreduce, grouped_allreduce, allgather, grouped_allgather, broadcast, alltoall,

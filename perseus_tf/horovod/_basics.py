@@ -103,6 +103,12 @@ def _set_size(process_set_id):
 # What this build has. Perseus-TF runs its collectives over Gloo (TCP); it
 # has no MPI, NCCL, DDL, oneCCL or ROCm path today.
 
+def _executing_eagerly():
+    """Whether TensorFlow runs eagerly here (False while a tf.function is
+    traced). Private in Horovod too, but Horovod's own tests call it."""
+    return tf.executing_eagerly()
+
+
 def mpi_threads_supported():
     """Raises ValueError, as Horovod does when MPI is not enabled."""
     raise ValueError("MPI is not enabled: Perseus-TF runs its collectives over Gloo, so "
