@@ -1,6 +1,8 @@
-"""Cases a fault probe found (tests/workers/checks_faults.py), at 2 and 4
-ranks: a request that fails leaves nothing behind that could pair with
-another rank's retry; ..."""
+"""Cases a fault probe and a soak found (tests/workers/checks_faults.py), at
+2 and 4 ranks: a request that fails leaves nothing behind that could pair
+with another rank's retry; no offline plan step is started by some ranks
+only; grouped calls of different sizes fail on every rank at once, naming
+the counts; a bad argument on one rank fails the others' calls at once."""
 
 import pytest
 

@@ -232,17 +232,28 @@ void Runtime::RunCycle(bool* stop) {
 
 void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool joined) {
   std::vector<std::shared_ptr<Request>> requests;
-  std::string not_submitted;
+  std::vector<std::shared_ptr<Request>> siblings;  // of a failed grouped call
+  std::string not_submitted, fatal;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (size_t i = 0; i < response.names.size(); ++i) {
       auto it = pending_.find(response.names[i]);
       if (it == pending_.end()) {
+        const bool abandoned = abandoned_.erase(response.names[i]) > 0;
         if (!response.error.ok()) continue;
         // Only a rank in join() may lack a name: it takes part with zeros.
         // Any other rank would add zeros nobody asked for to the result.
         if (!joined) {
           not_submitted = response.names[i];
+          fatal = abandoned
+                      ? "the others ran " + std::string(OpTypeName(response.op)) + " of '" +
+                            not_submitted + "', which rank " +
+                            std::to_string(WorldRank(options_.rank)) +
+                            " gave up when another tensor of its grouped call failed"
+                      : "internal error: negotiation started " +
+                            std::string(OpTypeName(response.op)) + " of '" + not_submitted +
+                            "', which rank " + std::to_string(WorldRank(options_.rank)) +
+                            " has not submitted and it is not in join()";
           break;
         }
         requests.push_back(StandIn(response, i));
@@ -252,6 +263,24 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
       pending_.erase(it);
     }
     if (!response.error.ok()) {
+      // The rest of a failed grouped call fails with it: its caller waits
+      // for all of its tensors, and the others would wait for these forever
+      // (a rank whose call held fewer tensors has none of them).
+      for (const auto& q : std::vector<std::shared_ptr<Request>>(requests)) {
+        if (!q->call) continue;
+        for (const std::string& name : *q->call) {
+          auto it = pending_.find(name);
+          if (it == pending_.end() || it->second->call != q->call) continue;
+          if (plan_.active() && (it->second->meta.flags & kMetaPlannable)) continue;
+          const size_t queued = queue_.size();
+          queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+                                      [&](const TensorMeta& m) { return m.name == name; }),
+                       queue_.end());
+          if (queue_.size() == queued) abandoned_.insert(name);  // the others know of it
+          siblings.push_back(it->second);
+          pending_.erase(it);
+        }
+      }
       // A request failed here may have arrived after this cycle's message
       // was sent: unsent, it is still queued. It must not reach the next
       // cycle, where it would pair with another rank's retry of that name
@@ -272,16 +301,21 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
     }
   }
   if (!not_submitted.empty()) {
-    Fail(std::string("internal error: negotiation started ") + OpTypeName(response.op) +
-         " of '" + not_submitted + "', which rank " + std::to_string(WorldRank(options_.rank)) +
-         " has not submitted and it is not in join()");
+    Fail(fatal);
     return;
   }
+
   if (response.op == OpType::kJoin) {
     for (auto& q : requests) q->result = response.metas[0].root;
   }
   if (!response.error.ok() || response.op == OpType::kBarrier || response.op == OpType::kJoin) {
     for (auto& q : requests) q->done(response.error);
+    for (auto& q : siblings) {
+      q->done(Status::Error(response.error.code,
+                            std::string("Perseus ") + OpTypeName(q->meta.op) + " of tensor '" +
+                                q->meta.name + "' did not run: '" + response.names[0] +
+                                "' of the same grouped call failed: " + response.error.message));
+    }
     if (faults_ && !response.error.ok()) faults_->AfterErrorResponse();
     return;
   }

@@ -83,6 +83,7 @@ std::vector<char> EncodeCycle(const CycleMessage& msg) {
     w.Put<int32_t>(m.group);
     w.Put<int32_t>(m.compression);
     w.Put<int32_t>(m.flags);
+    if (m.flags & kMetaRejected) w.PutString(m.rejected);
   }
   return out;
 }
@@ -107,6 +108,7 @@ CycleMessage DecodeCycle(const char* data, size_t size) {
     m.group = r.Get<int32_t>();
     m.compression = r.Get<int32_t>();
     m.flags = r.Get<int32_t>();
+    if (m.flags & kMetaRejected) m.rejected = r.GetString();
     msg.requests.push_back(std::move(m));
   }
   return msg;

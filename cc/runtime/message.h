@@ -27,6 +27,7 @@ struct TensorMeta {
   int32_t group = 0;               // >0: size of the grouped call this request came in
   int32_t compression = 0;         // allreduce of float32: a kCompress* code
   int32_t flags = 0;               // kMetaNonFinite: the input held NaN/Inf (nancheck)
+  std::string rejected;            // kMetaRejected: why this rank refused its call
 };
 
 // How a float32 sum or average travels (TensorMeta::compression).
@@ -40,6 +41,10 @@ const char* CompressionName(int32_t code);
 constexpr int32_t kMetaNonFinite = 1;
 // The request may run from an offline plan (a training step's gradients).
 constexpr int32_t kMetaPlannable = 2;
+// This rank refused the call (a bad argument: TensorMeta::rejected says
+// which): the other ranks' requests of this name fail at once instead of
+// waiting for it. On the wire only with this flag set.
+constexpr int32_t kMetaRejected = 4;
 
 // One rank's message for one negotiation cycle.
 struct CycleMessage {

@@ -99,6 +99,30 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
   e.have[rank] = true;
   e.metas[rank] = meta;
   ++e.count;
+  if (meta.flags & kMetaRejected) {
+    Rejection& why = rejected_[meta.name];
+    if (why.message.empty()) {
+      why.message = "rank " + std::to_string(world_[rank]) + " refused its call: " +
+                    meta.rejected;
+      why.seen.assign(size_, false);
+    }
+  }
+  auto refused = rejected_.find(meta.name);
+  if (refused != rejected_.end() && refused->second.seen[rank] && !(meta.flags & kMetaRejected)) {
+    // This rank already had its request of the name fail: this is a new
+    // call (a retry), and the refusal is over.
+    rejected_.erase(refused);
+    refused = rejected_.end();
+  }
+  if (refused != rejected_.end()) {
+    // Fails now, on every rank that asked; later askers fail as they ask.
+    if (!refused->second.seen[rank]) {
+      refused->second.seen[rank] = true;
+      ++refused->second.count;
+    }
+    complete_.emplace(e.seq, meta.name);
+    return;
+  }
   if (meta.op == OpType::kJoin && !joined_[rank]) {
     joined_[rank] = true;
     join_order_[rank] = adds_;
@@ -112,6 +136,14 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
 }
 
 Status Negotiator::Validate(const std::string& name, const Entry& e) const {
+  auto refused = rejected_.find(name);
+  if (refused != rejected_.end()) {
+    int first = 0;
+    while (!e.have[first]) ++first;
+    return Status::Error(StatusCode::kInvalidArgument,
+                         std::string("Perseus ") + OpTypeName(e.metas[first].op) +
+                             " of tensor '" + name + "': " + refused->second.message);
+  }
   // Only the ranks that asked; joined ranks follow whatever they agreed.
   std::vector<TensorMeta> m;
   std::vector<int> ids;
@@ -151,6 +183,12 @@ Status Negotiator::Validate(const std::string& name, const Entry& e) const {
   if (!AllSame(m, [](const TensorMeta& t) { return t.op; })) {
     return fail("the operation", Column(m, [](const TensorMeta& t) {
                   return std::string(OpTypeName(t.op));
+                }));
+  }
+  if (!AllSame(m, [](const TensorMeta& t) { return t.group; })) {
+    return fail("the number of tensors in the grouped call", Column(m, [](const TensorMeta& t) {
+                  return t.group > 0 ? std::to_string(t.group) + " tensors"
+                                     : std::string("not a grouped call");
                 }));
   }
   if (!AllSame(m, [](const TensorMeta& t) { return t.dtype; })) {
@@ -454,6 +492,9 @@ std::vector<Response> Negotiator::TakeReady() {
     ready.push_back(std::move(r));
   }
   complete_.clear();
+  for (auto it = rejected_.begin(); it != rejected_.end();) {
+    it = it->second.count == size_ ? rejected_.erase(it) : std::next(it);
+  }
   // A step boundary is only "clean" if no later name completed after it in
   // this same cycle; WatchForPlan leaves kReady set only then.
   for (const Response& r : ready) {

@@ -166,6 +166,14 @@ class Negotiator {
   uint64_t adds_ = 0;
   std::unordered_map<std::string, Entry> table_;
   std::map<uint64_t, std::string> complete_;  // seq -> name, this cycle
+  // Names a rank refused (kMetaRejected): every rank's request of the name
+  // fails at once with this message, until every rank has sent it.
+  struct Rejection {
+    std::string message;
+    std::vector<bool> seen;
+    int count = 0;
+  };
+  std::unordered_map<std::string, Rejection> rejected_;
 
   // kWait: after a change, wait for a quiet moment (no plannable request
   // half-negotiated) so that recording starts at a step boundary.

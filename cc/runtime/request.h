@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,9 @@ struct Request {
   std::chrono::steady_clock::time_point enqueued{};
   // Buffers of a stand-in request (a joined rank taking part with no data).
   std::vector<char> scratch;
+  // The names of the grouped call it came in (null for a single call):
+  // when one of them fails, the others fail with it (runtime.cc).
+  std::shared_ptr<const std::vector<std::string>> call;
 };
 
 }  // namespace perseus

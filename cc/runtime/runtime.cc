@@ -129,6 +129,7 @@ Status Runtime::Init(const InitOptions& options) {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.clear();
     pending_.clear();
+    abandoned_.clear();
     shutdown_requested_ = false;
     shutdown_by_.clear();
     failure_ = Status::OK();
@@ -204,7 +205,15 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
   if (requests.empty()) return Status::OK();
   for (const auto& q : requests) {
     Status s = Check(*q);
-    if (!s.ok()) return s;
+    if (!s.ok()) {
+      if (s.code == StatusCode::kInvalidArgument) RejectCall(requests, s.message);
+      return s;
+    }
+  }
+  if (requests.size() > 1) {
+    auto call = std::make_shared<std::vector<std::string>>();
+    for (const auto& q : requests) call->push_back(q->meta.name);
+    for (const auto& q : requests) q->call = call;
   }
   const auto now = Clock::now();
   bool wake = false;
@@ -253,6 +262,22 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
   }
   if (wake) queue_cv_.notify_one();
   return Status::OK();
+}
+
+void Runtime::RejectCall(const std::vector<std::shared_ptr<Request>>& requests,
+                         const std::string& why) {
+  // The other ranks made this call with good arguments, or will: tell them
+  // in the next cycle, so that theirs fail at once instead of stalling.
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_.load() != State::kRunning) return;
+  for (const auto& q : requests) {
+    if (q->meta.name.empty() || pending_.count(q->meta.name)) continue;
+    TensorMeta m = q->meta;
+    m.flags = kMetaRejected;
+    m.rejected = why;
+    queue_.push_back(std::move(m));
+  }
+  queue_cv_.notify_one();
 }
 
 void Runtime::StartTimeline(const std::string& path, bool mark_cycles) {

@@ -35,6 +35,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "cc/core/common.h"
@@ -140,6 +141,9 @@ class Runtime {
   // records it for the others' error messages, and shared-memory waiters
   // for it are woken.
   void AnnounceLeaving();
+  // A call refused here for a bad argument: its names go to the others as
+  // rejected (kMetaRejected), so their requests fail at once.
+  void RejectCall(const std::vector<std::shared_ptr<Request>>& requests, const std::string& why);
   void FailAllPending(const Status& status);
   void ConnectTransport(TransportOptions* bo);
   std::string ConnectWithDeadline(const TransportOptions& bo);
@@ -171,6 +175,9 @@ class Runtime {
   std::condition_variable queue_cv_;
   std::deque<TensorMeta> queue_;
   std::unordered_map<std::string, std::shared_ptr<Request>> pending_;
+  // Names this rank sent but gave up (their grouped call failed): if the
+  // others still run one, the job fails naming it.
+  std::unordered_set<std::string> abandoned_;
   bool shutdown_requested_ = false;
   std::string shutdown_by_;
 

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from perseus_tf._native import DTYPE_CODES, OP_ALLREDUCE, _core
+from perseus_tf._native import DTYPE_CODES, OP_ALLREDUCE, OP_ALLTOALL, OP_BROADCAST, _core
 
 from rank_checks import start_native
 
@@ -112,3 +112,53 @@ def check_b_no_plan_step_is_started_by_some_ranks_only():
         wait(handles)
     st = _core.stats()
     assert st["plans"] >= 1 and st["plan_exits"] >= 1, st
+
+
+def check_c_grouped_calls_of_different_sizes_fail_on_every_rank():
+    # Rank 0 groups two tensors, the others one: once, the others succeeded
+    # silently and rank 0 stalled. Now every rank fails at once, naming the
+    # counts, and rank 0's second tensor fails with its call.
+    names = ["grp.a", "grp.b"] if R == 0 else ["grp.a"]
+    arrays = [np.ones(3, np.float32) for _ in names]
+    start = time.monotonic()
+    try:
+        _core.submit_group(arrays, names, F32).wait()
+        raise AssertionError("grouped calls of different sizes completed")
+    except _core.MismatchError as e:
+        text = str(e)
+    took = time.monotonic() - start
+    assert took < 1.5, f"took {took:.1f} s (the stall timeout is 2 s)"
+    assert "'grp.a'" in text and "number of tensors in the grouped call" in text, text
+    assert "2 tensors" in text and "1 tensors" in text and "rank 0" in text, text
+    _sync("c")
+
+
+def check_d_a_bad_argument_on_one_rank_fails_the_others_at_once():
+    # The last rank passes a bad argument; the others' calls are fine. The
+    # others once waited for the stall timeout; now they fail at once, told
+    # which rank refused and why.
+    bad = N - 1
+    cases = [
+        ("broadcast root", lambda tag, wrong: _core.submit(
+            OP_BROADCAST, np.ones(3, np.float32), f"bad.bc.{tag}", F32,
+            root=N + 3 if wrong else 0, output=np.ones(3, np.float32))),
+        ("negative splits", lambda tag, wrong: _core.submit(
+            OP_ALLTOALL, np.ones((N, 2), np.float32), f"bad.a2a.{tag}", F32,
+            splits=[-1, 2] + [1] * (N - 2) if wrong else [1] * N)),
+    ]
+    for i, (what, call) in enumerate(cases):
+        start = time.monotonic()
+        try:
+            call(i, R == bad).wait()
+            raise AssertionError(f"{what}: rank {R} completed")
+        except _core.InvalidArgumentError as e:
+            text = str(e)
+        except _core.MismatchError as e:  # noqa: F841 - reported below
+            text = "MismatchError: " + str(e)
+        took = time.monotonic() - start
+        assert took < 1.5, f"{what}: rank {R} took {took:.1f} s"
+        if R == bad:
+            assert "out of range" in text or "must not be negative" in text, text
+        else:
+            assert f"rank {bad} refused its call" in text, (what, text)
+        _sync(f"d{i}")
