@@ -6,9 +6,10 @@ are sharded per rank, variables start from rank 0's values, and every
 reduction goes through PerseusCrossDeviceOps across processes.
 
 The package also holds the Keras patches the strategy installs:
-keras_mixed (mixed-precision step skipping agreed by all ranks) and
+keras_mixed (mixed-precision step skipping agreed by all ranks),
 keras_files (one writer for checkpoints and backups, restore checks, step
-resume). They take what they need to know of the strategy as arguments and
+resume) and keras_save (saving on one rank: averaged statistics at epoch
+ends, local reads while saving). They take what they need to know of the strategy as arguments and
 never import this module.
 
 Example (started with `perseusrun -np 4 -- python train.py`):
@@ -40,7 +41,7 @@ from perseus_tf import _native
 from perseus_tf import config
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import keras_files, keras_mixed
+from perseus_tf.strategy import keras_files, keras_mixed, keras_save
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -200,6 +201,10 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         if distribute_utils.is_mirrored(value) and reduce_op == reduce_util.ReduceOp.MEAN:
             return value
+        if keras_save.local_reads_active() and isinstance(value, values_lib.SyncOnReadVariable):
+            # Keras is saving: this rank's own copy, no collective (the save
+            # may run on this rank alone; keras_save.py says why it is right).
+            return value.values[0].read_value()
 
         def reduce_one(v):
             if not isinstance(v, values_lib.DistributedValues) and self._size == 1:
@@ -294,6 +299,10 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         if cluster_resolver is not None:
             extended._cluster_resolver = cluster_resolver
         keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))
+        keras_save.install(lambda strategy: isinstance(strategy, PerseusStrategy),
+                           lambda tensors: perseus_ops.grouped_allreduce(
+                               tensors, op=perseus_ops.Average,
+                               name="perseus.average_on_read_variables"))
         _gradients.install()
         _install_batch_norm_statistics()
         keras_files.install_step_resume()   # before the restore check wraps it

@@ -1,7 +1,8 @@
 """Keras 3 callbacks that write files write them on rank 0 only.
 
-Saving still runs on every rank (it reads metrics and variables, which are
-collectives), but ranks other than 0 write into a private scratch directory.
+Every rank still runs the callbacks (a callback may make collectives of its
+own; saving itself makes none, see keras_save), but ranks other than 0
+write into a private scratch directory.
 Keras 2 does this itself for strategies in multi-worker mode; Keras 3 does
 not, so PerseusStrategy installs these small redirections when size > 1.
 """
@@ -47,8 +48,8 @@ def install(rank):
     # BackupAndRestore: every rank restores from rank 0's backup (the real
     # backup_dir, which must be readable by every rank: one host, or a shared
     # file system), so all resume at the same epoch with the same weights;
-    # ranks other than 0 still save (saving reads metrics, collectives) but
-    # into their scratch directory, and never delete rank 0's backup.
+    # ranks other than 0 still save, into their scratch directory, and
+    # never delete rank 0's backup.
     backup = callbacks.BackupAndRestore
     save_model = backup._save_model
     train_end = backup.on_train_end
