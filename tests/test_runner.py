@@ -399,6 +399,59 @@ def test_signals_are_forwarded_to_every_rank(signum):
     assert rank_lines(rest) == {0: [f"got {int(signum)}"], 1: [f"got {int(signum)}"]}
 
 
+BLOCKED_IN_A_COLLECTIVE = """
+import numpy as np
+from perseus_tf import _native
+from perseus_tf._native import DTYPE_CODES, OP_ALLREDUCE, _core
+_native.init()
+rank = _native.topology()["rank"]
+x = np.ones(4, np.float32)
+print("ready", flush=True)
+# Each rank waits for a collective the other never makes: a wait in C++ that
+# Python's SIGINT handler cannot interrupt.
+_core.submit(OP_ALLREDUCE, x, f"only-rank-{rank}", DTYPE_CODES["float32"], output=x).wait()
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_stops_ranks_blocked_in_a_collective(presses):
+    """Ranks blocked in a collective cannot act on SIGINT. The first Ctrl-C
+    once did nothing for up to PERSEUS_STALL_TIMEOUT_SECONDS (1800 s) and a
+    second did not escalate; now the first stops them within seconds
+    (SIGTERM after INTERRUPT_GRACE_S) and the second kills them at once."""
+    proc = subprocess.Popen(perseusrun_cmd("-np", "2", sys.executable, "-c",
+                                           BLOCKED_IN_A_COLLECTIVE),
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    try:
+        ready = 0
+        while ready < 2:
+            ready += "ready" in lines.get(timeout=60)
+        time.sleep(0.5)  # both are inside the wait
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        if presses == 2:
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGINT)
+        status = proc.wait(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert status != 0, err[-2000:]
+    assert "Ctrl-C again to kill them now" in err, err[-2000:]
+    if presses == 1:
+        assert launcher.INTERRUPT_GRACE_S - 0.5 < took < launcher.INTERRUPT_GRACE_S + 10, took
+        assert "SIGTERM" in err, err[-2000:]
+    else:
+        assert took < 5, took
+        assert "killing the ranks (SIGKILL)" in err, err[-2000:]
+
+
 def _wait_for_pids(directory, count, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -38,6 +38,10 @@ DEFAULT_GRACE_S = 10.0
 DEFAULT_START_TIMEOUT_S = 30.0
 # Time between SIGTERM and SIGKILL when stopping ranks that outlived a failure.
 KILL_DELAY_S = 5.0
+# After the first Ctrl-C (SIGINT, forwarded), ranks still running this long
+# later (blocked in a collective, say, where Python cannot see the signal)
+# get SIGTERM, then SIGKILL KILL_DELAY_S later. A second Ctrl-C kills at once.
+INTERRUPT_GRACE_S = 3.0
 POLL_INTERVAL_S = 0.05
 # What remote ranks get of perseusrun's environment without -x.
 FORWARD_PREFIXES = ("PERSEUS_", "GLOO_", "NCCL_")
@@ -98,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
             "directory with the same Python: hosts must share paths. Output "
             "lines (and progress-bar updates ending in a carriage return) are "
             "prefixed with '[RANK] '. SIGINT and SIGTERM are forwarded to every "
-            "rank; ranks on every host stop if perseusrun itself dies. "
+            "rank; after a Ctrl-C, ranks still running 3 s later (blocked in a "
+            "collective, say) get SIGTERM, and a second Ctrl-C kills them at "
+            "once; ranks on every host stop if perseusrun itself dies. "
             "perseusrun exits 0 when every rank exits 0, otherwise with the "
             "status of the first rank that failed (128+N for signal N)."),
     )
@@ -581,6 +587,9 @@ class RankGroup:
 
     def __init__(self, verbose: bool = False, quiet: bool = False):
         self.children = []
+        # When the ranks must be gone by (SIGTERM then), set by interrupt().
+        self._stop_by = None
+        self._interrupts = 0
         self._readers = []
         self._verbose = verbose
         self._quiet = quiet  # drop TF's C++ log noise from the output
@@ -636,6 +645,18 @@ class RankGroup:
                 except (ProcessLookupError, PermissionError):
                     pass
 
+    def interrupt(self) -> None:
+        """Ctrl-C: the first is forwarded (SIGINT) and the ranks get
+        INTERRUPT_GRACE_S to stop before SIGTERM; the second kills them."""
+        self._interrupts += 1
+        if self._interrupts == 1:
+            _log(f"interrupted: stopping the ranks (Ctrl-C again to kill them now)")
+            self._stop_by = time.monotonic() + INTERRUPT_GRACE_S
+            self.signal_running(signal.SIGINT)
+        else:
+            _log("interrupted again: killing the ranks (SIGKILL)")
+            self.signal_running(signal.SIGKILL)
+
     def supervise(self, grace_s: float, stop_now: bool = False) -> int:
         """Waits for every rank to exit and returns perseusrun's exit status.
 
@@ -669,6 +690,10 @@ class RankGroup:
                         term_at = now + grace_s
             if len(exited) == len(self.children):
                 break
+            if self._stop_by is not None and kill_at is None:
+                # Interrupted: SIGTERM by then, whatever the grace after a failure.
+                term_at = self._stop_by if term_at is None else min(term_at, self._stop_by)
+                self._stop_by = None
             if term_at is not None and now >= term_at:
                 _log("stopping the remaining ranks (SIGTERM)")
                 self.signal_running(signal.SIGTERM)
@@ -825,7 +850,10 @@ def main(argv=None) -> int:
 
     def forward(signum, _frame):
         received.append(signum)
-        group.signal_running(signum)
+        if signum == signal.SIGINT:
+            group.interrupt()
+        else:
+            group.signal_running(signum)
 
     # Install the handlers before the first rank starts, so that no signal can
     # kill perseusrun and orphan ranks that were already running.
