@@ -52,6 +52,7 @@ def init(cluster=None, **overrides):
         if _core.is_initialized():
             if cluster is not None:
                 _check_same_world(cluster)
+            _check_same_options(overrides)
             return
         cfg = _config.load_config(overrides)
         topo = _config.load_topology(cluster=cluster)
@@ -99,6 +100,31 @@ def init(cluster=None, **overrides):
         _core.init(options)
         _config_in_use, _topology = cfg, topo
         _watch_launcher()
+
+
+# Options the native runtime takes at start-up (the others, such as
+# accumulate_n_steps or allreduce_dtype, are read by each strategy or shim).
+_RUNTIME_OPTIONS = (
+    "streams", "timeout_seconds", "fusion_threshold_bytes", "cycle_time_ms",
+    "stall_timeout_seconds", "stall_check_seconds", "gradient_scale", "nancheck", "timeline",
+    "perf_check_n_steps", "offline_neg_check_n_steps", "allreduce_mode", "shm_allreduce",
+    "fusion", "topk_ratio", "topk_threshold", "topk_fp16", "downsample_n_elements",
+    "gradient_momentum", "gloo_iface")
+
+
+def _check_same_options(overrides):
+    """Runtime options given to init() once the runtime runs must be the ones
+    it runs with: a different value would be silently ignored."""
+    if not overrides or _config_in_use is None:
+        return
+    wanted = _config.load_config(overrides)  # validates names and ranges too
+    differ = [f"{name}={value!r} (it runs with {getattr(_config_in_use, name)!r})"
+              for name, value in overrides.items()
+              if name in _RUNTIME_OPTIONS and value is not None
+              and getattr(wanted, name) != getattr(_config_in_use, name)]
+    if differ:
+        raise ValueError("Perseus is already initialized with other options: " +
+                         ", ".join(differ) + "; call shutdown() first to change them")
 
 
 def _check_same_world(cluster):
@@ -230,43 +256,65 @@ _process_sets = {}  # id -> tuple of world ranks, on every rank
 _next_set_id = [1]
 
 
+def _process_set_members(ranks, size):
+    """The sorted members, or (None, why) when `ranks` is not a list of
+    distinct integer ranks from 0 to size - 1."""
+    if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        return None, f"a process set needs a list of integer ranks, got {ranks!r}"
+    ranks = list(ranks)
+    import numpy as np
+    if any(isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer))
+           for r in ranks):
+        return None, f"process set ranks must be integers, got {ranks!r}"
+    if len(set(ranks)) != len(ranks):
+        return None, f"process set ranks must be distinct, got {ranks!r}"
+    bad = [r for r in ranks if not 0 <= r < size]
+    if not ranks or bad:
+        return None, (f"process set ranks must be a non-empty list of ranks from 0 to "
+                      f"{size - 1}; got {ranks!r}")
+    return sorted(int(r) for r in ranks), None
+
+
 def add_process_set(ranks):
     """Registers a process set made of world `ranks`; returns its id.
 
     Collective: every rank of the world calls it, in the same order, with the
-    same ranks (checked: a disagreement raises ValueError on every rank).
+    same ranks (checked: a disagreement, or a bad list on any rank, raises
+    ValueError on every rank, at once, and no id is used up on any).
     Members connect the set's own Gloo contexts; collectives then take the
     id (`process_set_id=`), and ranks in them are positions in the set.
     """
     import numpy as np
 
     ensure_initialized()
-    try:
-        members = sorted({int(r) for r in ranks})
-    except (TypeError, ValueError):
-        raise ValueError(f"a process set needs a list of integer ranks, got {ranks!r}") from None
     world = _core.topology()
     me, size = world["rank"], world["size"]
-    bad = [r for r in members if not 0 <= r < size]
-    if not members or bad:
-        raise ValueError(f"process set ranks must be a non-empty list of ranks from 0 to "
-                         f"{size - 1}; got {list(ranks)!r}")
+    members, why = _process_set_members(ranks, size)
     set_id = _next_set_id[0]
-    _next_set_id[0] += 1
-    # Every rank must describe the same set: gather all descriptions.
-    mine = np.array([len(members)] + members, dtype=np.int64)
+    # Every rank must describe the same set: gather all descriptions (an
+    # invalid one as [-1]), so that a bad list on one rank fails them all now.
+    mine = np.array([len(members)] + members if members else [-1], dtype=np.int64)
     lens, _ = _core.submit(OP_ALLGATHER, np.array([mine.size], np.int64),
                            f"perseus.process_set.{set_id}.len", DTYPE_CODES["int64"]).wait()
     everyone, _ = _core.submit(OP_ALLGATHER, mine, f"perseus.process_set.{set_id}.ranks",
                                DTYPE_CODES["int64"]).wait()
+    if why:
+        raise ValueError(why)
     seen, offset = [], 0
     for n in lens:
-        seen.append(everyone[offset + 1:offset + int(n)].tolist())
+        row = everyone[offset:offset + int(n)].tolist()
+        seen.append(None if row == [-1] else row[1:])
         offset += int(n)
+    refused = [r for r, s in enumerate(seen) if s is None]
+    if refused:
+        raise ValueError(f"add_process_set: rank(s) {', '.join(map(str, refused))} passed an "
+                         f"invalid list of ranks (their error names it); no process set "
+                         f"was added")
     if any(s != members for s in seen):
         described = "; ".join(f"rank {r} gave {s}" for r, s in enumerate(seen))
         raise ValueError(f"add_process_set: ranks disagree on the members of process set "
                          f"{set_id}: {described}; every rank must pass the same ranks")
+    _next_set_id[0] += 1
     if me in members:
         _core.add_process_set(set_id, members)
     _process_sets[set_id] = tuple(members)

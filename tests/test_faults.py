@@ -2,7 +2,9 @@
 2 and 4 ranks: a request that fails leaves nothing behind that could pair
 with another rank's retry; no offline plan step is started by some ranks
 only; grouped calls of different sizes fail on every rank at once, naming
-the counts; a bad argument on one rank fails the others' calls at once."""
+the counts; a bad argument on one rank fails the others' calls at once;
+add_process_set checks its list on every rank at once and keeps the ranks'
+ids in step; init() with other runtime options after init() raises."""
 
 import pytest
 

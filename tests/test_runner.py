@@ -527,6 +527,12 @@ def test_hostfile_in_open_mpi_format(tmp_path):
     args = launcher._parse_args(launcher.build_parser(),
                                 ["-np", "2", "--hostfile", str(path), "true"])
     assert [(h.name, h.slots, h.local) for h in args.hosts] == [("localhost", 2, True)]
+    # A binary file (a key, an archive) once gave a traceback.
+    binary = tmp_path / "binary"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(launcher.UsageError, match="is not a text file"):
+        launcher._parse_args(launcher.build_parser(),
+                             ["-np", "2", "--hostfile", str(binary), "true"])
 
 
 def test_exports_and_forwarded_environment(monkeypatch):

@@ -746,10 +746,14 @@ def _parse_args(parser: argparse.ArgumentParser, argv: list):
         raise UsageError("give -H/--hosts or --hostfile, not both")
     if args.hostfile:
         try:
-            with open(args.hostfile) as f:
-                entries = parse_hostfile(f.read(), args.hostfile)
+            with open(args.hostfile, encoding="utf-8") as f:
+                text = f.read()
         except OSError as err:
             raise UsageError(f"--hostfile {args.hostfile}: {err.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--hostfile {args.hostfile} is not a text file: it must list "
+                             "one host a line ('HOST slots=N' or just HOST)") from None
+        entries = parse_hostfile(text, args.hostfile)
         flag = "--hostfile"
     elif args.hosts:
         entries, flag = parse_hosts(args.hosts), "-H/--hosts"

@@ -162,3 +162,51 @@ def check_d_a_bad_argument_on_one_rank_fails_the_others_at_once():
         else:
             assert f"rank {bad} refused its call" in text, (what, text)
         _sync(f"d{i}")
+
+
+def check_e_add_process_set_checks_its_list_and_keeps_ids_in_step():
+    from perseus_tf import _native
+
+    for bad in ([0, 0], "01", [0.5, 1], [True, 1]):
+        try:
+            _native.add_process_set(bad)
+            raise AssertionError(f"add_process_set({bad!r}) was accepted")
+        except ValueError as e:
+            assert "ranks" in str(e), e
+    # Only the last rank passes a rank out of range: every rank fails at
+    # once (the others once waited for the stall timeout, and the ranks'
+    # process-set ids then differed).
+    ranks = [0, N + 5] if R == N - 1 else [0, 1]
+    start = time.monotonic()
+    try:
+        _native.add_process_set(ranks)
+        raise AssertionError(f"rank {R}: add_process_set({ranks}) was accepted")
+    except ValueError as e:
+        text = str(e)
+    took = time.monotonic() - start
+    assert took < 1.5, f"took {took:.1f} s"
+    if R == N - 1:
+        assert "from 0 to" in text, text
+    else:
+        assert f"rank(s) {N - 1} passed an invalid list" in text, text
+    set_id = _native.add_process_set([0, 1])
+    ids = np.array([set_id], np.int64)
+    gathered, _ = _core.submit(_native.OP_ALLGATHER, ids, "faults.set_ids",
+                               DTYPE_CODES["int64"]).wait()
+    assert len(set(gathered.tolist())) == 1, f"process-set ids differ: {gathered.tolist()}"
+    _native.remove_process_set(set_id)
+    _sync("e")  # members leave the set later than the others
+
+
+def check_f_init_with_other_options_after_init_raises():
+    from perseus_tf import _native
+
+    _sync("f")  # no rank has shut down yet
+    running = _native._config_in_use.streams
+    _native.init(streams=running)  # the same: fine
+    other = 1 if running != 1 else 2
+    try:
+        _native.init(streams=other)
+        raise AssertionError("init(streams=...) with another value was silently ignored")
+    except ValueError as e:
+        assert f"streams={other}" in str(e) and "shutdown() first" in str(e), e
