@@ -535,6 +535,60 @@ def test_hostfile_in_open_mpi_format(tmp_path):
                              ["-np", "2", "--hostfile", str(binary), "true"])
 
 
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_scratch_of_a_rank_killed_by_a_signal_is_removed(tmp_path, how):
+    """Ranks above 0 keep full checkpoint copies in a scratch directory
+    (strategy/keras_files.py) that they remove at exit; killed by a signal
+    they could not, and /tmp/perseus-rank<N>-* stayed behind. perseusrun
+    removes what its ranks left once they have exited."""
+    child = ("import os, signal, sys, time\n"
+             "from perseus_tf.runner.scratch import rank_scratch\n"
+             "rank = int(os.environ['PERSEUS_RANK'])\n"
+             "path = rank_scratch(rank)\n"
+             "open(os.path.join(path, 'copy.weights.h5'), 'w').write('x')\n"
+             f"open(os.path.join({str(tmp_path)!r}, f'rank{{rank}}'), 'w').write(path)\n"
+             f"if rank == 1: os.kill(os.getpid(), signal.{how})\n"
+             "time.sleep(0.5)\n")
+    result = subprocess.run(perseusrun_cmd("-np", "2", sys.executable, "-c", child), cwd=REPO,
+                            env=ENV, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "rank 1" in result.stderr, result.stderr[-2000:]
+    made = (tmp_path / "rank1").read_text()
+    assert "perseus-" in made and "-rank1-" in made, made
+    assert not os.path.exists(made), f"{made} was left behind"
+    assert not os.path.exists((tmp_path / "rank0").read_text())
+
+
+def test_exported_values_travel_on_standard_input_not_the_command_line(tmp_path):
+    """-x MY_API_KEY once put the key's value on the local ssh command line,
+    readable by any user in /proc/PID/cmdline for the whole job. It goes to
+    remote.py's standard input with the secret, and reaches the rank."""
+    args = launcher.build_parser().parse_args([
+        "-np", "1", "-H", "node-a:1", "-x", "MY_API_KEY=sk-do-not-show", "-x", "OTHER=2",
+        "python", "t.py"])
+    env = {"PERSEUS_RANK": "0", "MY_API_KEY": "sk-do-not-show", "OTHER": "2", "PATH": "/bin"}
+    cmd, stdin_data = launcher.remote_invocation(
+        args, "node-a", env, {"MY_API_KEY": "sk-do-not-show", "OTHER": "2"}, SECRET)
+    assert not any("sk-do-not-show" in part or "OTHER=" in part for part in cmd), cmd
+    assert "PERSEUS_RANK=0" in cmd[-1]
+    # remote.py, given that standard input, starts the rank with both values
+    # (and the secret), the rest of its environment from the command line.
+    out = tmp_path / "env.json"
+    child = ("import json, os, sys; json.dump({k: os.environ.get(k) for k in "
+             "('MY_API_KEY', 'OTHER', 'PERSEUS_RENDEZVOUS_SECRET')}, open(sys.argv[1], 'w'))")
+    proc = subprocess.Popen([sys.executable, "-m", "perseus_tf.runner.remote", "--",
+                             sys.executable, "-c", child, str(out)], cwd=REPO, env=ENV,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(stdin_data)
+    proc.stdin.flush()
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.stdin.close()
+    assert proc.wait(timeout=30) == 0, proc.stderr.read()
+    assert json.loads(out.read_text()) == {"MY_API_KEY": "sk-do-not-show", "OTHER": "2",
+                                           "PERSEUS_RENDEZVOUS_SECRET": SECRET.hex()}
+
+
 def test_exports_and_forwarded_environment(monkeypatch):
     base = {"PERSEUS_X": "1", "GLOO_TIMEOUT_SECONDS": "5", "NCCL_DEBUG": "INFO",
             "PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v", "LD_LIBRARY_PATH": "/l",

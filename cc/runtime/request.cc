@@ -49,6 +49,14 @@ Status Runtime::Check(Request& request) {
     if (m.reduce_op == ReduceOp::kAverage && m.dtype == DataType::kBool) {
       return invalid("average is not defined for bool");
     }
+    if (!std::isfinite(m.prescale) || !std::isfinite(m.postscale)) {
+      // NaN never equals itself: left to negotiation, it read as "the ranks
+      // disagree on the prescale/postscale factors".
+      std::ostringstream got;
+      got << "prescale_factor " << m.prescale << ", postscale_factor " << m.postscale;
+      return invalid("prescale_factor and postscale_factor must be finite numbers; got " +
+                     got.str());
+    }
     if (options_.nancheck && IsFloatingPoint(m.dtype) && request.input != nullptr &&
         HasNonFinite(request.input, m.dtype, static_cast<size_t>(NumElements(m.shape)))) {
       request.meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)

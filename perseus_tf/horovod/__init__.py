@@ -29,6 +29,7 @@ from perseus_tf.horovod.functions import (
     allgather_object)
 from perseus_tf.horovod.hooks import BroadcastGlobalVariablesHook
 from perseus_tf.horovod.optimizer import DistributedOptimizer
+from perseus_tf.horovod.sync_batch_norm import SyncBatchNormalization
 from perseus_tf.horovod.tape import DistributedGradientTape, PartialDistributedGradientTape
 
 __all__ = [
@@ -45,5 +46,6 @@ __all__ = [
     "broadcast_variables", "broadcast_global_variables", "broadcast_object",
     "broadcast_object_fn", "allgather_object", "BroadcastGlobalVariablesHook",
     "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "SyncBatchNormalization",
     "elastic",
 ]

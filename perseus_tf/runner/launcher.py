@@ -19,6 +19,7 @@ never on a command line.
 import argparse
 import dataclasses
 import ipaddress
+import json
 import os
 import re
 import secrets
@@ -31,6 +32,7 @@ import threading
 import time
 
 from perseus_tf import config as _config
+from perseus_tf.runner.scratch import remove_job_scratch
 from perseus_tf.runner.store import StoreServer
 
 PROG = "perseusrun"
@@ -400,6 +402,20 @@ def remote_command(env: dict, command: list, cwd: str, probe: bool = False) -> s
     runner += ["--probe"] if probe else ["--"] + list(command)
     return (f"cd {shlex.quote(cwd)} && exec env {assignments} "
             + " ".join(shlex.quote(part) for part in runner))
+
+
+def remote_invocation(args, host: str, env: dict, private: dict, secret: bytes):
+    """The ssh command for one remote rank and what goes to its standard
+    input. What -x names (`private`: API keys, tokens) travels with the
+    secret on standard input, never on a command line, where any local user
+    could read it in /proc/PID/cmdline for the whole job. Standard input:
+    the secret in hex, a line; then a hex-encoded JSON object of the private
+    variables, a line (remote.py reads both)."""
+    public = {k: v for k, v in env.items() if k not in private}
+    cmd = ssh_base(args, args.start_timeout) + [host, remote_command(public, args.command,
+                                                                     os.getcwd())]
+    values = json.dumps(private, sort_keys=True).encode().hex().encode()
+    return cmd, secret.hex().encode() + b"\n" + values + b"\n"
 
 
 def check_hosts(args, hosts: list) -> None:
@@ -889,17 +905,21 @@ def main(argv=None) -> int:
                 else:
                     env = dict(forward_base)
                     env.update(rank_contract(p, rendezvous_addr, port, job_id))
-                    remote = remote_command(env, args.command, os.getcwd())
-                    cmd = ssh_base(args, args.start_timeout) + [p.host.name, remote]
+                    cmd, stdin_data = remote_invocation(args, p.host.name, env, local_extra,
+                                                        secret)
                     if args.verbose:
                         _log(f"rank {p.rank}: {' '.join(shlex.quote(c) for c in cmd)}")
                     group.spawn(p.rank, cmd, dict(os.environ), host=p.host.name,
-                                remote=True, stdin_data=secret.hex().encode() + b"\n")
+                                remote=True, stdin_data=stdin_data)
             except OSError as err:
                 _log(f"cannot start rank {p.rank}: {err}")
                 group.supervise(args.grace_seconds, stop_now=True)
                 return 127
-        return group.supervise(args.grace_seconds)
+        status = group.supervise(args.grace_seconds)
+        # Ranks killed by a signal leave their scratch directories here (those
+        # on other hosts are removed there by remote.py).
+        remove_job_scratch(job_id)
+        return status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -3,7 +3,10 @@ mpirun: it starts one rank and owns it.
 
 Over ssh (``python -m perseus_tf.runner.remote -- COMMAND...``):
 - The first line of standard input is the job's secret (hex). It becomes
-  the rank's PERSEUS_RENDEZVOUS_SECRET; it is never on a command line.
+  the rank's PERSEUS_RENDEZVOUS_SECRET; it is never on a command line. The
+  second line is a hex-encoded JSON object of the variables perseusrun's -x
+  names (API keys, say): they join the rank's environment, also never on a
+  command line.
 - The rest of standard input stays open while perseusrun lives. When it
   closes (perseusrun exited, was killed, or the ssh connection broke), the
   rank's process group gets SIGTERM, then SIGKILL after a few seconds: no
@@ -42,25 +45,37 @@ def _usage() -> int:
     return 2
 
 
-def _read_secret() -> str:
-    """The first line of standard input, read without Python's buffering so
-    that the rest of the stream stays for the end-of-input watch."""
+def _read_line(what: str, deadline: float) -> str:
+    """One line of standard input, read without Python's buffering so that
+    the rest of the stream stays for the end-of-input watch; it must be hex."""
     fd = sys.stdin.fileno()
     data = b""
-    deadline = time.monotonic() + SECRET_WAIT_S
     while not data.endswith(b"\n"):
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise SystemExit("perseus remote: no job secret on standard input within "
+            raise SystemExit(f"perseus remote: no {what} on standard input within "
                              f"{SECRET_WAIT_S:g} s (this is started by perseusrun)")
         chunk = os.read(fd, 1)
         if not chunk:
-            raise SystemExit("perseus remote: standard input closed before the job secret")
+            raise SystemExit(f"perseus remote: standard input closed before the {what}")
         data += chunk
-    secret = data.decode().strip()
-    if not secret or any(c not in "0123456789abcdef" for c in secret):
-        raise SystemExit("perseus remote: the job secret on standard input is not hex")
-    return secret
+    text = data.decode().strip()
+    if any(c not in "0123456789abcdef" for c in text):
+        raise SystemExit(f"perseus remote: the {what} on standard input is not hex")
+    return text
+
+
+def _read_secret_and_private_env():
+    """The job secret (hex) and the -x variables perseusrun sends."""
+    import json
+
+    deadline = time.monotonic() + SECRET_WAIT_S
+    secret = _read_line("job secret", deadline)
+    if not secret:
+        raise SystemExit("perseus remote: the job secret on standard input is empty")
+    encoded = _read_line("forwarded variables", deadline)
+    private = json.loads(bytes.fromhex(encoded).decode()) if encoded else {}
+    return secret, {str(k): str(v) for k, v in private.items()}
 
 
 def _parent_death_signal():
@@ -149,7 +164,8 @@ def main(argv=None) -> int:
             from perseus_tf.config import route_address
             env["PERSEUS_HOST_ADDR"] = route_address(store)
     else:
-        env["PERSEUS_RENDEZVOUS_SECRET"] = _read_secret()
+        env["PERSEUS_RENDEZVOUS_SECRET"], private = _read_secret_and_private_env()
+        env.update(private)
     env["PERSEUS_LAUNCHER_PID"] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
 
@@ -190,6 +206,11 @@ def main(argv=None) -> int:
             continue
     for t in readers:
         t.join(2.0)
+    # A rank killed by a signal left its scratch directory (runner/scratch.py).
+    rank = env.get("PERSEUS_RANK") or env.get("OMPI_COMM_WORLD_RANK")
+    if env.get("PERSEUS_JOB_ID") and rank is not None:
+        from perseus_tf.runner.scratch import remove_job_scratch
+        remove_job_scratch(env["PERSEUS_JOB_ID"], rank)
     if mpi and proc.returncode != 0:
         # mpirun names the rank but not where it ran: say it, as perseusrun does.
         from perseus_tf.runner.launcher import describe_status

@@ -10,7 +10,8 @@ not, so PerseusStrategy installs these small redirections when size > 1.
 import atexit
 import os
 import shutil
-import tempfile
+
+from perseus_tf.runner.scratch import rank_scratch
 
 _installed = False
 
@@ -25,8 +26,9 @@ def install(rank):
         return
     if not keras.__version__.startswith("3."):
         return  # Keras 2 uses the strategy's should_checkpoint / task id
-    scratch = tempfile.mkdtemp(prefix=f"perseus-rank{rank}-")
-    # Full checkpoint copies: removed when the process exits.
+    scratch = rank_scratch(rank)
+    # Full checkpoint copies: removed when the process exits (and by
+    # perseusrun or remote.py when a signal kills it: runner/scratch.py).
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     callbacks = keras.callbacks
 

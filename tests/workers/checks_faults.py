@@ -210,3 +210,14 @@ def check_f_init_with_other_options_after_init_raises():
         raise AssertionError("init(streams=...) with another value was silently ignored")
     except ValueError as e:
         assert f"streams={other}" in str(e) and "shutdown() first" in str(e), e
+
+
+def check_g_a_nan_prescale_is_named_as_such():
+    # Once reported as "ranks disagree on the prescale/postscale factors".
+    x = np.ones(3, np.float32)
+    try:
+        _core.submit(OP_ALLREDUCE, x, "nan.prescale", F32, prescale=float("nan"), output=x).wait()
+        raise AssertionError("a NaN prescale was accepted")
+    except _core.InvalidArgumentError as e:
+        assert "must be finite numbers" in str(e) and "prescale_factor nan" in str(e), e
+    _sync("g")

@@ -274,3 +274,33 @@ def check_keras_collectives():
     got = hvd.reducescatter(np.ones((N, 2), np.float32) * (R + 1))
     np.testing.assert_allclose(got.numpy(), [[(N + 1) / 2] * 2])
     assert hvd.allgather_object(R) == list(range(N))
+
+
+def check_sync_batch_normalization_sees_the_global_batch():
+    # Every rank's 8 rows together are one process's batch of 8N: outputs,
+    # moving statistics and gradients equal that process's, Keras 2 and 3.
+    rng = np.random.default_rng(5)
+    full = (rng.normal(2.0, 3.0, (8 * N, 3)) * (1 + np.arange(3))).astype(np.float32)
+    weights = rng.normal(0.0, 1.0, (8 * N, 3)).astype(np.float32)
+    rows = slice(8 * R, 8 * (R + 1))
+    layer = hvd_tf.SyncBatchNormalization(momentum=0.0, epsilon=1e-3)
+    alone = keras.layers.BatchNormalization(momentum=0.0, epsilon=1e-3)
+    with tf.GradientTape() as tape:
+        out = layer(tf.constant(full[rows]), training=True)
+        loss = tf.reduce_sum(out * weights[rows])
+    grads = tape.gradient(loss, [layer.gamma, layer.beta])
+    with tf.GradientTape() as tape:
+        want = alone(tf.constant(full), training=True)
+        want_loss = tf.reduce_sum(want * weights)
+    want_grads = tape.gradient(want_loss, [alone.gamma, alone.beta])
+    np.testing.assert_allclose(out.numpy(), want.numpy()[rows], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.moving_mean.numpy(), alone.moving_mean.numpy(),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(layer.moving_variance.numpy(), alone.moving_variance.numpy(),
+                               rtol=1e-4, atol=1e-4)
+    # Each rank's gradient is its rows' part; summed over the ranks, the whole.
+    for got, expected in zip(grads, want_grads):
+        total = hvd_tf.allreduce(got, op=hvd_tf.Sum).numpy()
+        np.testing.assert_allclose(total, expected.numpy(), rtol=1e-4, atol=1e-4)
+    # Inference uses the moving statistics: no collective, same everywhere.
+    same_on_all_ranks([layer(tf.constant(full[:4]), training=False).numpy()])
