@@ -263,33 +263,33 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
       pending_.erase(it);
     }
     if (!response.error.ok()) {
+      // Names this rank has not sent yet (still queued for the next cycle).
+      std::unordered_set<std::string> unsent;
+      for (const TensorMeta& m : queue_) unsent.insert(m.name);
+      // What fails here leaves the queue: a request failed here may have
+      // arrived after this cycle's message was sent, and its queued copy
+      // would pair with another rank's retry of that name in the next cycle
+      // while no request of this rank is left to take part.
+      std::unordered_set<std::string> drop;
+      for (const auto& q : requests) drop.insert(q->meta.name);
       // The rest of a failed grouped call fails with it: its caller waits
       // for all of its tensors, and the others would wait for these forever
       // (a rank whose call held fewer tensors has none of them).
-      for (const auto& q : std::vector<std::shared_ptr<Request>>(requests)) {
+      for (const auto& q : requests) {
         if (!q->call) continue;
         for (const std::string& name : *q->call) {
           auto it = pending_.find(name);
           if (it == pending_.end() || it->second->call != q->call) continue;
           if (plan_.active() && (it->second->meta.flags & kMetaPlannable)) continue;
-          const size_t queued = queue_.size();
-          queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
-                                      [&](const TensorMeta& m) { return m.name == name; }),
-                       queue_.end());
-          if (queue_.size() == queued) abandoned_.insert(name);  // the others know of it
+          if (!unsent.count(name)) abandoned_.insert(name);  // the others know of it
+          drop.insert(name);
           siblings.push_back(it->second);
           pending_.erase(it);
         }
       }
-      // A request failed here may have arrived after this cycle's message
-      // was sent: unsent, it is still queued. It must not reach the next
-      // cycle, where it would pair with another rank's retry of that name
-      // while no request of this rank is left to take part.
-      std::unordered_set<std::string> failed;
-      for (const auto& q : requests) failed.insert(q->meta.name);
-      if (!failed.empty()) {
+      if (!unsent.empty()) {
         queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
-                                    [&](const TensorMeta& m) { return failed.count(m.name); }),
+                                    [&](const TensorMeta& m) { return drop.count(m.name); }),
                      queue_.end());
       }
     }
