@@ -14,6 +14,10 @@ Public names (TensorFlow is imported on first use, so that the launcher,
 
 import importlib
 
+from perseus_tf import _failure_record
+
+_failure_record.install()
+
 _FROM_OPS = (
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "stats", "allreduce", "grouped_allreduce", "broadcast",

@@ -16,6 +16,7 @@ import os
 
 import tensorflow as tf
 
+from perseus_tf import _adasum as _adasum_impl
 from perseus_tf import _native
 
 
@@ -125,8 +126,7 @@ def stats():
 def _native_op(op):
     if op == Adasum:
         raise NotImplementedError(
-            "Adasum is not implemented in Perseus-TF; use op=Average (the default for "
-            "gradients) or op=Sum")
+            "op=Adasum is for allreduce and grouped_allreduce only; use op=Average or op=Sum")
     if op not in _NATIVE_REDUCE:
         raise ValueError(f"op={op!r} is not a reduction; use one of Average, Sum, Min, "
                          "Max, Product")
@@ -165,6 +165,8 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
         PERSEUS_OFFLINE_NEG unset it may then run from an offline plan.
     """
     _native.ensure_initialized()
+    if op == Adasum:
+        return _adasum([tensor], prescale_factor, postscale_factor, name, process_set_id)[0]
     return _LIB.perseus_allreduce(tensor, tensor_name=_name(name), reduce_op=_native_op(op),
                                   prescale=float(prescale_factor),
                                   postscale=float(postscale_factor),
@@ -180,6 +182,8 @@ def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0
     tensors = list(tensors)
     if not tensors:
         return []
+    if op == Adasum:
+        return _adasum(tensors, prescale_factor, postscale_factor, name, process_set_id)
     return _LIB.perseus_grouped_allreduce(tensors, tensor_name=_name(name),
                                           reduce_op=_native_op(op),
                                           prescale=float(prescale_factor),
@@ -187,6 +191,25 @@ def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0
                                           process_set_id=int(process_set_id),
                                           compression=_compression(compression),
                                           plannable=_plannable(gradients))
+
+
+def _adasum(tensors, prescale_factor, postscale_factor, name, process_set_id):
+    """op=Adasum (perseus_tf/_adasum.py): over one allgather per dtype."""
+    if process_set_id:
+        topology = _native.process_set_topology(int(process_set_id))
+        if topology is None:
+            raise ValueError(f"rank {rank()} is not a member of process set {process_set_id}; "
+                             "only its members may reduce in it")
+        set_size = topology["size"]
+    else:
+        set_size = size()
+
+    def gather(tensor, label):
+        return allgather(tensor, name=label, process_set_id=process_set_id)
+
+    return _adasum_impl.grouped_adasum(tensors, gather, set_size, float(prescale_factor),
+                                       float(postscale_factor), _name(name) or None,
+                                       int(process_set_id))
 
 
 def broadcast(tensor, root_rank=0, name=None, process_set_id=0):

@@ -1,5 +1,6 @@
 """Dead and stuck ranks, bad configuration, world size 1, clean shutdown."""
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -9,6 +10,9 @@ import time
 import pytest
 
 from harness import ROOT, WORKERS, launch, rank_env
+
+# TF 2.15 ships Keras 2 (tf.keras); later versions Keras 3.
+KERAS_2 = importlib.metadata.version("tensorflow").startswith("2.15")
 
 
 def _survivor_reports(proc, np_):
@@ -235,3 +239,43 @@ def test_shared_memory_unavailable_falls_back_to_tcp(tmp_path):
     assert "allreduce uses Gloo over TCP, not shared memory: reserving" in proc.stderr, \
         proc.stderr[-3000:]
     assert "PERSEUS_SHM_ALLREDUCE=0" in proc.stderr
+
+
+@pytest.fixture
+def full_directory(tmp_path):
+    """A 1 MiB tmpfs: a few checkpoints fill it."""
+    target = tmp_path / "full"
+    target.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(target)], check=True)
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+
+
+def test_full_checkpoint_directory_is_named_on_every_rank(full_directory):
+    # Rank 0's ModelCheckpoint gets ENOSPC. The others fail at once naming
+    # rank 0 (not a timeout naming nobody), and perseusrun names rank 0 and
+    # its error as the first failure, whichever rank exits first.
+    proc = launch(2, [sys.executable, os.path.join(WORKERS, "full_disk_worker.py"),
+                      str(full_directory)], env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
+    assert proc.returncode != 0
+    reports = _survivor_reports(proc, 2)
+    assert sorted(reports) == [1], proc.stdout[-3000:] + proc.stderr[-3000:]
+    if KERAS_2:
+        # Keras 2's ModelCheckpoint writes the other ranks' copies into a
+        # temporary directory beside the target, on the same full disk: rank
+        # 1 may then hit ENOSPC itself first.
+        assert ("rank 0 has called shutdown and left the job" in reports[1][1]
+                or "Errno 28" in reports[1][1]), reports
+        assert re.search(r"^perseusrun: first failure: rank [01] \(pid \d+\) failed with exit "
+                         r"status 1; its error: .*(No space left on device|Errno 28)",
+                         proc.stderr, re.M), proc.stderr[-3000:]
+        return
+    assert "rank 0 has called shutdown and left the job" in reports[1][1], reports
+    assert reports[1][0] < 60, reports
+    assert re.search(r"^perseusrun: first failure: rank 0 \(pid \d+\) failed with exit status 1; "
+                     r"its error: OSError: \[Errno 28\] No space left on device",
+                     proc.stderr, re.M), proc.stderr[-3000:]

@@ -364,6 +364,87 @@ def test_other_ranks_may_finish_within_grace():
     assert "SIGTERM" not in result.stderr
 
 
+FIRST_FAILURE_SCRIPT = """
+import atexit, os, time
+rank = int(os.environ["PERSEUS_RANK"])
+if rank == 1:
+    # Registered before the runtime's own exit handler, so it runs after it:
+    # rank 1 leaves the job at once, then takes its time to exit.
+    atexit.register(time.sleep, 4)
+import tensorflow as tf
+import perseus_tf.horovod as hvd
+hvd.init()
+hvd.allreduce(tf.ones([1]), name="warm")
+if rank == 1:
+    raise RuntimeError("boom from rank 1")
+hvd.allreduce(tf.ones([1]), name="never")
+"""
+
+
+def test_the_rank_that_failed_first_is_named_not_the_first_to_exit():
+    # Rank 0 fails because rank 1 left, and exits first; rank 1's exception
+    # is the cause. perseusrun names rank 1, its status and its error, and
+    # exits with its status; the failure record itself stays off the screen.
+    result = perseusrun("-np", "2", "--grace-seconds", "30", sys.executable, "-c",
+                        FIRST_FAILURE_SCRIPT, timeout=120)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert re.search(r"^perseusrun: first failure: rank 1 \(pid \d+\) failed with exit status 1; "
+                     r"its error: RuntimeError: boom from rank 1$", result.stderr, re.M), \
+        result.stderr[-3000:]
+    assert "PERSEUS-FAILURE-RECORD" not in result.stderr
+
+
+class _FakeProc:
+    def __init__(self, pid, returncode):
+        self.pid, self.returncode = pid, returncode
+
+
+def _group_of(statuses, records, stopped=()):
+    group = launcher.RankGroup()
+    for rank, status in enumerate(statuses):
+        child = launcher._Child(_FakeProc(100 + rank, status), f"rank {rank}", "", False, rank)
+        child.exited_at = 1000.0 + rank
+        child.stopped_by_us = rank in stopped
+        group.children.append(child)
+    for record in records:
+        group._add_record(dict({"error": "", "culprits": []}, **record))
+    return group
+
+
+def test_first_failure_follows_the_blame():
+    # Rank 0 blames rank 2 (dead: killed by perseusrun's SIGKILL after it
+    # stopped responding); rank 1 blames it too: rank 2 is the cause.
+    group = _group_of([1, 1, -9], [{"rank": 0, "time": 5.0, "culprits": [2]},
+                                   {"rank": 1, "time": 6.0, "culprits": [2]}], stopped={2})
+    assert group._report_first_failure(0) == 2
+    # No record blames anyone: the earliest failure (record time, else exit).
+    group = _group_of([1, 1, 0], [{"rank": 1, "time": 10.0}, {"rank": 0, "time": 20.0}])
+    assert group._report_first_failure(0) == 1
+    # A rank that blames others is not the cause while one that does not failed.
+    group = _group_of([1, 1], [{"rank": 0, "time": 1.0, "culprits": [1]}])
+    assert group._report_first_failure(0) == 1
+    # Ranks perseusrun stopped after the failure are victims, not causes.
+    group = _group_of([3, -15], [], stopped={1})
+    assert group._report_first_failure(0) == 0
+    # mpirun (one child for every rank): the records name the rank.
+    group = launcher.RankGroup()
+    group.children.append(launcher._Child(_FakeProc(5, 1), "mpirun", "", False))
+    group._add_record({"rank": 3, "time": 2.0, "culprits": [], "error": "E"})
+    group._add_record({"rank": 0, "time": 1.0, "culprits": [3], "error": "F"})
+    assert group._report_first_failure(0) == 0
+
+
+def test_failure_records_are_parsed_and_taken_out_of_the_output():
+    from perseus_tf import _failure_record
+    record = _failure_record.make_record(2, ValueError, ValueError("bad\nsecond line"))
+    taken = []
+    kept = launcher._take_records([b"before\n", b"partial " + record, b"after\n"], taken.append)
+    assert kept == [b"before\n", b"partial \n", b"after\n"]
+    assert taken[0]["rank"] == 2 and taken[0]["error"] == "ValueError: bad"
+    assert _failure_record.parse_record(b"ordinary line\n") is None
+    assert _failure_record.parse_record(_failure_record.RECORD_PREFIX + b"{not json\n") is None
+
+
 # ---------------------------------------------------------------------------
 # Signals
 

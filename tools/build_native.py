@@ -26,6 +26,14 @@ def _sources(folder):
                   if f.endswith(".cc") and not f.endswith("_test.cc"))
 
 
+def _link(cxx, target, args):
+    """Links to a new file and renames it over target: a process that has
+    the old library mapped (a running job) keeps it intact."""
+    partial = target + ".partial"
+    _run([cxx, "-shared", "-o", partial] + args)
+    os.replace(partial, target)
+
+
 def tf_tag():
     """`tf2_15` for TensorFlow 2.15.x: the op library is built per TF minor
     version, so environments with different TensorFlows can share one tree."""
@@ -100,14 +108,14 @@ def build(out_dir=None, jobs=2, verbose=True):
 
     rpath = ["-Wl,-rpath,$ORIGIN"]
     core = os.path.join(out_dir, "libperseus_core.so")
-    _run([cxx, "-shared", "-o", core] + objects["core"] + ["-lgloo", "-lpthread"] +
-         ["-Wl,-soname,libperseus_core.so"])
+    _link(cxx, core, objects["core"] + ["-lgloo", "-lpthread"] +
+          ["-Wl,-soname,libperseus_core.so"])
     link_core = ["-L" + out_dir, "-lperseus_core"] + rpath
     ops = os.path.join(out_dir, f"_perseus_ops_{tf_tag()}.so")
-    _run([cxx, "-shared", "-o", ops] + objects["tf"] + link_core + tf_lflags)
+    _link(cxx, ops, objects["tf"] + link_core + tf_lflags)
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     pymod = os.path.join(out_dir, "_core" + ext)
-    _run([cxx, "-shared", "-o", pymod] + objects["py"] + link_core)
+    _link(cxx, pymod, objects["py"] + link_core)
     if verbose:
         print("built", core, ops, pymod, sep="\n  ", flush=True)
     return [core, ops, pymod]

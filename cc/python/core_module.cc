@@ -431,6 +431,15 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("is_initialized", [] { return Runtime::Get().initialized(); });
   m.def("state", [] { return std::string(Runtime::Get().state_name()); });
+  m.def("first_failure", []() -> py::object {
+    FirstFailure f = GetFirstFailure();
+    if (!f.seen) return py::none();
+    py::dict d;
+    d["time"] = f.wall_time;
+    d["culprits"] = f.culprits;
+    d["message"] = f.message;
+    return d;
+  });
   m.def("topology", [] {
     const InitOptions& o = Runtime::Get().options();
     py::dict d;

@@ -53,9 +53,19 @@ void Runtime::BackgroundLoop() {
     std::lock_guard<std::mutex> lock(mu_);
     if (state_.load() == State::kRunning) state_ = State::kShutdown;
   }
-  FailAllPending(Status::Error(StatusCode::kUnavailable,
-                               "Perseus was shut down (" + shutdown_by_ +
-                                   ") before this collective ran on every rank"));
+  const std::string message = "Perseus was shut down (" + shutdown_by_ +
+                              ") before this collective ran on every rank";
+  bool stranded;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stranded = !pending_.empty();
+  }
+  // Collectives of this rank left unfinished by another rank's shutdown:
+  // that rank is the cause.
+  if (stranded && shutdown_by_rank_ >= 0 && shutdown_by_rank_ != options_.rank) {
+    RecordFirstFailure({WorldRank(shutdown_by_rank_)}, message);
+  }
+  FailAllPending(Status::Error(StatusCode::kUnavailable, message));
 }
 
 void Runtime::RunCycle(bool* stop) {
@@ -174,6 +184,7 @@ void Runtime::RunCycle(bool* stop) {
       *stop = true;
       std::lock_guard<std::mutex> lock(mu_);
       shutdown_by_ = "rank " + std::to_string(r) + " called shutdown";
+      shutdown_by_rank_ = r;
     }
   }
   // The next cycle's clock starts when this one ends, which is the same

@@ -76,12 +76,14 @@ void Runtime::Fail(const std::string& what) {
   static std::mutex fail_mu;
   std::lock_guard<std::mutex> fail_lock(fail_mu);
   if (state_.load() != State::kRunning) return;
-  std::string who = IdentifyFailedRanks();
+  std::vector<int> culprits;
+  std::string who = IdentifyFailedRanks(&culprits);
   std::ostringstream msg;
   msg << "Perseus rank " << options_.rank << ": ";
   if (!who.empty()) msg << who << "; ";
   msg << what << ". Collectives cannot continue; restart the job.";
   Status status = Status::Error(StatusCode::kUnavailable, msg.str());
+  RecordFirstFailure(culprits, msg.str());
   if (shm_) shm_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -90,6 +92,26 @@ void Runtime::Fail(const std::string& what) {
   }
   queue_cv_.notify_all();
   FailAllPending(status);
+}
+
+namespace {
+std::mutex first_failure_mu;
+FirstFailure first_failure;
+}  // namespace
+
+void RecordFirstFailure(const std::vector<int>& culprits, const std::string& message) {
+  std::lock_guard<std::mutex> lock(first_failure_mu);
+  if (first_failure.seen) return;
+  first_failure.seen = true;
+  first_failure.wall_time =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  first_failure.culprits = culprits;
+  first_failure.message = message;
+}
+
+FirstFailure GetFirstFailure() {
+  std::lock_guard<std::mutex> lock(first_failure_mu);
+  return first_failure;
 }
 
 void Runtime::AnnounceLeaving() {
@@ -145,7 +167,7 @@ void Runtime::StopHeartbeat() {
   heartbeat_store_.reset();
 }
 
-std::string Runtime::IdentifyFailedRanks() {
+std::string Runtime::IdentifyFailedRanks(std::vector<int>* culprits) {
   if (!store_) return "";
   try {
     const std::string& job = options_.job_id;
@@ -177,6 +199,7 @@ std::string Runtime::IdentifyFailedRanks() {
       }
     }
     if (!left.empty()) {
+      *culprits = left;
       return RankList(left) + (left.size() == 1 ? " has" : " have") +
              " called shutdown and left the job while this rank still ran collectives with it";
     }
@@ -197,6 +220,7 @@ std::string Runtime::IdentifyFailedRanks() {
       if (!dead.empty() || Clock::now() > deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
+    if (!dead.empty()) *culprits = dead;
     if (!dead.empty()) return RankList(dead) + (dead.size() == 1 ? " exited or lost its connection"
                                                                 : " exited or lost their connection");
     // Nobody died. A rank whose heartbeat did not move in 1.5 s (six beats)
@@ -209,6 +233,7 @@ std::string Runtime::IdentifyFailedRanks() {
           if (r == options_.rank) continue;
           if (beats->Add(HeartbeatKey(WorldRank(r)), 0) == first[r]) stopped.push_back(WorldRank(r));
         }
+        *culprits = stopped;
         if (!stopped.empty()) return RankList(stopped) + " stopped responding";
         return "";
       } catch (const std::exception&) {
@@ -227,6 +252,7 @@ std::string Runtime::IdentifyFailedRanks() {
         silent.push_back(WorldRank(r));
       }
     }
+    *culprits = silent;
     if (!silent.empty()) return RankList(silent) + " stopped responding";
     return "";
   } catch (const std::exception&) {

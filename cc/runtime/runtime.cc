@@ -132,6 +132,7 @@ Status Runtime::Init(const InitOptions& options) {
     abandoned_.clear();
     shutdown_requested_ = false;
     shutdown_by_.clear();
+    shutdown_by_rank_ = -1;
     failure_ = Status::OK();
   }
   {

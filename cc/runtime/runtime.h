@@ -57,6 +57,19 @@ class GlooTransport;
 class ShmTransport;
 class StoreClient;
 
+// The first failure of any runtime in this process (world or process set):
+// when it was seen, and which world ranks it was blamed on (empty: none
+// named). perseusrun uses it to tell the rank that failed first from the
+// ranks that failed because of it.
+struct FirstFailure {
+  bool seen = false;
+  double wall_time = 0;  // seconds since the epoch
+  std::vector<int> culprits;
+  std::string message;
+};
+void RecordFirstFailure(const std::vector<int>& culprits, const std::string& message);
+FirstFailure GetFirstFailure();
+
 class Runtime {
  public:
   // The world's runtime (process set 0).
@@ -136,7 +149,9 @@ class Runtime {
   // Perf check: a step's per-rank times (from the first bucket's slots).
   void PerfCheckStep(const std::vector<double>& ms_by_rank);
   void Fail(const std::string& what);
-  std::string IdentifyFailedRanks();
+  // Names the ranks that caused a failure (dead, stopped, left); their world
+  // ranks go to *culprits.
+  std::string IdentifyFailedRanks(std::vector<int>* culprits);
   // This rank shuts down between plan steps without a last cycle: the store
   // records it for the others' error messages, and shared-memory waiters
   // for it are woken.
@@ -180,6 +195,7 @@ class Runtime {
   std::unordered_set<std::string> abandoned_;
   bool shutdown_requested_ = false;
   std::string shutdown_by_;
+  int shutdown_by_rank_ = -1;  // the rank (in this runtime) whose shutdown ended it
 
   std::thread background_;
   std::chrono::steady_clock::time_point last_cycle_;

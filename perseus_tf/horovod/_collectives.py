@@ -18,9 +18,6 @@ from perseus_tf.horovod.compression import Compression
 Average, Sum, Adasum, Min, Max, Product = (ops.Average, ops.Sum, ops.Adasum, ops.Min, ops.Max,
                                            ops.Product)
 
-_ADASUM = ("Adasum is not implemented in Perseus-TF; use op=hvd.Average (the default), "
-           "which averages gradients across ranks")
-
 
 def handle_average_backwards_compatibility(op, average):
     """Resolves the deprecated `average` flag against `op` (default: Average)."""
@@ -37,10 +34,8 @@ def handle_average_backwards_compatibility(op, average):
 
 
 def check_op(op):
-    if op == Adasum:
-        raise NotImplementedError(_ADASUM)
-    if op not in (Average, Sum, Min, Max, Product):
-        raise ValueError(f"op={op!r} is not one of hvd.Average, Sum, Min, Max, Product")
+    if op not in (Average, Sum, Adasum, Min, Max, Product):
+        raise ValueError(f"op={op!r} is not one of hvd.Average, Sum, Adasum, Min, Max, Product")
     return op
 
 
@@ -80,7 +75,8 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
       average: deprecated; use `op`.
       device_dense / device_sparse: device for the dense / sparse path ('' = default).
       compression: `Compression.none` or `Compression.fp16`.
-      op: Average (default), Sum, Min, Max or Product.
+      op: Average (default), Sum, Adasum (float tensors, a power-of-two
+        number of ranks; see perseus_tf/_adasum.py), Min, Max or Product.
       prescale_factor / postscale_factor: multiply before / after the reduction.
       name: pairs the call across ranks (defaults to the op's node name).
       process_set: reduce among this process set's ranks only.

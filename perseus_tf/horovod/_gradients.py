@@ -12,7 +12,8 @@ import tensorflow as tf
 from perseus_tf import ops
 from perseus_tf._accumulator import GradientAccumulator
 from perseus_tf.horovod import _basics
-from perseus_tf.horovod._collectives import (Average, _device, _sparse_allreduce, check_op)
+from perseus_tf.horovod._collectives import (Adasum, Average, _device, _sparse_allreduce,
+                                             check_op)
 from perseus_tf.horovod._process_sets import global_process_set, op_kwargs
 from perseus_tf.horovod.compression import Compression
 
@@ -34,6 +35,12 @@ def resolve_groups(num_groups, groups):
 def check_predivide(op, gradient_predivide_factor):
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+
+
+def check_adasum(op, average_aggregated_gradients):
+    if op == Adasum and average_aggregated_gradients:
+        raise ValueError("Adasum does not support average_aggregated_gradients == True; "
+                         "leave it False with op=hvd.Adasum")
 
 
 def _split_evenly(items, n):
@@ -84,6 +91,9 @@ class GradientReducer:
     def register_local_var(self, var):
         """Gradients of `var` stay local: never reduced (scaled by 1/size if asked)."""
         self.local_vars.append(var)
+
+    def is_local(self, var):
+        return self._is_local(var)
 
     def _is_local(self, var):
         return var is not None and any(var is v for v in self.local_vars)

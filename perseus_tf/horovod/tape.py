@@ -57,6 +57,21 @@ class _DistributedGradientTape(tf.GradientTape):
         reduced = self._reducer(flat_grads, flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
 
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       use_generic_names=False):
+        """`gradient()`, split: returns (local, global), two lists of
+        (source, gradient) pairs in the order of `sources`. Local pairs are
+        the sources registered with `register_local_source` (their gradients
+        not reduced, divided by the size when scale_local_gradients);
+        global pairs have gradients reduced across ranks."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients,
+                              use_generic_names=use_generic_names)
+        local_pairs, global_pairs = [], []
+        for source, grad in zip(tf.nest.flatten(sources), tf.nest.flatten(grads)):
+            is_local = self._reducer.is_local(source)
+            (local_pairs if is_local else global_pairs).append((source, grad))
+        return local_pairs, global_pairs
+
 
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='',
                             compression=Compression.none, sparse_as_dense=False, op=Average,

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 
+from perseus_tf import _failure_record
 from perseus_tf import config as _config
 from perseus_tf.runner.scratch import remove_job_scratch
 from perseus_tf.runner.store import StoreServer
@@ -325,6 +326,8 @@ def rank_contract(placement: Placement, rendezvous_addr: str,
         "PERSEUS_RENDEZVOUS_PORT": str(rendezvous_port),
         "PERSEUS_JOB_ID": job_id,
         "PERSEUS_HOST_ADDR": placement.host.addr,
+        # An uncaught exception leaves a record for perseusrun (_failure_record).
+        _failure_record.ENV: "1",
         # Ranks' output goes through pipes; without this Python would hold
         # it back in block buffers and the forwarded lines would lag.
         "PYTHONUNBUFFERED": "1",
@@ -530,11 +533,28 @@ def _segments(buffer: bytes, pending=None):
     return segments, [rest] if rest else []
 
 
+def _take_records(segments: list, on_record) -> list:
+    """The segments with ranks' failure records (_failure_record) taken
+    out and handed to on_record."""
+    kept = []
+    for segment in segments:
+        record = _failure_record.parse_record(segment)
+        if record is None:
+            kept.append(segment)
+            continue
+        on_record(record)
+        before = segment[:segment.find(_failure_record.RECORD_PREFIX)]
+        if before:
+            kept.append(before + b"\n")
+    return kept
+
+
 def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock,
-                   quiet: bool = False) -> None:
+                   quiet: bool = False, on_record=None) -> None:
     """Copies pipe to stream, each line or \\r-ended update (a progress bar
     redrawing itself) as soon as it is complete, each starting with prefix.
-    quiet: drop TensorFlow's C++ log noise (tf_log_noise)."""
+    quiet: drop TensorFlow's C++ log noise (tf_log_noise). on_record: takes
+    the ranks' failure records, which are not shown."""
     # Write bytes when the stream allows it, so that output that is not
     # valid in our locale's encoding passes through untouched.
     raw = getattr(stream, "buffer", None)
@@ -552,6 +572,8 @@ def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock,
                 segments, pending = _segments(chunk, pending)
             else:
                 segments, pending = ([b"".join(pending) + b"\n"] if pending else []), []
+            if on_record is not None:
+                segments = _take_records(segments, on_record)
             if quiet:
                 segments = [seg for seg in segments if not tf_log_noise(seg)]
             parts = []
@@ -578,6 +600,15 @@ def _forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock,
                 return
 
 
+def _first_record(records: list, _unused) -> dict:
+    """Of failure records, the cause: a rank others blame that blames
+    nobody, else the earliest that blames nobody, else the earliest."""
+    blamed = {r for record in records for r in record["culprits"]}
+    own = [r for r in records if not r["culprits"]]
+    pool = [r for r in own if r["rank"] in blamed] or own or records
+    return min(pool, key=lambda r: r["time"])
+
+
 def _die_with_launcher(launcher_pid: int):
     """Runs in the child before exec: the kernel sends it SIGTERM when
     perseusrun dies, even by SIGKILL. If perseusrun died before this ran,
@@ -596,6 +627,9 @@ class _Child:
     label: str        # "rank 3" or "mpirun"
     where: str        # "" on this machine, else " on HOST"
     remote: bool
+    rank: int = -1    # -1: not one rank (mpirun)
+    exited_at: float = 0.0       # time.time() when its exit was seen
+    stopped_by_us: bool = False  # still running when perseusrun sent SIGTERM/SIGKILL
 
 
 class RankGroup:
@@ -611,6 +645,9 @@ class RankGroup:
         self._quiet = quiet  # drop TF's C++ log noise from the output
         self._stdout_lock = threading.Lock()
         self._stderr_lock = threading.Lock()
+        # Ranks' failure records (perseus_tf/_failure_record.py) by rank.
+        self.records = {}
+        self._records_lock = threading.Lock()
 
     @property
     def procs(self):
@@ -640,15 +677,20 @@ class RankGroup:
             except BrokenPipeError:
                 pass
         self.children.append(_Child(proc, label or f"rank {rank}",
-                                    f" on {host}" if host else "", remote))
+                                    f" on {host}" if host else "", remote, rank))
         tag = f"[{rank}] ".encode() if prefix else b""
         for pipe, stream, lock in ((proc.stdout, sys.stdout, self._stdout_lock),
                                    (proc.stderr, sys.stderr, self._stderr_lock)):
             reader = threading.Thread(
-                target=_forward_lines, args=(pipe, stream, tag, lock, self._quiet),
+                target=_forward_lines,
+                args=(pipe, stream, tag, lock, self._quiet, self._add_record),
                 name=f"perseusrun-rank{rank}-output", daemon=True)
             reader.start()
             self._readers.append(reader)
+
+    def _add_record(self, record: dict) -> None:
+        with self._records_lock:
+            self.records.setdefault(record["rank"], record)
 
     def signal_running(self, signum: int) -> None:
         """Sends signum to the process group of every child not yet reaped.
@@ -656,6 +698,8 @@ class RankGroup:
         the rank on its host when its input closes."""
         for child in self.children:
             if child.proc.returncode is None:
+                if signum in (signal.SIGTERM, signal.SIGKILL):
+                    child.stopped_by_us = True
                 try:
                     os.killpg(child.proc.pid, signum)
                 except (ProcessLookupError, PermissionError):
@@ -690,6 +734,7 @@ class RankGroup:
                 if index in exited or proc.poll() is None:
                     continue
                 exited.add(index)
+                child.exited_at = time.time()
                 if proc.stdin:
                     try:
                         proc.stdin.close()
@@ -723,8 +768,50 @@ class RankGroup:
         self._drain_output()
         if failed is None:
             return 0
+        failed = self._report_first_failure(failed)
         status = self.children[failed].proc.returncode
         return status if status > 0 else 128 - status
+
+    def _report_first_failure(self, first_exit: int) -> int:
+        """The child whose failure came first, not merely the first to exit:
+        ranks whose runtime failed because of other ranks name them in their
+        failure records, so a rank they blame that failed by itself is the
+        cause; otherwise the earliest failure. Logs it (with its error) when
+        that says more than the exit already logged."""
+        with self._records_lock:
+            records = dict(self.records)
+        first = self.children[first_exit]
+        if first.rank < 0:
+            # mpirun: one child for all ranks; the records alone tell them apart.
+            if records:
+                record = _first_record(list(records.values()), {})
+                _log(f"first failure: rank {record['rank']}: {record['error']}")
+            return first_exit
+        blamed = {r for record in records.values() for r in record["culprits"]}
+        failed = [i for i, c in enumerate(self.children)
+                  if c.proc.returncode not in (0, None)
+                  and (not c.stopped_by_us or c.rank in blamed)]
+        if not failed:
+            return first_exit
+
+        def blames_others(i):
+            record = records.get(self.children[i].rank)
+            return bool(record and record["culprits"])
+
+        def when(i):
+            record = records.get(self.children[i].rank)
+            return record["time"] if record else self.children[i].exited_at
+
+        own = [i for i in failed if not blames_others(i)]
+        pool = [i for i in own if self.children[i].rank in blamed] or own or failed
+        root = min(pool, key=when)
+        child = self.children[root]
+        record = records.get(child.rank)
+        if root != first_exit or record:
+            error = f"; its error: {record['error']}" if record else ""
+            _log(f"first failure: {child.label}{child.where} (pid {child.proc.pid}) "
+                 f"{describe_status(child.proc.returncode, child.remote)}{error}")
+        return root
 
     def _drain_output(self) -> None:
         # Normally the pipes close when the ranks exit. A rank may have left

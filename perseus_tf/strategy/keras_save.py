@@ -72,6 +72,30 @@ def _average_into_local_copies(model, is_ours, allreduce_average):
         local.assign(value)
 
 
+def _check_steps_agree(model, params, is_ours):
+    """fit(): every rank must run the same number of steps per epoch, or the
+    one that runs out first leaves the epoch while the others still reduce
+    gradients. Where Keras knows the count on every rank (a dataset of known
+    length, or steps_per_epoch), the ranks compare it before the first step."""
+    if not is_ours(getattr(model, "distribute_strategy", None)):
+        return
+    from perseus_tf import ops
+    if ops.size() < 2:
+        return
+    steps = (params or {}).get("steps")
+    mine = -1 if steps is None else int(steps)
+    every = ops.allgather(tf.constant([mine], tf.int64),
+                          name="perseus.fit.steps_per_epoch").numpy().tolist()
+    if min(every) < 0 or len(set(every)) == 1:
+        return  # unknown somewhere (a generator, a filter): nothing to compare
+    listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(every))
+    raise ValueError(
+        f"PerseusStrategy fit(): the ranks would run different numbers of steps per epoch "
+        f"({listing}) because their datasets have different lengths. Give every rank the same "
+        f"number of batches: shard the data evenly, or repeat() it and pass "
+        f"steps_per_epoch={min(every)}")
+
+
 def install(is_ours, allreduce_average):
     """Installs both patches once.
 
@@ -126,6 +150,9 @@ def _patch_epoch_ends(keras, is_ours, allreduce_average):
 
     class AverageOnReadVariables(keras.callbacks.Callback):
         """Every rank averages the model's sync-on-read statistics."""
+
+        def on_train_begin(self, logs=None):
+            _check_steps_agree(self.model, self.params, is_ours)
 
         def on_epoch_end(self, epoch, logs=None):
             _average_into_local_copies(self.model, is_ours, allreduce_average)

@@ -533,6 +533,157 @@ def check_partial_gradient_tape_keeps_local_layers_local():
     everyone = ptf.allgather(tf.expand_dims(raw[0], 0)).numpy()
     np.testing.assert_allclose(got[0].numpy(), everyone.mean(0), rtol=1e-5)
     np.testing.assert_allclose(got[1].numpy(), raw[1].numpy() / N, rtol=1e-6)
+    # Horovod 0.28's split of the same: (local pairs, global pairs), each in
+    # the order of the sources, the same values as gradient().
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(shared(x)))
+    tape = hvd.PartialDistributedGradientTape(tape, local_layers=[local])
+    local_pairs, global_pairs = tape.get_local_and_global_gradients(
+        loss, [shared.kernel, local.kernel])
+    assert [v is local.kernel for v, _ in local_pairs] == [True], local_pairs
+    assert [v is shared.kernel for v, _ in global_pairs] == [True], global_pairs
+    np.testing.assert_allclose(local_pairs[0][1].numpy(), raw[1].numpy() / N, rtol=1e-6)
+    np.testing.assert_allclose(global_pairs[0][1].numpy(), everyone.mean(0), rtol=1e-5)
+    # A plain DistributedGradientTape has it too: everything global.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(local(shared(x)))
+    local_pairs, global_pairs = hvd.DistributedGradientTape(tape).get_local_and_global_gradients(
+        loss, [shared.kernel, local.kernel])
+    assert local_pairs == [] and len(global_pairs) == 2, (local_pairs, global_pairs)
+
+
+# ---- Adasum ---------------------------------------------------------------------
+
+def adasum_reference(vectors):
+    """The published Adasum of per-rank vectors (numpy): pairs (0,1), (2,3),
+    ... then their results, each pair combined as
+    (1 - ab/2|a|^2) a + (1 - ab/2|b|^2) b, with dot products in float64;
+    float16 combines in float32."""
+    dtype = vectors[0].dtype
+
+    def combine(a, b):
+        a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+        dot, aa, bb = a64 @ b64, a64 @ a64, b64 @ b64
+        ca = 1.0 - dot / (2 * aa) if aa != 0 else 1.0
+        cb = 1.0 - dot / (2 * bb) if bb != 0 else 1.0
+        if dtype == np.float16:
+            out = np.float32(ca) * a.astype(np.float32) + np.float32(cb) * b.astype(np.float32)
+        else:
+            out = ca * a.astype(np.float64) + cb * b.astype(np.float64)
+        return out.astype(dtype).reshape(a.shape)
+
+    level = list(vectors)
+    while len(level) > 1:
+        level = [combine(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+_ADASUM_TOL = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}
+
+
+def check_adasum_allreduce_against_numpy():
+    for dtype in (np.float16, np.float32, np.float64):
+        for shape in ((5,), (3, 4), (1000,)):
+            every = [normal(r, shape, seed=31).astype(dtype) for r in range(N)]
+            got = hvd.allreduce(tf.constant(every[R]), op=hvd.Adasum).numpy()
+            assert got.dtype == dtype
+            np.testing.assert_allclose(got.astype(np.float64),
+                                       adasum_reference(every).astype(np.float64),
+                                       rtol=_ADASUM_TOL[dtype], atol=_ADASUM_TOL[dtype])
+            same_on_all_ranks([got])
+    # What makes it Adasum: orthogonal gradients add up, identical ones
+    # count once (no sum, no average of a half).
+    basis = np.zeros(N, np.float32)
+    basis[R] = 1.0
+    np.testing.assert_allclose(hvd.allreduce(tf.constant(basis), op=hvd.Adasum).numpy(),
+                               np.ones(N, np.float32), rtol=1e-6)
+    same = np.arange(1, 7, dtype=np.float32)
+    np.testing.assert_allclose(hvd.allreduce(tf.constant(same), op=hvd.Adasum).numpy(), same,
+                               rtol=1e-6)
+    # Zeros everywhere stay zeros (a zero norm leaves its coefficient at 1).
+    assert not hvd.allreduce(tf.zeros([3]), op=hvd.Adasum).numpy().any()
+    # Scale factors apply before and after, as in Horovod.
+    every = [normal(r, (6,), seed=32) for r in range(N)]
+    got = hvd.allreduce(tf.constant(every[R]), op=hvd.Adasum, prescale_factor=0.5,
+                        postscale_factor=3.0).numpy()
+    np.testing.assert_allclose(got, 3.0 * adasum_reference([0.5 * v for v in every]), rtol=1e-5)
+
+
+def check_adasum_grouped_has_coefficients_per_tensor():
+    shapes = [(4, 3), (0,), (7,), (2, 2)]
+    every = [[normal(r, s, seed=40 + i) * (10.0 ** i) for i, s in enumerate(shapes)]
+             for r in range(N)]
+    every[0][2] = every[0][2] * 0  # one rank's tensor is zero
+    mine = [tf.constant(t) for t in every[R]]
+
+    @tf.function
+    def reduce_all(tensors):
+        return hvd.grouped_allreduce(tensors, op=hvd.Adasum)
+
+    for got in (hvd.grouped_allreduce(mine, op=hvd.Adasum), reduce_all(mine)):
+        for i, shape in enumerate(shapes):
+            assert tuple(got[i].shape) == shape, (i, got[i].shape)
+            want = adasum_reference([every[r][i] for r in range(N)])
+            np.testing.assert_allclose(got[i].numpy(), want, rtol=1e-5, atol=1e-6)
+    # Mixed dtypes in one call: one gather per dtype, the same answers.
+    mixed = hvd.grouped_allreduce([mine[0], tf.cast(mine[2], tf.float64)], op=hvd.Adasum)
+    assert mixed[1].dtype == tf.float64
+    np.testing.assert_allclose(mixed[1].numpy(),
+                               adasum_reference([every[r][2].astype(np.float64)
+                                                 for r in range(N)]), rtol=1e-6)
+
+
+def check_adasum_gradient_tape_and_optimizers():
+    x = normal(R, (4, 3), seed=50)
+    w0 = normal(0, (3, 2), seed=51)
+    grads_by_rank = [(normal(r, (4, 3), seed=50).T @ np.ones((4, 2), np.float32)) for r in range(N)]
+    want = adasum_reference(grads_by_rank)
+    w = tf.Variable(w0)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.matmul(tf.constant(x), w))
+    got = hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, [w])[0].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # A Keras optimizer: one SGD(1.0) step applies the Adasum of the gradients.
+    keras = tf.keras
+    dense = keras.layers.Dense(2, use_bias=False)
+    dense.build((None, 3))
+    dense.kernel.assign(w0)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Adasum)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(dense(tf.constant(x)))
+    grads = tape.gradient(loss, dense.trainable_variables)
+    opt.apply_gradients(zip(grads, dense.trainable_variables))
+    np.testing.assert_allclose(dense.kernel.numpy(), w0 - want, rtol=1e-5, atol=1e-6)
+    # What Horovod refuses with Adasum, refused here too.
+    expect(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Adasum,
+                                                        gradient_predivide_factor=2.0),
+           "gradient_predivide_factor")
+    expect(ValueError, lambda: hvd.DistributedOptimizer(
+        keras.optimizers.SGD(1.0), op=hvd.Adasum, backward_passes_per_step=2,
+        average_aggregated_gradients=True), "average_aggregated_gradients")
+    slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
+    expect(NotImplementedError, lambda: hvd.allreduce(slices, op=hvd.Adasum), "IndexedSlices")
+    expect(ValueError, lambda: hvd.allreduce(tf.constant([1, 2]), op=hvd.Adasum),
+           "float16, float32 and float64", "int32")
+
+
+def check_adasum_refuses_a_non_power_of_two_set():
+    # Horovod's rule: Adasum runs on 2, 4, 8, ... ranks only. A set of three
+    # members (at 4 ranks) is refused on every member before any collective.
+    if N != 4:
+        return
+    three = hvd.add_process_set([0, 1, 2])
+    if R < 3:
+        expect(NotImplementedError,
+               lambda: hvd.allreduce(tf.ones([2]), op=hvd.Adasum, process_set=three),
+               "power-of-two", "has 3")
+    pair = hvd.add_process_set([1, 3])
+    if R in (1, 3):
+        every = {r: normal(r, (5,), seed=60) for r in (1, 3)}
+        got = hvd.allreduce(tf.constant(every[R]), op=hvd.Adasum, process_set=pair).numpy()
+        np.testing.assert_allclose(got, adasum_reference([every[1], every[3]]), rtol=1e-5)
+    hvd.barrier()
+    assert hvd.remove_process_set(pair) and hvd.remove_process_set(three)
 
 
 # ---- tf.compat.v1 optimizer ---------------------------------------------------
@@ -567,6 +718,55 @@ def check_tf1_optimizer_averages_gradients():
     opt = hvd.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer(0.1))
     assert isinstance(opt, tf.compat.v1.train.Optimizer)
     expect(ValueError, lambda: hvd.DistributedOptimizer(object()), "optimizer")
+
+
+def _graph_adasum(make_opt, passes, steps):
+    """Trains y = xw on rank R's rows in a TF1 graph with a DistributedOptimizer
+    op=Adasum; returns w after each run."""
+    w0, xs, ys, _ = _linear_problem(seed=70)
+    with tf.Graph().as_default():
+        w = tf.compat.v1.get_variable("w", initializer=tf.constant(w0))
+        loss = tf.reduce_mean((tf.matmul(tf.constant(xs[R]), w) - tf.constant(ys[R])) ** 2)
+        opt = hvd.DistributedOptimizer(make_opt(), op=hvd.Adasum,
+                                       backward_passes_per_step=passes)
+        train = opt.minimize(loss)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            history = []
+            for _ in range(steps):
+                sess.run(train)
+                history.append(sess.run(w))
+    return w0, xs, ys, history
+
+
+def check_tf1_adasum_optimizer_combines_weight_changes():
+    # Horovod's semantics: each rank applies its own gradients with the
+    # wrapped optimizer; Adasum combines the ranks' weight changes.
+    lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-8
+    w0, xs, ys, history = _graph_adasum(
+        lambda: tf.compat.v1.train.AdamOptimizer(lr, b1, b2, eps), 1, 1)
+    deltas = []
+    for x, y in zip(xs, ys):
+        g = 2 * x.T @ (x @ w0 - y) / y.size
+        lr_t = lr * np.sqrt(1 - b2) / (1 - b1)
+        deltas.append((-lr_t * ((1 - b1) * g) / (np.sqrt((1 - b2) * g * g) + eps))
+                      .astype(np.float32))
+    np.testing.assert_allclose(history[0], w0 + adasum_reference(deltas), rtol=1e-5, atol=1e-6)
+    same_on_all_ranks([history[0]])
+    # Two local SGD steps, then one exchange of their sum.
+    lr = 0.05
+    w0, xs, ys, history = _graph_adasum(
+        lambda: tf.compat.v1.train.GradientDescentOptimizer(lr), 2, 2)
+    deltas = []
+    for x, y in zip(xs, ys):
+        w = w0.copy()
+        for _ in range(2):
+            w = w - lr * (2 * x.T @ (x @ w - y) / y.size)
+        deltas.append((w - w0).astype(np.float32))
+    local_first = w0 - lr * (2 * xs[R].T @ (xs[R] @ w0 - ys[R]) / ys[R].size)
+    np.testing.assert_allclose(history[0], local_first, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history[1], w0 + adasum_reference(deltas), rtol=1e-4, atol=1e-6)
+    same_on_all_ranks([history[1]])
 
 
 def _micro_batches(k, steps, b=3, seed=20):

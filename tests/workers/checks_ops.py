@@ -273,7 +273,11 @@ def check_invalid_arguments_raise_locally():
     expect(tf.errors.InvalidArgumentError,
            lambda: ptf.alltoall(tf.ones([3]), splits=[1] * N + [1]), "one per rank")
     expect(tf.errors.InvalidArgumentError, lambda: ptf.allgather(tf.constant(1.0)), "scalar")
-    expect(NotImplementedError, lambda: ptf.allreduce(tf.ones([1]), op=ptf.Adasum), "Average")
+    expect(NotImplementedError, lambda: ptf.reducescatter(tf.ones([N]), op=ptf.Adasum),
+           "allreduce and grouped_allreduce only")
+    # Adasum of identical tensors is that tensor (not their sum).
+    np.testing.assert_allclose(ptf.allreduce(tf.constant([1.0, 2.0]), op=ptf.Adasum).numpy(),
+                               [1.0, 2.0], rtol=1e-6)
 
 
 def check_process_sets():

@@ -536,3 +536,19 @@ def check_model_saved_by_rank_0_alone_is_whole_and_quick():
             np.testing.assert_array_equal(a.numpy(), b.numpy())
     # Every rank meets here; the averaged statistics are the same everywhere.
     same_on_all_ranks([_local(bn.moving_mean), _local(bn.moving_variance)])
+
+
+def check_fit_refuses_different_steps_per_epoch_on_every_rank():
+    # Datasets of different lengths per rank: named before the first step,
+    # not as a dtype mismatch once one rank has run out of data.
+    with STRATEGY.scope():
+        model = make_model(seed=5)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    mine = dataset(64 if R == 0 else 96)
+    expect(ValueError, lambda: model.fit(mine, epochs=1, verbose=0),
+           "different numbers of steps per epoch", "rank 0: 4", "rank 1: 6",
+           "steps_per_epoch=4")
+    # Told how many steps, the ranks agree: no false alarm.
+    model.fit(mine, epochs=1, steps_per_epoch=4, verbose=0)
+    model.fit(mine.repeat(), epochs=1, steps_per_epoch=3, verbose=0)
+    same_on_all_ranks([w.numpy() for w in model.weights])

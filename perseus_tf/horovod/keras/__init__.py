@@ -15,7 +15,7 @@ from perseus_tf.horovod._basics import (
     nccl_built, ddl_built, ccl_built, cuda_built, rocm_built, start_timeline, stop_timeline)
 from perseus_tf.horovod._collectives import (Average, Sum, Adasum, Min, Max, Product, join,
                                              barrier)
-from perseus_tf.horovod._gradients import check_predivide, resolve_groups
+from perseus_tf.horovod._gradients import check_adasum, check_predivide, resolve_groups
 from perseus_tf.horovod._process_sets import (ProcessSet, global_process_set, add_process_set,
                                               remove_process_set)
 from perseus_tf.horovod.compression import Compression
@@ -50,9 +50,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         raise ValueError(f"hvd.DistributedOptimizer (Keras) needs a Keras optimizer, got "
                          f"{optimizer!r}; use perseus_tf.horovod.DistributedOptimizer for "
                          "tf.compat.v1.train optimizers")
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not implemented in Perseus-TF; use op=hvd.Average "
-                                  "(the default)")
+    check_adasum(op, average_aggregated_gradients)
     check_predivide(op, gradient_predivide_factor)
     groups = resolve_groups(num_groups, groups)
     settings = _settings(name or "Distributed" + type(optimizer).__name__, device_dense,
