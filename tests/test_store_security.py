@@ -450,6 +450,48 @@ def test_handshakes_beyond_the_quota_are_closed_at_once_and_clients_retry():
         server.stop()
 
 
+def _connect_from(source, port):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def test_strangers_holding_every_handshake_slot_do_not_lock_the_ranks_out():
+    # 127.0.0.2 holds all 4 slots with silent connections (30 s handshake
+    # timeout). A rank (from a job host, 127.0.0.1) gets in at once, in the
+    # place of a stranger's connection; another stranger (127.0.0.3) takes a
+    # slot from the address holding the most; 127.0.0.2 itself gets no more.
+    server = StoreServer("127.0.0.1", 0, SECRET, handshake_timeout_s=30,
+                         max_pending_handshakes=4, job_hosts={"127.0.0.1"})
+    server.start()
+    silent = []
+    try:
+        silent = [_connect_from("127.0.0.2", server.port) for _ in range(4)]
+        for sock in silent:
+            recv_exact(sock, HELLO_LEN)
+        start = time.monotonic()
+        with StoreClient("127.0.0.1", server.port, SECRET) as client:
+            client.set("k", b"v")
+        assert time.monotonic() - start < 3
+        assert sum(closed_within(sock, 0.5) for sock in silent) >= 1
+        silent = [sock for sock in silent if not closed_within(sock, 0.05)]
+        while len(silent) < 4:  # the stranger fills the slots again
+            sock = _connect_from("127.0.0.2", server.port)
+            recv_exact(sock, HELLO_LEN)
+            silent.append(sock)
+        with _connect_from("127.0.0.2", server.port) as same:
+            assert closed_within(same, 1.0)  # refused: it holds the most
+        with _connect_from("127.0.0.3", server.port) as other:
+            recv_exact(other, HELLO_LEN)  # admitted in place of one of 127.0.0.2's
+        assert sum(closed_within(sock, 0.5) for sock in silent) == 1
+    finally:
+        for sock in silent:
+            sock.close()
+        server.stop()
+
+
 def run_together(n, work):
     """Runs work(i) on n threads released at once; returns the seconds each
     took, raising the first error."""

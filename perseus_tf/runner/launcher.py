@@ -948,7 +948,11 @@ def main(argv=None) -> int:
 
     secret = secrets.token_bytes(32)
     job_id = secrets.token_hex(8)
-    store = StoreServer(rendezvous_addr, 0, secret)
+    # The ranks connect from their hosts' addresses (local ones from the
+    # rendezvous address itself or loopback): those connections are served
+    # first when strangers hold the store's handshake slots.
+    job_hosts = {p.host.addr for p in placements} | {rendezvous_addr, "127.0.0.1"}
+    store = StoreServer(rendezvous_addr, 0, secret, job_hosts=job_hosts)
     port = store.start()
     show_tf_logs = (args.tf_logs or os.environ.get("PERSEUS_TF_LOGS") == "1"
                     or "TF_CPP_MIN_LOG_LEVEL" in os.environ)

@@ -27,11 +27,14 @@ Handshake (challenge-response; HMAC is HMAC-SHA256 keyed with the secret)
     other's. The whole handshake must end within the handshake timeout
     (10 s), counted from when the server takes the connection up, not per
     read: a client that trickles bytes is dropped on time. At most 128
-    connections may be in the handshake at once; the server closes further
-    ones at once, without starting a thread, and clients try again (within
-    their connect window) when a connection closes before the verdict, but
-    not after a rejection. Nothing else is served before a successful
-    handshake.
+    connections may be in the handshake at once. Beyond that a newcomer
+    from one of the job's hosts takes the place of the oldest pending
+    connection from elsewhere (else the oldest of all); anyone else takes
+    the place of the oldest connection of the address that holds the most
+    slots, or is closed at once, without a thread, if that address is its
+    own. Clients try again (within their connect window) when a connection
+    closes before the verdict, but not after a rejection. Nothing else is
+    served before a successful handshake.
 
 Requests (any number, one at a time), each starting with ``u8 cmd``
     SET=1  ``u32 keylen, key, u64 vallen, value`` -> ``u8 0``.
@@ -290,23 +293,62 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     request_queue_size = LISTEN_BACKLOG
 
     def __init__(self, address, secret: bytes, handshake_timeout_s: float,
-                 max_pending_handshakes: int):
+                 max_pending_handshakes: int, job_hosts=()):
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
         self.max_pending_handshakes = max_pending_handshakes
+        self.job_hosts = frozenset(job_hosts)
         self.table = _Table()
         self._connections = set()
-        self._in_handshake = set()
+        # Connections in the handshake: socket -> (peer address, admission number).
+        self._in_handshake = {}
+        self._admitted = 0
         self._connections_lock = threading.Lock()
         super().__init__(address, _Handler)
 
+    def _displace_for(self, peer: str):
+        """With every handshake slot taken, the pending connection a
+        newcomer from `peer` takes the place of, or None (refused).
+
+        A job host's newcomer displaces the oldest connection from outside
+        the job's hosts, else the oldest of all: ranks always get a slot,
+        and a rank's handshake takes milliseconds. Anyone else displaces the
+        oldest connection of the address holding the most slots, unless that
+        address is its own: who holds the slots loses them first."""
+        def oldest(entries):
+            return min(entries, key=lambda item: item[1][1])[0] if entries else None
+
+        entries = list(self._in_handshake.items())
+        if peer in self.job_hosts:
+            return oldest([e for e in entries if e[1][0] not in self.job_hosts]) or oldest(entries)
+        counts = {}
+        for _, (address, _) in entries:
+            counts[address] = counts.get(address, 0) + 1
+        heaviest = max(counts, key=counts.get)
+        if heaviest == peer or heaviest in self.job_hosts:
+            return None
+        return oldest([e for e in entries if e[1][0] == heaviest])
+
     def process_request(self, request, client_address):
         # Runs on the serving thread, before any thread of the connection's
-        # own: over the cap, closing costs no thread and no read.
+        # own: a refused connection costs no thread and no read.
+        peer = client_address[0] if isinstance(client_address, tuple) else ""
+        displaced = None
         with self._connections_lock:
             admitted = len(self._in_handshake) < self.max_pending_handshakes
+            if not admitted:
+                displaced = self._displace_for(peer)
+                if displaced is not None:
+                    del self._in_handshake[displaced]
+                    admitted = True
             if admitted:
-                self._in_handshake.add(request)
+                self._admitted += 1
+                self._in_handshake[request] = (peer, self._admitted)
+        if displaced is not None:
+            try:  # its handler's next read fails and the connection ends
+                displaced.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         if not admitted:
             self.shutdown_request(request)
             return
@@ -326,7 +368,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 
     def end_handshake(self, sock) -> None:
         with self._connections_lock:
-            self._in_handshake.discard(sock)
+            self._in_handshake.pop(sock, None)
 
     def track(self, sock, add: bool) -> None:
         with self._connections_lock:
@@ -358,14 +400,18 @@ class StoreServer:
       secret: the job's secret; clients prove they know it.
       handshake_timeout_s: total time a connection has to authenticate.
       max_pending_handshakes: connections allowed in the handshake at once.
+      job_hosts: the addresses the job's ranks connect from; when the
+        handshake slots are all taken, their connections displace others.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  secret: bytes = b"",
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES):
+                 max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+                 job_hosts=()):
         if not secret:
             raise ValueError("StoreServer needs a non-empty secret")
+        self._job_hosts = tuple(job_hosts)
         self._address = (host, port)
         self._secret = bytes(secret)
         self._handshake_timeout_s = handshake_timeout_s
@@ -386,7 +432,7 @@ class StoreServer:
             raise RuntimeError("StoreServer is already started")
         self._server = _TCPServer(self._address, self._secret,
                                   self._handshake_timeout_s,
-                                  self._max_pending_handshakes)
+                                  self._max_pending_handshakes, self._job_hosts)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
             name="perseus-store", daemon=True)
