@@ -23,6 +23,9 @@ call by call so that both see the same machine:
              offline-plan step. Target: <= 2x. Two cases: the gradients
              made and consumed inside the step, as in training, and 500
              eager tensors captured from Python with 500 results returned.
+             Then the same again with PERSEUS_OFFLINE_NEG=0: the plan's
+             speed-up on each path, and the TF step with the plan against
+             TF alone + _core's plan step (target <= 1.2x).
 
 Beside each case, "TF alone": the same tf.function with tf.identity (or
 tf.identity_n) in place of the collective, TF's own cost of the call;
@@ -120,8 +123,12 @@ def _worker(args):
         arrays = [np.ones(256, np.float32) for _ in range(count)]
         names = [f"small.{i}" for i in range(count)]
 
+        # PERSEUS_OFFLINE_NEG=0 (the online run of this table): neither path
+        # may use a plan; _core's plannable flag is the caller's to give.
+        use_plan = os.environ.get("PERSEUS_OFFLINE_NEG") != "0"
+
         def core_step():
-            core.submit_group(arrays, names, f32, reduce_op=0, plannable=True).wait()
+            core.submit_group(arrays, names, f32, reduce_op=0, plannable=use_plan).wait()
 
         for case, build in (("in the step", made_in_step), ("from Python", from_python)):
             tf_step = build(reduce)
@@ -230,11 +237,13 @@ def _in_one_call(ptf, core_call, v, mib, iters):
             "tf": tf_ms / LOOP_CALLS, "tf_alone": alone_ms / LOOP_CALLS}
 
 
-def _launch(args, table, ranks):
+def _launch(args, table, ranks, offline=True):
     cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(ranks), "--",
            sys.executable, os.path.abspath(__file__), "--worker", table,
            "--iters", str(args.iters), "--profiles", args.profiles, "--sizes", args.sizes]
     env = dict(os.environ, PERSEUS_ALLREDUCE_DTYPE="1")  # no compression anywhere
+    if not offline:
+        env["PERSEUS_OFFLINE_NEG"] = "0"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     for line in proc.stdout.splitlines():
         if "RESULT " in line:
@@ -268,6 +277,22 @@ def _print(rows, target):
             print(f"  (offline plan: {r['offline']}; TF path plannable: {r['plannable']})")
 
 
+def _print_offline(offline_rows, online_rows):
+    """The offline plan through PerseusStrategy against the runtime alone:
+    the TF step with the plan against TF alone + _core's plan step (target
+    <= 1.2x), and what the plan saves on each path (online / offline)."""
+    print(f"{'case':<36} {'TF alone':>9} {'_core off':>10} {'TF off':>8} "
+          f"{'TF/(alone+core)':>16} {'_core on':>9} {'TF on':>8} {'plan x _core':>13} "
+          f"{'plan x TF':>10}")
+    for off, on in zip(offline_rows, online_rows):
+        floor = off["tf_alone"] + off["core"]
+        ratio = off["tf"] / floor
+        print(f"{off['case']:<36} {off['tf_alone']:>9.2f} {off['core']:>10.2f} "
+              f"{off['tf']:>8.2f} {ratio:>15.2f}x {on['core']:>9.2f} {on['tf']:>8.2f} "
+              f"{on['core'] / off['core']:>12.2f}x {on['tf'] / off['tf']:>9.2f}x  "
+              f"<= 1.2x: {'PASS' if ratio <= 1.2 else 'FAIL'}")
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
@@ -278,6 +303,11 @@ def main(argv=None):
         target = TARGETS[table]
         print(f"\n## {table}, {ranks} ranks: {WHAT[table]}")
         _print(rows, target)
+        if table == "small":
+            online = _launch(args, table, ranks, offline=False)
+            print(f"\n## small, {ranks} ranks, offline plan against online negotiation "
+                  "(PERSEUS_OFFLINE_NEG=0)")
+            _print_offline(rows, online)
     return 0
 
 
