@@ -17,7 +17,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # (slurm-wlm, munge).
 SYSTEM_PACKAGES := libgloo-dev g++ python3-venv
 TEST_PACKAGES := bazel-bootstrap iproute2 openssh-server openmpi-bin slurm-wlm munge
-NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h') setup.py tools/build_native.py
+NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h') setup.py tools/build_native.py \
+    tools/gen_store_protocol.py perseus_tf/runner/store_protocol.py
 
 .PHONY: demo test test-new test-old system system-test install-packages native native-old bazel clean
 

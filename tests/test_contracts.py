@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from perseus_tf import config
-from perseus_tf.config import ConfigError, find_contract, load_topology
+from perseus_tf.config import ConfigError, find_contract, load_topology, netaddr
 from perseus_tf.runner import slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +23,7 @@ SECRET = {"PERSEUS_RENDEZVOUS_SECRET": "s3cret", "PERSEUS_HOST_ADDR": "10.1.1.1"
 
 @pytest.fixture(autouse=True)
 def _no_resolve_wait(monkeypatch):
-    monkeypatch.setattr(config, "RESOLVE_WAIT_S", 0.0)
+    monkeypatch.setattr(netaddr, "RESOLVE_WAIT_S", 0.0)
 
 
 # ---- Slurm hostlists and task lists ------------------------------------------------

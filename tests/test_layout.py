@@ -1,6 +1,8 @@
 """The native tree's shape: includes stack python/tf -> runtime -> transport ->
 core/rendezvous with no circle, the data path never includes the plan, and
-no file grows past 600 lines without saying why in its header comment."""
+no file grows past 600 lines without saying why in its header comment. The
+Python package's: the modules of config/ and runner/ import each other one
+way, and the runner needs nothing of the package beyond config/."""
 
 import os
 import re
@@ -97,3 +99,67 @@ def test_no_file_over_600_lines_without_a_reason():
         if lines > 600 and "over 600 lines" not in head:
             long.append(f"{path}: {lines} lines")
     assert not long, "\n".join(long)
+
+
+# ---- the Python package -------------------------------------------------------------
+
+PACKAGE = os.path.join(ROOT, "perseus_tf")
+
+
+def _python_modules():
+    """Module name -> the perseus_tf modules it imports when it is loaded
+    (imports inside functions are left out: they run later, on purpose)."""
+    import ast
+
+    modules = {}
+    for folder, _, names in os.walk(PACKAGE):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+            if parts[-1] == "__init__":
+                parts.pop()
+            imported = set()
+            for node in ast.parse(open(path).read()).body:
+                if isinstance(node, ast.Import):
+                    imported.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module)
+                    imported.update(f"{node.module}.{a.name}" for a in node.names)
+            modules[".".join(parts)] = imported
+    return {m: {i for i in imported if i in modules and i != m}
+            for m, imported in modules.items()}
+
+
+@pytest.mark.parametrize("package", ["perseus_tf.config", "perseus_tf.runner"])
+def test_python_modules_of_a_package_import_without_a_circle(package):
+    """Inside config/ and runner/ each module has one job and the modules
+    import each other one way: a circle would mean two of them share one."""
+    graph = {m: {i for i in imported if i.startswith(package + ".")}
+             for m, imported in _python_modules().items() if m.startswith(package + ".")}
+    state = {}
+
+    def visit(node, trail):
+        if state.get(node) == "done":
+            return
+        if state.get(node) == "open":
+            pytest.fail("import circle: " + " -> ".join(trail[trail.index(node):] + [node]))
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            visit(nxt, trail + [node])
+        state[node] = "done"
+
+    assert len(graph) >= 4, sorted(graph)
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_the_runner_leaves_the_rest_of_the_package_alone():
+    """perseusrun and remote.py start without TensorFlow: runner/ imports,
+    of perseus_tf, only config/ and the failure records."""
+    allowed = ("perseus_tf.runner", "perseus_tf.config", "perseus_tf._failure_record")
+    wrong = [f"{m} imports {i}" for m, imported in _python_modules().items()
+             if m.startswith("perseus_tf.runner") for i in imported
+             if not i.startswith(allowed) and i != "perseus_tf"]
+    assert not wrong, "\n".join(wrong)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from perseus_tf.runner import launcher
+from perseus_tf.runner import cli, launcher, mpi, output, placement, ssh, supervise
 from perseus_tf.runner.store import StoreClient, StoreServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,10 +161,10 @@ def test_env_contract_non_loopback_local_address():
 
 
 def test_uneven_hosts_placement():
-    hosts = [launcher.Host("localhost", "127.0.0.1", 2),
-             launcher.Host("127.0.0.2", "127.0.0.2", 2),
-             launcher.Host("127.0.0.3", "127.0.0.3", 4)]
-    placements = launcher.place_ranks(3, hosts)
+    hosts = [placement.Host("localhost", "127.0.0.1", 2),
+             placement.Host("127.0.0.2", "127.0.0.2", 2),
+             placement.Host("127.0.0.3", "127.0.0.3", 4)]
+    placements = placement.place_ranks(3, hosts)
     assert [(p.local_rank, p.local_size, p.cross_rank, p.cross_size,
              p.host.addr) for p in placements] == [
         (0, 2, 0, 2, "127.0.0.1"), (1, 2, 0, 2, "127.0.0.1"),
@@ -227,9 +227,9 @@ def test_carriage_return_updates_are_forwarded_as_they_come(tmp_path):
             proc.wait()
     assert got == b"[0] 1/3 [=>  ]\r", got
     assert rest == b"[0] waited\n[0] 2/3 [==> ]\r[0] 3/3 [===]\r\n", rest
-    assert launcher._segments(b"a\r\nb\rc") == ([b"a\r\n", b"b\r"], [b"c"])
-    assert launcher._segments(b"d\ne", [b"x", b"y"]) == ([b"xyd\n"], [b"e"])
-    assert launcher._segments(b"more", [b"x"]) == ([], [b"x", b"more"])
+    assert output._segments(b"a\r\nb\rc") == ([b"a\r\n", b"b\r"], [b"c"])
+    assert output._segments(b"d\ne", [b"x", b"y"]) == ([b"xyd\n"], [b"e"])
+    assert output._segments(b"more", [b"x"]) == ([], [b"x", b"more"])
 
 
 TF_NOISE = [
@@ -349,7 +349,7 @@ def test_rank_killed_by_signal_and_sigterm_ignored_escalates_to_sigkill(tmp_path
     assert result.returncode == 128 + signal.SIGKILL
     assert re.search(r"^perseusrun: rank 1 \(pid \d+\) killed by signal SIGKILL$",
                      result.stderr, re.M), result.stderr
-    assert launcher.KILL_DELAY_S <= elapsed < launcher.KILL_DELAY_S + 10
+    assert supervise.KILL_DELAY_S <= elapsed < supervise.KILL_DELAY_S + 10
     assert pid_is_gone(int((tmp_path / "rank0.pid").read_text()))
 
 
@@ -400,9 +400,9 @@ class _FakeProc:
 
 
 def _group_of(statuses, records, stopped=()):
-    group = launcher.RankGroup()
+    group = supervise.RankGroup()
     for rank, status in enumerate(statuses):
-        child = launcher._Child(_FakeProc(100 + rank, status), f"rank {rank}", "", False, rank)
+        child = supervise._Child(_FakeProc(100 + rank, status), f"rank {rank}", "", False, rank)
         child.exited_at = 1000.0 + rank
         child.stopped_by_us = rank in stopped
         group.children.append(child)
@@ -427,8 +427,8 @@ def test_first_failure_follows_the_blame():
     group = _group_of([3, -15], [], stopped={1})
     assert group._report_first_failure(0) == 0
     # mpirun (one child for every rank): the records name the rank.
-    group = launcher.RankGroup()
-    group.children.append(launcher._Child(_FakeProc(5, 1), "mpirun", "", False))
+    group = supervise.RankGroup()
+    group.children.append(supervise._Child(_FakeProc(5, 1), "mpirun", "", False))
     group._add_record({"rank": 3, "time": 2.0, "culprits": [], "error": "E"})
     group._add_record({"rank": 0, "time": 1.0, "culprits": [3], "error": "F"})
     assert group._report_first_failure(0) == 0
@@ -438,7 +438,7 @@ def test_failure_records_are_parsed_and_taken_out_of_the_output():
     from perseus_tf import _failure_record
     record = _failure_record.make_record(2, ValueError, ValueError("bad\nsecond line"))
     taken = []
-    kept = launcher._take_records([b"before\n", b"partial " + record, b"after\n"], taken.append)
+    kept = output._take_records([b"before\n", b"partial " + record, b"after\n"], taken.append)
     assert kept == [b"before\n", b"partial \n", b"after\n"]
     assert taken[0]["rank"] == 2 and taken[0]["error"] == "ValueError: bad"
     assert _failure_record.parse_record(b"ordinary line\n") is None
@@ -526,7 +526,7 @@ def test_ctrl_c_stops_ranks_blocked_in_a_collective(presses):
     assert status != 0, err[-2000:]
     assert "Ctrl-C again to kill them now" in err, err[-2000:]
     if presses == 1:
-        assert launcher.INTERRUPT_GRACE_S - 0.5 < took < launcher.INTERRUPT_GRACE_S + 10, took
+        assert supervise.INTERRUPT_GRACE_S - 0.5 < took < supervise.INTERRUPT_GRACE_S + 10, took
         assert "SIGTERM" in err, err[-2000:]
     else:
         assert took < 5, took
@@ -596,23 +596,23 @@ def test_help_explains_every_flag(capsys):
 def test_hostfile_in_open_mpi_format(tmp_path):
     text = ("# two hosts\n\nnode-a slots=2\n  node-b slots=3 max_slots=4  # comment\n"
             "node-c\n")
-    assert launcher.parse_hostfile(text) == [("node-a", 2), ("node-b", 3), ("node-c", 1)]
+    assert cli.parse_hostfile(text) == [("node-a", 2), ("node-b", 3), ("node-c", 1)]
     for bad, needle in (("node-a slots=x\n", "slots must be an integer"),
                         ("node-a cpus=2\n", "cannot read 'cpus=2'"),
                         ("a\na slots=2\n", "listed twice"),
                         ("# nothing\n", "lists no host")):
-        with pytest.raises(launcher.UsageError, match=needle):
-            launcher.parse_hostfile(bad, "hf")
+        with pytest.raises(cli.UsageError, match=needle):
+            cli.parse_hostfile(bad, "hf")
     path = tmp_path / "hosts"
     path.write_text("localhost slots=2\n")
-    args = launcher._parse_args(launcher.build_parser(),
+    args = launcher._parse_args(cli.build_parser(),
                                 ["-np", "2", "--hostfile", str(path), "true"])
     assert [(h.name, h.slots, h.local) for h in args.hosts] == [("localhost", 2, True)]
     # A binary file (a key, an archive) once gave a traceback.
     binary = tmp_path / "binary"
     binary.write_bytes(bytes(range(256)) * 4)
-    with pytest.raises(launcher.UsageError, match="is not a text file"):
-        launcher._parse_args(launcher.build_parser(),
+    with pytest.raises(cli.UsageError, match="is not a text file"):
+        launcher._parse_args(cli.build_parser(),
                              ["-np", "2", "--hostfile", str(binary), "true"])
 
 
@@ -643,11 +643,11 @@ def test_exported_values_travel_on_standard_input_not_the_command_line(tmp_path)
     """-x MY_API_KEY once put the key's value on the local ssh command line,
     readable by any user in /proc/PID/cmdline for the whole job. It goes to
     remote.py's standard input with the secret, and reaches the rank."""
-    args = launcher.build_parser().parse_args([
+    args = cli.build_parser().parse_args([
         "-np", "1", "-H", "node-a:1", "-x", "MY_API_KEY=sk-do-not-show", "-x", "OTHER=2",
         "python", "t.py"])
     env = {"PERSEUS_RANK": "0", "MY_API_KEY": "sk-do-not-show", "OTHER": "2", "PATH": "/bin"}
-    cmd, stdin_data = launcher.remote_invocation(
+    cmd, stdin_data = ssh.remote_invocation(
         args, "node-a", env, {"MY_API_KEY": "sk-do-not-show", "OTHER": "2"}, SECRET)
     assert not any("sk-do-not-show" in part or "OTHER=" in part for part in cmd), cmd
     assert "PERSEUS_RANK=0" in cmd[-1]
@@ -675,19 +675,19 @@ def test_exports_and_forwarded_environment(monkeypatch):
             "PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v", "LD_LIBRARY_PATH": "/l",
             "HOME": "/root", "SECRET_TOKEN": "s", "PERSEUS_RENDEZVOUS_SECRET": "abc",
             "FOO": "bar"}
-    env = launcher.forwarded_env(base, ["FOO", "BAZ=1=2"])
+    env = placement.forwarded_env(base, ["FOO", "BAZ=1=2"])
     assert env == {"PERSEUS_X": "1", "GLOO_TIMEOUT_SECONDS": "5", "NCCL_DEBUG": "INFO",
                    "PATH": "/bin", "PYTHONPATH": "/p", "VIRTUAL_ENV": "/v",
                    "LD_LIBRARY_PATH": "/l", "FOO": "bar", "BAZ": "1=2",
                    "TF_CPP_MIN_LOG_LEVEL": "2"}
-    with pytest.raises(launcher.UsageError, match="-x NOPE: NOPE is not set"):
-        launcher.export_values(base, ["NOPE"])
-    with pytest.raises(launcher.UsageError, match="NAME must be"):
-        launcher.export_values(base, ["1BAD=2"])
+    with pytest.raises(cli.UsageError, match="-x NOPE: NOPE is not set"):
+        cli.export_values(base, ["NOPE"])
+    with pytest.raises(cli.UsageError, match="NAME must be"):
+        cli.export_values(base, ["1BAD=2"])
 
 
 def test_remote_command_keeps_the_secret_off_the_command_line():
-    text = launcher.remote_command({"PERSEUS_RANK": "1", "A": "x y"}, ["python", "t.py", "a b"],
+    text = ssh.remote_command({"PERSEUS_RANK": "1", "A": "x y"}, ["python", "t.py", "a b"],
                                    "/work dir")
     assert text.startswith("cd '/work dir' && exec env ")
     assert "'A=x y'" in text and "PERSEUS_RANK=1" in text and "'a b'" in text
@@ -696,10 +696,10 @@ def test_remote_command_keeps_the_secret_off_the_command_line():
 
 
 def test_mpirun_command_line(monkeypatch):
-    args = launcher._parse_args(launcher.build_parser(), [
+    args = launcher._parse_args(cli.build_parser(), [
         "--mpi", "-np", "4", "-H", "localhost:4", "-p", "2222", "--network-interface", "lo",
         "-x", "FOO=1", "python", "t.py"])
-    cmd = launcher.mpirun_command(args, ["PERSEUS_RENDEZVOUS_SECRET", "FOO"])
+    cmd = mpi.mpirun_command(args, ["PERSEUS_RENDEZVOUS_SECRET", "FOO"])
     text = " ".join(cmd)
     assert cmd[:3] == ["mpirun", "-np", "4"] and "-H localhost:4" in text
     assert "-mca plm_rsh_args -p 2222" in text and "-mca oob_tcp_if_include lo" in text

@@ -7,6 +7,10 @@ Three shared objects land in one directory (the `perseus_tf` package):
 Both front ends load the same libperseus_core.so (found through
 rpath=$ORIGIN), so a process has exactly one runtime.
 
+Before compiling it writes cc/rendezvous/store_protocol.h from
+perseus_tf/runner/store_protocol.py when that changed (gen_store_protocol.py),
+so the C++ client always speaks the protocol the Python store defines.
+
 Used by setup.py (pip install) and runnable by hand:
   python tools/build_native.py [OUT_DIR]     (default: perseus_tf/)
 """
@@ -16,6 +20,8 @@ import os
 import subprocess
 import sys
 import sysconfig
+
+import gen_store_protocol  # beside this file: tools/ is on sys.path (setup.py, or run here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,6 +80,8 @@ def build(out_dir=None, jobs=2, verbose=True):
     obj_dir = os.path.join(ROOT, "build", "native-obj")
     os.makedirs(out_dir, exist_ok=True)
     os.makedirs(obj_dir, exist_ok=True)
+    if gen_store_protocol.write(ROOT) and verbose:
+        print("wrote", gen_store_protocol.HEADER, flush=True)
     import pybind11
 
     tf_cflags, tf_lflags = _tf_flags()

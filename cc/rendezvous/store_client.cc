@@ -19,25 +19,18 @@
 #include <thread>
 
 #include "cc/rendezvous/hmac_sha256.h"
+#include "cc/rendezvous/store_protocol.h"
 
 namespace perseus {
 namespace {
 
-enum Command : uint8_t { kSet = 1, kGet = 2, kAdd = 3, kOwn = 4 };
+// Every constant of the wire protocol (store_protocol.h, generated from
+// perseus_tf/runner/store_protocol.py).
+namespace protocol = store_protocol;
 
-// The handshake (store.py's module docstring describes it in full).
-constexpr char kHelloMagic[7] = {'P', 'E', 'R', 'S', 'E', 'U', 'S'};
-constexpr uint8_t kProtocolVersion = 2;
-constexpr size_t kHelloBytes = sizeof(kHelloMagic) + 1;
-constexpr size_t kNonceBytes = 32;
-constexpr char kClientProofLabel[] = "perseus-store client proof";
-constexpr char kServerProofLabel[] = "perseus-store server proof";
 // How long connecting may keep failing before the constructor gives up.
 constexpr auto kConnectWindow = std::chrono::seconds(30);
-// A store answers each handshake step at once; this only bounds a server
-// that accepted and then went silent (the store itself drops a client that
-// has not finished within its own 10 s).
-constexpr auto kHandshakeTimeout = std::chrono::milliseconds(10000);
+static_assert(protocol::kMacLen == kSha256Bytes, "the handshake's proofs are HMAC-SHA256");
 
 // Reads or writes all n bytes; false on error, timeout or end of stream.
 bool SendFully(int fd, const void* data, size_t n) {
@@ -80,19 +73,19 @@ void RandomBytes(uint8_t* out, size_t n) {
   if (!ok) throw std::runtime_error("cannot read random bytes for the rendezvous handshake");
 }
 
-Sha256Digest Proof(const std::string& secret, const char* label, const uint8_t* first_nonce,
-                   const uint8_t* second_nonce) {
-  std::string message(label);
-  message.append(reinterpret_cast<const char*>(first_nonce), kNonceBytes);
-  message.append(reinterpret_cast<const char*>(second_nonce), kNonceBytes);
+Sha256Digest Proof(const std::string& secret, const char* label, size_t label_len,
+                   const uint8_t* first_nonce, const uint8_t* second_nonce) {
+  std::string message(label, label_len);
+  message.append(reinterpret_cast<const char*>(first_nonce), protocol::kNonceLen);
+  message.append(reinterpret_cast<const char*>(second_nonce), protocol::kNonceLen);
   return HmacSha256(secret, message);
 }
 
 void AppendKey(std::vector<char>* buf, const std::string& key) {
-  if (key.size() > kStoreMaxKeyBytes) {
+  if (key.size() > protocol::kMaxKeyLen) {
     throw std::runtime_error("rendezvous key of " + std::to_string(key.size()) +
                              " bytes is over the store's limit of " +
-                             std::to_string(kStoreMaxKeyBytes));
+                             std::to_string(protocol::kMaxKeyLen));
   }
   uint32_t n = static_cast<uint32_t>(key.size());
   const char* p = reinterpret_cast<const char*>(&n);
@@ -168,32 +161,36 @@ StoreClient::StoreClient(const std::string& host, int port,
 }
 
 bool StoreClient::Authenticate(const std::string& secret, std::string* why_not) {
-  SetIoTimeout(kHandshakeTimeout);
-  uint8_t hello[kHelloBytes + kNonceBytes];
+  // A store answers each handshake step at once; this only bounds a server
+  // that accepted and then went silent (the store itself drops a client
+  // that has not finished within the same time).
+  SetIoTimeout(protocol::kHandshakeTimeout);
+  uint8_t hello[protocol::kHelloLen + protocol::kNonceLen];
   if (!RecvFully(fd_, hello, sizeof(hello))) {
     *why_not = "the store closed the connection before the handshake; busy?";
     return false;
   }
-  if (std::memcmp(hello, kHelloMagic, sizeof(kHelloMagic)) != 0 ||
-      hello[kHelloBytes - 1] != kProtocolVersion) {
+  // The magic and the version byte.
+  if (std::memcmp(hello, protocol::kHello, protocol::kHelloLen) != 0) {
     throw std::runtime_error(
         "the server at " + where_ + " does not speak version " +
-        std::to_string(kProtocolVersion) +
+        std::to_string(protocol::kProtocolVersion) +
         " of the Perseus rendezvous protocol: is PERSEUS_RENDEZVOUS_PORT right, and do "
         "perseusrun and every rank run the same Perseus-TF version?");
   }
-  const uint8_t* server_nonce = hello + kHelloBytes;
-  uint8_t answer[kNonceBytes + kSha256Bytes];
+  const uint8_t* server_nonce = hello + protocol::kHelloLen;
+  uint8_t answer[protocol::kNonceLen + protocol::kMacLen];
   uint8_t* client_nonce = answer;
-  RandomBytes(client_nonce, kNonceBytes);
-  const Sha256Digest proof = Proof(secret, kClientProofLabel, server_nonce, client_nonce);
-  std::memcpy(answer + kNonceBytes, proof.data(), proof.size());
+  RandomBytes(client_nonce, protocol::kNonceLen);
+  const Sha256Digest proof = Proof(secret, protocol::kClientProofLabel,
+                                   protocol::kClientProofLabelLen, server_nonce, client_nonce);
+  std::memcpy(answer + protocol::kNonceLen, proof.data(), proof.size());
   uint8_t verdict = 0;
   if (!SendFully(fd_, answer, sizeof(answer)) || !RecvFully(fd_, &verdict, 1)) {
     *why_not = "the store closed the connection during the handshake; busy?";
     return false;
   }
-  if (verdict != 1) {
+  if (verdict != protocol::kAccepted) {
     throw std::runtime_error("the rendezvous store at " + where_ +
                              " rejected this process: PERSEUS_RENDEZVOUS_SECRET "
                              "does not match the job's secret");
@@ -203,7 +200,8 @@ bool StoreClient::Authenticate(const std::string& secret, std::string* why_not) 
     *why_not = "the store closed the connection during the handshake; busy?";
     return false;
   }
-  const Sha256Digest expected = Proof(secret, kServerProofLabel, client_nonce, server_nonce);
+  const Sha256Digest expected = Proof(secret, protocol::kServerProofLabel,
+                                      protocol::kServerProofLabelLen, client_nonce, server_nonce);
   if (!ConstantTimeEqual(server_proof.data(), expected.data(), expected.size())) {
     throw std::runtime_error("the server at " + where_ +
                              " is not this job's rendezvous store: it accepted this process "
@@ -240,12 +238,12 @@ void StoreClient::RecvAll(void* data, size_t n) {
 }
 
 void StoreClient::set(const std::string& key, const std::vector<char>& data) {
-  if (data.size() > kStoreMaxValueBytes) {
+  if (data.size() > protocol::kMaxValueLen) {
     throw std::runtime_error("rendezvous value of " + std::to_string(data.size()) +
                              " bytes for key '" + key + "' is over the store's limit of " +
-                             std::to_string(kStoreMaxValueBytes));
+                             std::to_string(protocol::kMaxValueLen));
   }
-  std::vector<char> msg{static_cast<char>(kSet)};
+  std::vector<char> msg{static_cast<char>(protocol::kCmdSet)};
   AppendKey(&msg, key);
   AppendPod<uint64_t>(&msg, data.size());
   msg.insert(msg.end(), data.begin(), data.end());
@@ -257,14 +255,14 @@ void StoreClient::set(const std::string& key, const std::vector<char>& data) {
 
 bool StoreClient::TryGet(const std::string& key, std::chrono::milliseconds timeout,
                          std::vector<char>* value) {
-  std::vector<char> msg{static_cast<char>(kGet)};
+  std::vector<char> msg{static_cast<char>(protocol::kCmdGet)};
   AppendKey(&msg, key);
   AppendPod<uint32_t>(&msg, static_cast<uint32_t>(timeout.count()));
   std::lock_guard<std::mutex> lock(mu_);
   SendAll(msg.data(), msg.size());
   uint8_t status;
   RecvAll(&status, 1);
-  if (status != 0) return false;
+  if (status != protocol::kStatusOk) return false;
   uint64_t n;
   RecvAll(&n, 8);
   value->resize(n);
@@ -299,7 +297,7 @@ void StoreClient::wait(const std::vector<std::string>& keys,
 }
 
 int64_t StoreClient::Add(const std::string& key, int64_t delta) {
-  std::vector<char> msg{static_cast<char>(kAdd)};
+  std::vector<char> msg{static_cast<char>(protocol::kCmdAdd)};
   AppendKey(&msg, key);
   AppendPod<int64_t>(&msg, delta);
   std::lock_guard<std::mutex> lock(mu_);
@@ -310,7 +308,7 @@ int64_t StoreClient::Add(const std::string& key, int64_t delta) {
 }
 
 void StoreClient::Own(const std::string& label) {
-  std::vector<char> msg{static_cast<char>(kOwn)};
+  std::vector<char> msg{static_cast<char>(protocol::kCmdOwn)};
   AppendKey(&msg, label);
   std::lock_guard<std::mutex> lock(mu_);
   SendAll(msg.data(), msg.size());

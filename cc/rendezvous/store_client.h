@@ -2,21 +2,21 @@
 // launcher) hosts. Gloo exchanges connection addresses through it, and the
 // runtime uses it to find out which rank failed.
 //
-// Wire protocol (little-endian), implemented in perseus_tf/runner/store.py,
-// whose docstring is the reference:
+// The wire protocol is defined once, in perseus_tf/runner/store_protocol.py
+// (its docstring describes the messages); store_protocol.h, generated from
+// it, holds every constant this client uses. In short (little-endian):
 //   handshake (the secret never crosses the network):
-//     server: "PERSEUS" u8 version(2), 32-byte server nonce
-//     client: 32-byte client nonce,
-//             HMAC-SHA256(secret, "perseus-store client proof" + snonce + cnonce)
-//     server: u8 1, HMAC-SHA256(secret, "perseus-store server proof" + cnonce + snonce)
-//             | u8 0 and close (wrong secret)
-//   SET=1 u32 klen key u64 vlen value        -> u8 0
-//   GET=2 u32 klen key u32 timeout_ms        -> u8 0 u64 vlen value | u8 1 (timeout)
-//   ADD=3 u32 klen key i64 delta             -> i64 new value
-//   OWN=4 u32 llen label                     -> u8 0; when this connection
-//         closes, the server sets "__closed__/<label>" (how a dead rank shows)
-//   Keys (and labels) over kStoreMaxKeyBytes and values over
-//   kStoreMaxValueBytes make the server close the connection.
+//     server: kHello (magic and version), server nonce
+//     client: client nonce, HMAC-SHA256(secret, kClientProofLabel + snonce + cnonce)
+//     server: kAccepted, HMAC-SHA256(secret, kServerProofLabel + cnonce + snonce)
+//             | kRejected and close (wrong secret)
+//   kCmdSet u32 klen key u64 vlen value      -> kStatusOk
+//   kCmdGet u32 klen key u32 timeout_ms      -> kStatusOk u64 vlen value | kStatusTimeout
+//   kCmdAdd u32 klen key i64 delta           -> i64 new value
+//   kCmdOwn u32 llen label                   -> kStatusOk; when this connection
+//         closes, the server sets kClosedPrefix + label (how a dead rank shows)
+//   Keys (and labels) over kMaxKeyLen and values over kMaxValueLen make the
+//   server close the connection.
 #pragma once
 
 #include <chrono>
@@ -28,12 +28,6 @@
 #include <gloo/rendezvous/store.h>
 
 namespace perseus {
-
-// Limits the store enforces (MAX_KEY_LEN / MAX_VALUE_LEN in store.py); the
-// runtime's largest value, a rank's Gloo address list, is about 140 bytes
-// per rank of the job.
-constexpr size_t kStoreMaxKeyBytes = 64 << 10;
-constexpr size_t kStoreMaxValueBytes = 256 << 20;
 
 class StoreClient : public gloo::rendezvous::Store {
  public:

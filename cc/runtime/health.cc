@@ -13,14 +13,16 @@
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
+#include "cc/rendezvous/store_protocol.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/shm_transport.h"
 
 namespace perseus {
 namespace {
 
+// What the store sets when the connection that rank Own()ed closes.
 std::string ClosedKey(const std::string& job, int rank) {
-  return "__closed__/" + job + "/rank" + std::to_string(rank);
+  return store_protocol::kClosedPrefix + job + "/rank" + std::to_string(rank);
 }
 
 std::string LeftKey(const std::string& job, int generation, int rank) {

@@ -13,7 +13,7 @@
 namespace perseus {
 
 // Who this process is and how to reach the others (the launcher's env
-// contract, already parsed and validated in Python: perseus_tf/config.py).
+// contract, already parsed and validated in Python: perseus_tf/config/).
 struct InitOptions {
   int rank = 0;
   int size = 1;

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         if store and not env.get("PERSEUS_HOST_ADDR"):
             # This host's address as the others reach it: the one that
             # routes to the store.
-            from perseus_tf.config import route_address
+            from perseus_tf.config.netaddr import route_address
             env["PERSEUS_HOST_ADDR"] = route_address(store)
     else:
         env["PERSEUS_RENDEZVOUS_SECRET"], private = _read_secret_and_private_env()
@@ -188,11 +188,11 @@ def main(argv=None) -> int:
         signal.signal(sig, forward)
     readers = []
     if mpi:
-        from perseus_tf.runner.launcher import _forward_lines
+        from perseus_tf.runner.output import forward_lines
         prefix = f"[{env.get('OMPI_COMM_WORLD_RANK', '?')}] ".encode()
         lock = threading.Lock()
         for pipe, stream in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_forward_lines, args=(pipe, stream, prefix, lock),
+            t = threading.Thread(target=forward_lines, args=(pipe, stream, prefix, lock),
                                  daemon=True)
             t.start()
             readers.append(t)
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
         remove_job_scratch(env["PERSEUS_JOB_ID"], rank)
     if mpi and proc.returncode != 0:
         # mpirun names the rank but not where it ran: say it, as perseusrun does.
-        from perseus_tf.runner.launcher import describe_status
+        from perseus_tf.runner.supervise import describe_status
         where = env.get("PERSEUS_HOST_ADDR") or os.uname().nodename
         print(f"perseus: rank {env.get('OMPI_COMM_WORLD_RANK', '?')} on {where} "
               f"{describe_status(proc.returncode)}", file=sys.stderr, flush=True)

@@ -11,49 +11,24 @@ strangers connect to it: the job's secret never crosses the network, and
 nothing a peer sends before it has proven that it knows the secret can make
 the store hold more than a fixed amount of memory, threads or time.
 
-Wire protocol (TCP, every integer little-endian):
+The wire protocol, with every constant of it, is defined in
+store_protocol.py (the C++ client includes the header generated from it).
+How this server treats connections:
 
-Handshake (challenge-response; HMAC is HMAC-SHA256 keyed with the secret)
-    1. The server sends ``b"PERSEUS"``, ``u8 version`` (2) and a fresh
-       32-byte random nonce ``SN``.
-    2. The client answers with its own 32-byte random nonce ``CN`` and
-       ``HMAC(b"perseus-store client proof" + SN + CN)`` (32 bytes).
-    3. The server compares that with ``hmac.compare_digest``. If it matches,
-       it answers ``u8 1`` and ``HMAC(b"perseus-store server proof" + CN +
-       SN)``, which the client checks: it then knows it reached this job's
-       store and not an impostor. Otherwise it answers ``u8 0`` and closes.
-    A recorded client answer is worthless on a new connection, whose ``SN``
-    differs; the two labels keep either side's proof from serving as the
-    other's. The whole handshake must end within the handshake timeout
-    (10 s), counted from when the server takes the connection up, not per
-    read: a client that trickles bytes is dropped on time. At most 128
-    connections may be in the handshake at once. Beyond that a newcomer
-    from one of the job's hosts takes the place of the oldest pending
-    connection from elsewhere (else the oldest of all); anyone else takes
-    the place of the oldest connection of the address that holds the most
-    slots, or is closed at once, without a thread, if that address is its
-    own. Clients try again (within their connect window) when a connection
-    closes before the verdict, but not after a rejection. Nothing else is
-    served before a successful handshake.
-
-Requests (any number, one at a time), each starting with ``u8 cmd``
-    SET=1  ``u32 keylen, key, u64 vallen, value`` -> ``u8 0``.
-           An existing key is overwritten.
-    GET=2  ``u32 keylen, key, u32 timeout_ms`` -> waits up to ``timeout_ms``
-           for the key to exist (0 = look once, do not wait); replies
-           ``u8 0, u64 vallen, value`` or ``u8 1`` on timeout.
-    ADD=3  ``u32 keylen, key, i64 delta`` -> ``i64 new value``. Adds atomically
-           to a counter (a missing key counts as 0). The counter is stored as
-           its 8-byte little-endian i64, which is what GET returns for it.
-    OWN=4  ``u32 labellen, label`` -> ``u8 0``. Marks the connection as owned
-           by ``label`` (a rank). When it closes, for whatever reason, the
-           server sets ``__closed__/<label>``: that is how the surviving
-           ranks learn which rank died.
-    Any other command, a key or label over 64 KiB, a value over 256 MiB, an
-    ADD on a key whose value is not 8 bytes, or an ADD that overflows i64
-    makes the server close the connection. (The runtime's largest value is
-    a rank's Gloo address list, about 140 bytes per rank of the job: 1.4 MB
-    at 10,000 ranks.)
+- Handshake: the whole handshake must end within the handshake timeout
+  (HANDSHAKE_TIMEOUT_S), counted from when the server takes the connection
+  up, not per read: a client that trickles bytes is dropped on time. The
+  proof is compared with ``hmac.compare_digest``. At most 128 connections
+  may be in the handshake at once. Beyond that a newcomer from one of the
+  job's hosts takes the place of the oldest pending connection from
+  elsewhere (else the oldest of all); anyone else takes the place of the
+  oldest connection of the address that holds the most slots, or is closed
+  at once, without a thread, if that address is its own. Clients try again
+  (within their connect window) when a connection closes before the
+  verdict, but not after a rejection.
+- Requests: a frame over the limits (MAX_KEY_LEN, MAX_VALUE_LEN), an unknown
+  command or a broken ADD closes that connection only; the store keeps
+  serving everyone else.
 """
 
 import hashlib
@@ -66,26 +41,11 @@ import struct
 import threading
 import time
 
-CMD_SET = 1
-CMD_GET = 2
-CMD_ADD = 3
-CMD_OWN = 4
-CLOSED_PREFIX = b"__closed__/"
+from perseus_tf.runner.store_protocol import (
+    ACCEPTED, CLIENT_PROOF_LABEL, CLOSED_PREFIX, CMD_ADD, CMD_GET, CMD_OWN, CMD_SET,
+    HANDSHAKE_TIMEOUT_S, HELLO, MAC_LEN, MAX_KEY_LEN, MAX_VALUE_LEN, NONCE_LEN,
+    PROTOCOL_VERSION, REJECTED, SERVER_PROOF_LABEL, STATUS_OK, STATUS_TIMEOUT)
 
-STATUS_OK = 0
-STATUS_TIMEOUT = 1
-
-PROTOCOL_VERSION = 2
-HELLO = b"PERSEUS" + bytes([PROTOCOL_VERSION])
-NONCE_LEN = 32
-MAC_LEN = 32
-CLIENT_PROOF_LABEL = b"perseus-store client proof"
-SERVER_PROOF_LABEL = b"perseus-store server proof"
-ACCEPTED = b"\x01"
-REJECTED = b"\x00"
-
-# For the whole handshake, from accepting the connection to the verdict.
-HANDSHAKE_TIMEOUT_S = 10.0
 # Connections the kernel completes before we accept them. socketserver's
 # default of 5 makes a burst of ranks wait for SYN retransmissions (1 s, then
 # 3 s ...); the kernel caps it at net.core.somaxconn.
@@ -93,9 +53,6 @@ LISTEN_BACKLOG = 1024
 # Connections accepted but not yet authenticated, each with a thread: beyond
 # this, new connections are closed at once and their clients try again.
 MAX_PENDING_HANDSHAKES = 128
-# Limits on what authenticated peers send; larger frames close the connection.
-MAX_KEY_LEN = 64 << 10
-MAX_VALUE_LEN = 256 << 20
 
 _U32_MAX = 2**32 - 1
 _I64_MIN = -(2**63)
@@ -239,10 +196,10 @@ class _Handler(socketserver.StreamRequestHandler):
         client_nonce, client_proof = answer[:NONCE_LEN], answer[NONCE_LEN:]
         expected = _proof(secret, CLIENT_PROOF_LABEL, server_nonce, client_nonce)
         if not hmac.compare_digest(client_proof, expected):
-            _send_before(sock, REJECTED, deadline)
+            _send_before(sock, bytes([REJECTED]), deadline)
             return False
-        _send_before(sock, ACCEPTED + _proof(secret, SERVER_PROOF_LABEL, client_nonce,
-                                             server_nonce), deadline)
+        server_proof = _proof(secret, SERVER_PROOF_LABEL, client_nonce, server_nonce)
+        _send_before(sock, bytes([ACCEPTED]) + server_proof, deadline)
         return True
 
     def _read_key(self) -> bytes:
@@ -509,7 +466,7 @@ class StoreClient:
             client_nonce = os.urandom(NONCE_LEN)
             sock.sendall(client_nonce + _proof(secret, CLIENT_PROOF_LABEL,
                                                server_nonce, client_nonce))
-            if _recv_exact_from(sock, 1) != ACCEPTED:
+            if _recv_exact_from(sock, 1) != bytes([ACCEPTED]):
                 raise PermissionError(
                     f"the rendezvous store at {self._where} rejected this process: "
                     "PERSEUS_RENDEZVOUS_SECRET (the secret given) does not match "

@@ -1,0 +1,161 @@
+"""The PERSEUS_* settings: Config, the variables that fill it, and ConfigError.
+
+Every variable is read here, validated, and handed to the native runtime as
+plain values. A bad value is an error naming the variable, the value and
+what is valid. Constructor arguments (PerseusStrategy, the Horovod shim)
+override the environment through `load_config(overrides)`.
+"""
+
+import dataclasses
+import os
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A PERSEUS_* (or launcher) variable has a value outside its valid range.
+
+    Every part of perseus_tf.config raises it: settings, env contracts,
+    addresses and the rendezvous store's secret."""
+
+
+@dataclasses.dataclass
+class Config:
+    """The runtime's options, one field a PERSEUS_* variable (VARIABLES)."""
+    allreduce_dtype: int = 0          # 0 fp16, 1 none, 2 mixed
+    gradient_scale: float = 10.0
+    allreduce_mode: Optional[int] = None
+    shm_allreduce: int = 1            # 1: shared memory when the world is one host
+    streams: Optional[int] = None     # None: auto_streams()
+    fusion: Optional[int] = None
+    offline_neg: Optional[int] = None
+    offline_neg_check_n_steps: int = 0  # compare the ranks' plans every N plan steps
+    accumulate_n_steps: int = 1
+    downsample_n_elements: int = 1
+    gradient_momentum: float = 1.0
+    topk: int = 0
+    topk_ratio: float = 0.01
+    topk_threshold: int = 1048576
+    topk_fp16: int = 0
+    nancheck: int = 0
+    perf_check_n_steps: int = 0
+    gloo_iface: str = ""
+    nccl_iface: str = ""
+    timeout_seconds: float = 60.0
+    fusion_threshold_bytes: int = 64 * 1024 * 1024
+    cycle_time_ms: float = 1.0
+    # A collective that some ranks submitted and others did not: rank 0
+    # names it after the check time (Horovod's stall inspector), and every
+    # rank fails it after the timeout. 1800 s, like PyTorch's default process
+    # group timeout: long enough for a rank-0-only save or evaluation, short
+    # enough that a job whose ranks diverged never waits forever.
+    stall_check_seconds: float = 60.0
+    stall_timeout_seconds: float = 1800.0
+    timeline: str = ""
+
+
+# field -> (variable, parser, description of the valid range)
+def _int_range(lo, hi):
+    def parse(text):
+        value = int(text)
+        if not lo <= value <= hi:
+            raise ValueError
+        return value
+    return parse, f"an integer from {lo} to {hi}"
+
+
+def _choice(*values):
+    def parse(text):
+        value = int(text)
+        if value not in values:
+            raise ValueError
+        return value
+    return parse, "one of " + ", ".join(str(v) for v in values)
+
+
+def _float_range(lo, hi, lo_open=False):
+    def parse(text):
+        value = float(text)
+        if not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise ValueError
+        return value
+    return parse, f"a number in {'(' if lo_open else '['}{lo}, {hi}]"
+
+
+def _string():
+    return str, "an interface name"
+
+
+VARIABLES = {
+    "allreduce_dtype": ("PERSEUS_ALLREDUCE_DTYPE", *_choice(0, 1, 2)),
+    "gradient_scale": ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", *_float_range(0, 1e6, lo_open=True)),
+    "allreduce_mode": ("PERSEUS_ALLREDUCE_MODE", *_choice(0, 1)),
+    "shm_allreduce": ("PERSEUS_SHM_ALLREDUCE", *_choice(0, 1)),
+    "streams": ("PERSEUS_ALLREDUCE_STREAMS", *_int_range(1, 12)),
+    "fusion": ("PERSEUS_ALLREDUCE_FUSION", *_int_range(0, 128)),
+    "offline_neg": ("PERSEUS_OFFLINE_NEG", *_choice(0, 1)),
+    "offline_neg_check_n_steps": ("PERSEUS_OFFLINE_NEG_CHECK_N_STEPS", *_int_range(0, 10**9)),
+    "accumulate_n_steps": ("PERSEUS_ACCUMULATE_N_STEPS", *_int_range(1, 1024)),
+    "downsample_n_elements": ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", *_int_range(1, 1024)),
+    "gradient_momentum": ("PERSEUS_GRADIENT_MOMENTUM", *_float_range(0, 1, lo_open=True)),
+    "topk": ("PERSEUS_TOPK_ALLREDUCE", *_choice(0, 1)),
+    "topk_ratio": ("PERSEUS_TOPK_RATIO", *_float_range(0, 1, lo_open=True)),
+    "topk_threshold": ("PERSEUS_TOPK_THRESHOLD", *_int_range(0, 2**40)),
+    "topk_fp16": ("PERSEUS_TOPK_FP16", *_choice(0, 1)),
+    "nancheck": ("PERSEUS_ALLREDUCE_NANCHECK", *_choice(0, 1)),
+    "perf_check_n_steps": ("PERSEUS_PERF_CHECK_N_STEPS", *_int_range(0, 10**9)),
+    "gloo_iface": ("PERSEUS_GLOO_NETWORK_INTERFACE", *_string()),
+    "nccl_iface": ("PERSEUS_NCCL_NETWORK_INTERFACE", *_string()),
+    "timeout_seconds": ("GLOO_TIMEOUT_SECONDS", *_float_range(1, 86400)),
+    "fusion_threshold_bytes": ("PERSEUS_FUSION_THRESHOLD", *_int_range(0, 2**40)),
+    "cycle_time_ms": ("PERSEUS_CYCLE_TIME_MS", *_float_range(0.05, 1000)),
+    "stall_check_seconds": ("PERSEUS_STALL_CHECK_TIME_SECONDS", *_float_range(0, 86400)),
+    "stall_timeout_seconds": ("PERSEUS_STALL_TIMEOUT_SECONDS", *_float_range(0, 86400)),
+    "timeline": ("PERSEUS_TIMELINE", *_string()),
+}
+
+
+def _parse(field, text, source):
+    variable, parser, valid = VARIABLES[field]
+    try:
+        return parser(str(text).strip())
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{source}={text!r} is invalid: it must be {valid}") from None
+
+
+def load_config(overrides=None, environ=None) -> Config:
+    """Reads every PERSEUS_* variable; `overrides` (field -> value) win."""
+    environ = os.environ if environ is None else environ
+    config = Config()
+    for field, (variable, _, _) in VARIABLES.items():
+        text = environ.get(variable)
+        if text is not None and text.strip() != "":
+            setattr(config, field, _parse(field, text, variable))
+    for field, value in (overrides or {}).items():
+        if field not in VARIABLES:
+            raise ConfigError(
+                f"unknown option {field!r}; valid options are: {', '.join(sorted(VARIABLES))}")
+        if value is not None:
+            setattr(config, field, _parse(field, value, f"option {field}"))
+    return config
+
+
+def auto_streams(local_size, cpus=None):
+    """PERSEUS_ALLREDUCE_STREAMS when unset: 4 (the documented default) when
+    each local rank has 4 or more CPUs, down to 2 on small machines, where
+    more stream threads compete with the ranks for cores."""
+    cpus = cpus or os.cpu_count() or 1
+    return max(2, min(4, cpus // max(1, local_size)))
+
+
+def env_int(environ, name, lo, hi):
+    """The integer variable `name` of environ, from lo to hi (ConfigError if not)."""
+    text = environ.get(name)
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={text!r} is invalid: it must be an integer") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"{name}={value} is out of range: it must be from {lo} to {hi}")
+    return value
+
