@@ -128,8 +128,9 @@ def check_allreduce_deprecated_average_flag_and_scales():
     np.testing.assert_allclose(got, 1.5 * sum(xs), rtol=1e-5, atol=1e-5)
     got = hvd.allreduce(tf.Variable(xs[R]), op=hvd.Average, postscale_factor=2.0).numpy()
     np.testing.assert_allclose(got, 2.0 * sum(xs) / N, rtol=1e-5, atol=1e-5)
-    expect(NotImplementedError, lambda: hvd.allreduce(tf.constant(xs[R]), op=hvd.Adasum),
-           "Average")
+    # Adasum takes the scale factors too (more in the Adasum checks below).
+    got = hvd.allreduce(tf.constant(xs[R]), op=hvd.Adasum, postscale_factor=2.0).numpy()
+    np.testing.assert_allclose(got, 2.0 * adasum_reference(xs), rtol=1e-5, atol=1e-6)
 
 
 def check_allreduce_fp16_compression():
@@ -463,7 +464,9 @@ def check_gradient_tape_average_sum_predivide_and_fp16():
     assert gw_fp16.dtype == tf.float32
     np.testing.assert_allclose(gw_fp16.numpy(), np.mean(grads, 0), rtol=1e-2, atol=1e-2)
     expect(ValueError, lambda: tape_grads(op=hvd.Sum, gradient_predivide_factor=2.0), "op")
-    expect(NotImplementedError, lambda: tape_grads(op=hvd.Adasum), "Average")
+    gw_adasum, gb_adasum = tape_grads(op=hvd.Adasum)
+    np.testing.assert_allclose(gw_adasum.numpy(), adasum_reference(grads), rtol=1e-5, atol=1e-6)
+    assert gb_adasum.dtype == tf.float64
 
 
 def check_gradient_tape_groups_and_tf_function():
