@@ -242,6 +242,11 @@ void Runtime::RunCycle(bool* stop) {
 }
 
 void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool joined) {
+  if (!response.real_request.empty() && !response.real_request[options_.rank]) {
+    // The refusal of a call this rank refused too: its request of the name,
+    // if any, is a later call.
+    return;
+  }
   std::vector<std::shared_ptr<Request>> requests;
   std::vector<std::shared_ptr<Request>> siblings;  // of a failed grouped call
   std::string not_submitted, fatal;

@@ -85,6 +85,19 @@ void Negotiator::BeginCycle(int64_t now_ms, bool any_in_plan) {
 
 void Negotiator::Add(int rank, const TensorMeta& meta) {
   ++adds_;
+  if (!(meta.flags & kMetaRejected)) {
+    auto refused = rejected_.find(meta.name);
+    if (refused != rejected_.end() && refused->second.seen[rank]) {
+      // This rank's earlier call of the name was refused and it has moved
+      // on to its next call (a retry, or the next eager call of a default
+      // name) while other ranks have not all answered the refused one. The
+      // new call waits until they have (the refusal ends with the cycle in
+      // which the last answer arrives); joining the table now would pair it
+      // with their answers to the refused call.
+      deferred_.push_back(Deferred{rank, meta, now_ms_});
+      return;
+    }
+  }
   auto it = table_.find(meta.name);
   if (it == table_.end()) {
     Entry e;
@@ -108,12 +121,6 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
     }
   }
   auto refused = rejected_.find(meta.name);
-  if (refused != rejected_.end() && refused->second.seen[rank] && !(meta.flags & kMetaRejected)) {
-    // This rank already had its request of the name fail: this is a new
-    // call (a retry), and the refusal is over.
-    rejected_.erase(refused);
-    refused = rejected_.end();
-  }
   if (refused != rejected_.end()) {
     // Fails now, on every rank that asked; later askers fail as they ask.
     if (!refused->second.seen[rank]) {
@@ -277,6 +284,12 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
   resp.op = e.metas[first].op;
   resp.names.push_back(name);
   resp.error = Validate(name, e);
+  if (!resp.error.ok() && rejected_.count(name)) {
+    resp.real_request.assign(size_, false);
+    for (int r = 0; r < size_; ++r) {
+      resp.real_request[r] = e.have[r] && !(e.metas[r].flags & kMetaRejected);
+    }
+  }
   if (resp.error.ok()) {
     if (resp.op == OpType::kAllgather) {
       std::vector<int64_t> dims;
@@ -342,6 +355,40 @@ std::vector<std::string> Negotiator::StallReport(int64_t check_ms) {
 std::vector<Response> Negotiator::TakeStalled(int64_t timeout_ms) {
   std::vector<Response> out;
   if (timeout_ms <= 0) return out;
+  // A call held back by a refused earlier call of its name that some ranks
+  // never answered.
+  for (auto d = deferred_.begin(); d != deferred_.end();) {
+    if (now_ms_ - d->since_ms < timeout_ms) {
+      ++d;
+      continue;
+    }
+    auto refused = rejected_.find(d->meta.name);
+    std::vector<int> missing;
+    std::string why;
+    if (refused != rejected_.end()) {
+      why = refused->second.message;
+      for (int r = 0; r < size_; ++r) {
+        if (!refused->second.seen[r]) missing.push_back(world_[r]);
+      }
+    }
+    std::ostringstream msg;
+    msg << "Perseus " << OpTypeName(d->meta.op) << " of tensor '" << d->meta.name
+        << "' stalled for " << (now_ms_ - d->since_ms) / 1000
+        << " s: an earlier call of this name failed (" << why << ") and "
+        << (missing.size() == 1 ? "rank " : "ranks ");
+    for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
+    msg << (missing.size() == 1 ? " has" : " have")
+        << " not made that call (PERSEUS_STALL_TIMEOUT_SECONDS=" << timeout_ms / 1000.0
+        << "); the ranks are running different collectives: check that every rank makes the "
+           "same calls";
+    Response resp;
+    resp.op = d->meta.op;
+    resp.names.push_back(d->meta.name);
+    resp.metas.push_back(d->meta);
+    resp.error = Status::Error(StatusCode::kFailedPrecondition, msg.str());
+    out.push_back(std::move(resp));
+    d = deferred_.erase(d);
+  }
   for (const auto& kv : WaitingSince(timeout_ms)) {
     const Entry& e = table_[kv.second];
     std::ostringstream msg;
@@ -494,6 +541,18 @@ std::vector<Response> Negotiator::TakeReady() {
   complete_.clear();
   for (auto it = rejected_.begin(); it != rejected_.end();) {
     it = it->second.count == size_ ? rejected_.erase(it) : std::next(it);
+  }
+  // Calls held back by a refusal that has now ended start negotiating.
+  if (!deferred_.empty()) {
+    std::vector<Deferred> waiting;
+    waiting.swap(deferred_);
+    for (const Deferred& d : waiting) {
+      if (rejected_.count(d.meta.name)) {
+        deferred_.push_back(d);
+      } else {
+        Add(d.rank, d.meta);
+      }
+    }
   }
   // A step boundary is only "clean" if no later name completed after it in
   // this same cycle; WatchForPlan leaves kReady set only then.

@@ -57,6 +57,11 @@ struct Response {
   std::vector<std::vector<int64_t>> splits;
   // Non-OK: every rank completes these names with this error.
   Status error;
+  // A refused call's error (kMetaRejected): per rank, whether its meta in
+  // that call was a real request. Only those ranks fail their pending
+  // request of the name; a rank that refused the call itself may already
+  // have its next call of the name pending. Empty: every rank.
+  std::vector<bool> real_request;
   // Offline plan bucket: >= 0 is this rank's vote, carried as one extra
   // summed element (1 = this rank's data does not fit: abort and leave).
   int carrier_vote = -1;
@@ -174,6 +179,14 @@ class Negotiator {
     int count = 0;
   };
   std::unordered_map<std::string, Rejection> rejected_;
+  // Calls of a refused name by ranks that already answered the refused
+  // call, held until every rank has (see Add).
+  struct Deferred {
+    int rank;
+    TensorMeta meta;
+    int64_t since_ms;
+  };
+  std::vector<Deferred> deferred_;
 
   // kWait: after a change, wait for a quiet moment (no plannable request
   // half-negotiated) so that recording starts at a step boundary.

@@ -190,3 +190,60 @@ TEST(TruncatedCycleMessagesAreRejected) {
     CHECK_THROWS(DecodeCycle(bytes.data(), bytes.size() - cut));
   }
 }
+
+namespace {
+TensorMeta Refused(const std::string& name) {
+  TensorMeta m = Meta(name, {}, DataType::kFloat32, kMetaRejected);
+  m.rejected = "allgather needs at least one dimension";
+  return m;
+}
+}  // namespace
+
+TEST(ANextCallOfARefusedNameWaitsForEveryRanksAnswerToTheRefusedOne) {
+  for (int mover : {0, 1}) {
+    const int slow = 1 - mover;
+    Negotiator n(2, 0);
+    n.BeginCycle(0, false);
+    n.Add(mover, Refused("g"));  // refused locally: this rank moves on
+    std::vector<Response> first = n.TakeReady();
+    CHECK_EQ(first.size(), 1u);
+    CHECK(!first[0].error.ok());
+    // One cycle brings the other rank's refusal of the same call and the
+    // mover's next call of the name (eager calls share a default name), in
+    // rank order: they must not be paired.
+    n.BeginCycle(1, false);
+    for (int r = 0; r < 2; ++r) n.Add(r, r == mover ? Meta("g", {1, 2}) : Refused("g"));
+    std::vector<Response> second = n.TakeReady();
+    CHECK_EQ(second.size(), 1u);
+    CHECK(!second[0].error.ok());
+    CHECK(second[0].error.message.find("refused its call") != std::string::npos);
+    CHECK(second[0].error.message.find("shape") == std::string::npos);
+    // Nobody made that call with a real request: no rank fails what it has
+    // pending under the name (the mover's next call).
+    CHECK(second[0].real_request == std::vector<bool>({false, false}));
+    CHECK(n.HasPending());  // the mover's next call, now negotiating
+    n.BeginCycle(2, false);
+    n.Add(slow, Meta("g", {1, 2}));
+    std::vector<Response> third = n.TakeReady();
+    CHECK_EQ(third.size(), 1u);
+    CHECK(third[0].error.ok());
+    CHECK(third[0].metas[0].shape == std::vector<int64_t>({1, 2}));
+  }
+}
+
+TEST(ACallHeldBackByARefusalNobodyAnswersStallsNamingTheRank) {
+  Negotiator n(2, 0);
+  n.BeginCycle(0, false);
+  n.Add(1, Refused("g"));
+  CHECK_EQ(n.TakeReady().size(), 1u);
+  n.BeginCycle(10, false);
+  n.Add(1, Meta("g", {3}));
+  CHECK(n.TakeReady().empty());
+  n.BeginCycle(5000, false);
+  CHECK(n.TakeStalled(10000).empty());
+  n.BeginCycle(20000, false);
+  std::vector<Response> stalled = n.TakeStalled(10000);
+  CHECK_EQ(stalled.size(), 1u);
+  CHECK(stalled[0].error.message.find("rank 0 has not made that call") != std::string::npos);
+  CHECK(stalled[0].error.message.find("'g'") != std::string::npos);
+}
