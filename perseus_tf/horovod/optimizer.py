@@ -11,7 +11,21 @@ from perseus_tf.horovod._process_sets import global_process_set
 from perseus_tf.horovod.compression import Compression
 
 
-class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+class _WrappingOptimizer(tf.compat.v1.train.Optimizer):
+    """A TF1 optimizer around another (self._optimizer): its slots and
+    variables are the wrapped optimizer's."""
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+class _DistributedOptimizer(_WrappingOptimizer):
     """Wraps a TF1 optimizer: `compute_gradients` returns gradients reduced
     across ranks; `apply_gradients` applies them (every k-th call when
     accumulating locally)."""
@@ -71,17 +85,8 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
         return tf.cond(self._is_step, apply, skip)
 
-    def get_slot(self, *args, **kwargs):
-        return self._optimizer.get_slot(*args, **kwargs)
 
-    def get_slot_names(self, *args, **kwargs):
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args, **kwargs):
-        return self._optimizer.variables(*args, **kwargs)
-
-
-class _DistributedAdasumOptimizer(tf.compat.v1.train.Optimizer):
+class _DistributedAdasumOptimizer(_WrappingOptimizer):
     """op=Adasum for a TF1 optimizer, as Horovod does it: Adasum combines the
     ranks' weight updates, not their gradients. Each rank applies its own
     gradients with the wrapped optimizer (so momentum or Adam shape the
@@ -149,15 +154,6 @@ class _DistributedAdasumOptimizer(tf.compat.v1.train.Optimizer):
             with tf.control_dependencies([count]):
                 return exchange()
         return tf.cond(tf.equal(count % self._passes, 0), exchange, lambda: tf.constant(False))
-
-    def get_slot(self, *args, **kwargs):
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args, **kwargs):
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args, **kwargs):
-        return self._optimizer.variables(*args, **kwargs)
 
 
 def _is_keras_optimizer(optimizer):
