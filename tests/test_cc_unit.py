@@ -12,7 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["cc/core/common.cc", "cc/core/reduce.cc", "cc/core/timeline.cc",
-           "cc/runtime/message.cc", "cc/runtime/negotiation.cc", "cc/runtime/fusion.cc",
+           "cc/runtime/message.cc", "cc/runtime/negotiation.cc", "cc/runtime/negotiation_plan.cc",
+           "cc/runtime/fusion.cc",
            "cc/runtime/plan.cc", "cc/transport/allreduce_algorithms.cc"]
 FLAGS = ["-std=c++17", "-O1", "-Wall", "-Wno-sign-compare", "-pthread", "-I" + ROOT]
 
