@@ -17,9 +17,10 @@ ALLOWED = {
     "core": set(),
     "rendezvous": {"core"},
     "transport": {"core"},
-    "runtime": {"core", "rendezvous", "transport"},
-    "tf": {"core", "runtime"},
-    "python": {"core", "rendezvous", "runtime"},
+    "device": {"core"},
+    "runtime": {"core", "device", "rendezvous", "transport"},
+    "tf": {"core", "device", "runtime"},
+    "python": {"core", "device", "rendezvous", "runtime"},
     "testing": set(),
 }
 # The data path: executing a bucket returns an outcome, it never reads plan state.

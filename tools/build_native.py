@@ -1,7 +1,7 @@
 """Compiles Perseus-TF's native code against the TensorFlow that is installed.
 
 Three shared objects land in one directory (the `perseus_tf` package):
-  libperseus_core.so   cc/core, cc/rendezvous, cc/transport, cc/runtime; no TensorFlow
+  libperseus_core.so   cc/core, cc/rendezvous, cc/transport, cc/device, cc/runtime; no TensorFlow
   _perseus_ops_tfX_Y.so  TensorFlow ops and kernels for TF X.Y, linked to libperseus_core.so
   _core<EXT_SUFFIX>    pybind11 module, linked to libperseus_core.so
 Both front ends load the same libperseus_core.so (found through
@@ -93,7 +93,7 @@ def build(out_dir=None, jobs=2, verbose=True):
 
     groups = {
         "core": (_sources("core") + _sources("rendezvous") + _sources("transport") +
-                 _sources("runtime") + _sources("runtime/compression"), []),
+                 _sources("device") + _sources("runtime") + _sources("runtime/compression"), []),
         "tf": (_sources("tf"), [f for f in tf_cflags if not f.startswith("-std=")]),
         "py": (_sources("python"), ["-I" + pybind11.get_include(),
                                     "-I" + sysconfig.get_paths()["include"],

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace perseus {
 namespace {
@@ -203,6 +205,15 @@ void ScaleTyped(void* data, size_t n, double factor) {
 bool CpuHasF16C() {
   static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
   return has;
+}
+
+ReduceFn HostReduceFn(DataType dtype, ReduceOp op) {
+  ReduceFn fn = GetReduceFn(dtype, op);
+  if (fn == nullptr) {
+    throw std::invalid_argument(std::string("reduction ") + ReduceOpName(op) +
+                                " is not defined for dtype " + DataTypeName(dtype));
+  }
+  return fn;
 }
 
 ReduceFn GetReduceFn(DataType dtype, ReduceOp op) {

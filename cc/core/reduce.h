@@ -17,6 +17,9 @@ using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
 
 // Returns nullptr when op does not apply to dtype (e.g. sum of bool).
 ReduceFn GetReduceFn(DataType dtype, ReduceOp op);
+// The same, throwing std::invalid_argument naming both instead of null:
+// what a transport uses to carry out the reduce operation it is given.
+ReduceFn HostReduceFn(DataType dtype, ReduceOp op);
 
 // data[i] *= factor, computed in double for integers (truncated toward zero).
 void ScaleBuffer(void* data, DataType dtype, size_t n, double factor);

@@ -82,13 +82,13 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
   const size_t row_elems = static_cast<size_t>(NumElements(trailing));
   std::vector<size_t> counts(options_.size);
   for (int i = 0; i < options_.size; ++i) counts[i] = (base + (i < extra ? 1 : 0)) * row_elems;
-  const ReduceFn fn = GetReduceFn(dtype, m.reduce_op);
+  const ReduceOp op = m.reduce_op;
   if (c_.topology.one_host_shm) {
     TimelineSpan span(timeline_, 1 + stream, "shm allreduce", "communication");
-    c_.groups.host->Allreduce(stream, buf.data(), n, dtype, fn);
+    c_.groups.host->Allreduce(stream, buf.data(), n, dtype, op);
   } else {
     TimelineSpan span(timeline_, 1 + stream, "gloo reduce-scatter", "communication");
-    c_.world->ReduceScatter(stream, buf.data(), counts, dtype, fn);
+    c_.world->ReduceScatter(stream, buf.data(), counts, dtype, op);
   }
   const int64_t me = options_.rank;
   const int64_t my_rows = base + (me < extra ? 1 : 0);

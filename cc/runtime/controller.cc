@@ -18,7 +18,7 @@
 #include "cc/runtime/faults.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
-#include "cc/transport/shm_transport.h"
+#include "cc/transport/factory.h"
 
 namespace perseus {
 namespace {

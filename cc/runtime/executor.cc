@@ -40,10 +40,11 @@ Executor::Executor(const ExecutorContext& context)
   compression.timeline = &timeline_;
   compression.world = c_.world;
   compression.residuals = &residuals_;
-  compression.allreduce = [this](int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
-                                 size_t half_across) {
-    AllreduceBuffer(stream, data, count, dtype, fn, half_across);
+  compression.allreduce = [this](int stream, DataPlane& plane, void* data, size_t count,
+                                 DataType dtype, ReduceOp op, size_t half_across) {
+    AllreduceBuffer(stream, plane, data, count, dtype, op, half_across);
   };
+  host_plane_ = MakeHostPlane(options_.streams + 1);
   fp16_ = MakeFp16Compressor(compression);
   topk_ = MakeTopkCompressor(compression);
   downsample_ = MakeDownsampleCompressor(compression);
@@ -150,7 +151,9 @@ void Executor::Run(int index, Response& response, Requests& requests) {
   }
   Status status;
   bool complete = true;
+  DataPlane* plane = host_plane_.get();
   try {
+    if (!response.control) plane = &PlaneOf(requests);
     complete = Execute(index, response, requests);
   } catch (const std::exception& e) {
     status = c_.fail(response.control ? std::string(e.what())
@@ -174,21 +177,129 @@ void Executor::Run(int index, Response& response, Requests& requests) {
     st.busy_seconds += secs;
     st.wait_seconds += std::chrono::duration<double>(start - oldest).count();
   }
-  if (complete) {
+  if (!complete) return;
+  if (plane->host()) {
     for (auto& q : requests) q->done(status);
+    return;
   }
+  // Done once the device work queued for them has finished.
+  plane->Finish(index, [requests, status] {
+    for (auto& q : requests) q->done(status);
+  });
+}
+
+DataPlane& Executor::PlaneFor(const Placement& where) {
+  if (where.kind == MemoryKind::kHost) return *host_plane_;
+  std::lock_guard<std::mutex> lock(planes_mu_);
+  auto key = std::make_pair(static_cast<int>(where.kind), where.device);
+  auto it = device_planes_.find(key);
+  if (it != device_planes_.end()) return *it->second;
+  std::unique_ptr<DataPlane> plane;
+  switch (where.kind) {
+    case MemoryKind::kSimulated:
+      plane = MakeSimPlane(options_.streams + 1);
+      break;
+    default:
+      throw std::runtime_error(std::string("this build of Perseus has no data plane for ") +
+                               MemoryKindName(where.kind) + " memory");
+  }
+  DataPlane& out = *plane;
+  device_planes_[key] = std::move(plane);
+  return out;
+}
+
+DataPlane& Executor::PlaneOf(const Requests& requests) {
+  for (const auto& q : requests) {
+    if (q->where.kind != MemoryKind::kHost) return PlaneFor(q->where);
+  }
+  return *host_plane_;
+}
+
+bool Executor::Staged(int stream, DataPlane& plane, Requests& requests,
+                      const std::function<bool(Requests&)>& body) {
+  struct Stage {
+    std::vector<char> in, out;
+    std::vector<int64_t> shape;
+    bool allocated = false;
+  };
+  std::vector<Stage> stages(requests.size());
+  Requests host;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Request& q = *requests[i];
+    Stage& st = stages[i];
+    auto h = std::make_shared<Request>();
+    h->meta = q.meta;
+    const size_t esize = DataTypeSize(q.meta.dtype);
+    const size_t bytes = static_cast<size_t>(NumElements(q.meta.shape)) * esize;
+    if (q.input) {
+      st.in.resize(bytes);
+      plane.ToHost(stream, st.in.data(), q.input, bytes);
+      h->input = st.in.data();
+    }
+    if (q.output) {
+      if (q.output == q.input) {
+        h->output = st.in.data();
+      } else {
+        st.out.resize(bytes);
+        h->output = st.out.data();
+      }
+    }
+    if (q.allocate) {
+      Stage* s = &st;
+      h->allocate = [s, esize](const std::vector<int64_t>& shape) -> void* {
+        s->shape = shape;
+        s->allocated = true;
+        s->out.resize(static_cast<size_t>(NumElements(shape)) * esize);
+        return s->out.data();
+      };
+    }
+    host.push_back(std::move(h));
+  }
+  if (!body(host)) return false;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    Request& q = *requests[i];
+    Request& h = *host[i];
+    Stage& st = stages[i];
+    q.received_splits = h.received_splits;
+    q.result = h.result;
+    if (st.allocated) {
+      void* out = q.allocate(st.shape);
+      if (out == nullptr && !st.out.empty()) {
+        throw std::runtime_error("could not allocate the output");
+      }
+      plane.FromHost(stream, out, st.out.data(), st.out.size());
+    } else if (q.output) {
+      const size_t bytes = static_cast<size_t>(NumElements(q.meta.shape)) *
+                           DataTypeSize(q.meta.dtype);
+      plane.FromHost(stream, q.output, h.output, bytes);
+    }
+  }
+  return true;
 }
 
 bool Executor::Execute(int stream, const Response& r, Requests& requests) {
   if (r.control) {
-    r.control([this, stream](void* data, size_t count, DataType dtype, ReduceFn fn) {
-      AllreduceBuffer(stream, data, count, dtype, fn);
+    r.control([this, stream](void* data, size_t count, DataType dtype, ReduceOp op) {
+      AllreduceBuffer(stream, *host_plane_, data, count, dtype, op);
     });
     return true;
   }
   if (requests.size() != r.names.size()) {
     throw std::runtime_error("internal error: response and local requests disagree");
   }
+  DataPlane& plane = PlaneOf(requests);
+  if (plane.host()) return ExecuteOnHost(stream, r, requests);
+  for (auto& q : requests) plane.WaitReady(stream, q->where);
+  const int compression = r.op == OpType::kAllreduce ? r.metas[0].compression : 0;
+  if (r.op == OpType::kAllreduce && compression != kCompressTopk &&
+      compression != kCompressDownsample) {
+    return Allreduce(stream, r, requests);
+  }
+  return Staged(stream, plane, requests,
+                [&](Requests& host) { return ExecuteOnHost(stream, r, host); });
+}
+
+bool Executor::ExecuteOnHost(int stream, const Response& r, Requests& requests) {
   switch (r.op) {
     case OpType::kAllreduce:
       return Allreduce(stream, r, requests);
@@ -220,71 +331,89 @@ bool Executor::Execute(int stream, const Response& r, Requests& requests) {
 bool Executor::Allreduce(int stream, const Response& r, Requests& requests) {
   const TensorMeta& m0 = r.metas[0];
   StreamScratch& scratch = streams_[stream]->scratch;
+  DataPlane& plane = PlaneOf(requests);
   switch (m0.compression) {
-    case kCompressFp16: return fp16_->Allreduce(stream, scratch, r, requests);
-    case kCompressTopk: return topk_->Allreduce(stream, scratch, r, requests);
-    case kCompressDownsample: return downsample_->Allreduce(stream, scratch, r, requests);
+    case kCompressFp16: return fp16_->Allreduce(stream, plane, scratch, r, requests);
+    case kCompressTopk: return topk_->Allreduce(stream, plane, scratch, r, requests);
+    case kCompressDownsample: return downsample_->Allreduce(stream, plane, scratch, r, requests);
     default: break;
   }
   const DataType dtype = m0.dtype;
   const size_t esize = DataTypeSize(dtype);
-  ReduceFn fn = GetReduceFn(dtype, m0.reduce_op);
+  const ReduceOp op = m0.reduce_op;
   const double post = PostScale(m0, options_.size);
   const bool carrier = r.carrier_vote >= 0;
   const bool mixed = m0.compression == kCompressMixed;
   if (requests.size() == 1 && !carrier) {
     Request& q = *requests[0];
     size_t n = static_cast<size_t>(NumElements(q.meta.shape));
-    if (q.output != q.input && n) std::memcpy(q.output, q.input, n * esize);
-    ScaleBuffer(q.output, dtype, n, m0.prescale);
-    AllreduceBuffer(stream, q.output, n, dtype, fn, mixed ? n : 0);
-    ScaleBuffer(q.output, dtype, n, post);
+    plane.Copy(stream, {{q.input, q.output, n * esize}});
+    plane.Scale(stream, q.output, dtype, n, m0.prescale);
+    AllreduceBuffer(stream, plane, q.output, n, dtype, op, mixed ? n : 0);
+    plane.Scale(stream, q.output, dtype, n, post);
     return true;
   }
   // Fused bucket: pack, reduce once (with a plan bucket's extras), unpack.
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
-  std::vector<char>& buf = scratch.fusion;
-  const size_t slots = total + ExtraSlots(r);
-  if (buf.size() < slots * esize) buf.resize(slots * esize);
+  const size_t extras = ExtraSlots(r);
+  const size_t slots = total + extras;
+  char* buf = static_cast<char*>(plane.Buffer(stream, PlaneBuffer::kFusion, slots * esize));
+  std::vector<CopySpan> spans;
+  spans.reserve(requests.size());
   size_t offset = 0;
   {
     TimelineSpan pack(timeline_, 1 + stream, "pack", "memory");
     for (auto& q : requests) {
       const size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
-      if (bytes) std::memcpy(buf.data() + offset, q->input, bytes);
+      spans.push_back({q->input, buf + offset, bytes});
       offset += bytes;
     }
-    ScaleBuffer(buf.data(), dtype, total, m0.prescale);
+    plane.Copy(stream, spans);
+    plane.Scale(stream, buf, dtype, total, m0.prescale);
   }
-  if (carrier) WriteExtras(buf.data() + total * esize, dtype, r, options_.rank);
-  AllreduceBuffer(stream, buf.data(), slots, dtype, fn, mixed ? total : 0);
-  if (carrier && !Deliver(r, ReadOutcome(buf.data() + total * esize, dtype, r))) {
-    return false;  // voted down: outputs untouched, the plan took the requests back
+  std::vector<char> extra(extras * esize);
+  if (carrier) {
+    WriteExtras(extra.data(), dtype, r, options_.rank);
+    plane.FromHost(stream, buf + total * esize, extra.data(), extra.size());
   }
-  ScaleBuffer(buf.data(), dtype, total, post);
-  offset = 0;
-  for (auto& q : requests) {
-    const size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
-    if (bytes) std::memcpy(q->output, buf.data() + offset, bytes);
-    offset += bytes;
+  AllreduceBuffer(stream, plane, buf, slots, dtype, op, mixed ? total : 0);
+  if (carrier) {
+    plane.ToHost(stream, extra.data(), buf + total * esize, extra.size());
+    if (!Deliver(r, ReadOutcome(extra.data(), dtype, r))) {
+      return false;  // voted down: outputs untouched, the plan took the requests back
+    }
   }
+  plane.Scale(stream, buf, dtype, total, post);
+  offset = 0;  // the same spans back, from the bucket to each output
+  for (size_t i = 0; i < requests.size(); ++i) {
+    spans[i].src = buf + offset;
+    spans[i].dst = requests[i]->output;
+    offset += spans[i].bytes;
+  }
+  plane.Copy(stream, spans);
   return true;
 }
 
-void Executor::AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
-                               size_t half_across) {
+void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count,
+                               DataType dtype, ReduceOp op, size_t half_across) {
+  const size_t bytes = count * DataTypeSize(dtype);
+  void* data = buf;
+  if (!plane.host()) {
+    data = plane.Buffer(stream, PlaneBuffer::kStaging, bytes);
+    plane.ToHost(stream, data, buf, bytes);
+  }
   AllreduceCall call;
   call.channel = stream;
-  call.data = buf;
+  call.data = data;
   call.count = count;
   call.dtype = dtype;
-  call.fn = fn;
+  call.op = op;
   call.half_across = half_across;
   call.scale = static_cast<float>(options_.gradient_scale);
   call.half = &streams_[stream]->scratch.half;
-  RunAllreduce(ChooseAllreduce(count * DataTypeSize(dtype), half_across > 0, c_.topology),
-               c_.groups, call, timeline_);
+  RunAllreduce(ChooseAllreduce(bytes, half_across > 0, c_.topology), c_.groups, call, timeline_);
+  if (!plane.host()) plane.FromHost(stream, buf, data, bytes);
 }
 
 int64_t Executor::PayloadBytes(const TensorMeta& m) const {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,6 +23,7 @@
 
 #include "cc/core/common.h"
 #include "cc/core/timeline.h"
+#include "cc/device/data_plane.h"
 #include "cc/runtime/compression/compression.h"
 #include "cc/runtime/negotiation.h"
 #include "cc/runtime/options.h"
@@ -64,6 +66,11 @@ class Executor {
 
   std::vector<StreamStats> stats();
 
+  // The data plane of memory placed as `where` (data_plane.h), made on
+  // first use with one stream of its own per executor stream. Throws when
+  // this build has no such device.
+  DataPlane& PlaneFor(const Placement& where);
+
  private:
   struct Stream {
     std::thread thread;
@@ -78,11 +85,21 @@ class Executor {
 
   void StreamLoop(int stream);
   void Run(int stream, Response& response, Requests& requests);
+  // The plane a response's requests run on: the first device placement
+  // among them (host requests beside it are copied in and out), else host.
+  DataPlane& PlaneOf(const Requests& requests);
+  // Runs `body` on host copies of requests that live on a device plane, then
+  // copies the results back: collectives with no device path of their own.
+  bool Staged(int stream, DataPlane& plane, Requests& requests,
+              const std::function<bool(Requests&)>& body);
+  bool ExecuteOnHost(int stream, const Response& r, Requests& requests);
   // False when the requests must not be completed (a voted-down plan bucket).
   bool Execute(int stream, const Response& r, Requests& requests);
   bool Allreduce(int stream, const Response& r, Requests& requests);
-  void AllreduceBuffer(int stream, void* buf, size_t count, DataType dtype, ReduceFn fn,
-                       size_t half_across = 0);
+  // Allreduces a buffer of `plane` (staged through host memory when it is
+  // a device's: the transports move host memory).
+  void AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,
+                       ReduceOp op, size_t half_across = 0);
   void Allgather(int stream, const Response& r, Request& q);
   void Alltoall(int stream, const Response& r, Request& q);
   void Reducescatter(int stream, const Response& r, Request& q);
@@ -95,6 +112,9 @@ class Executor {
   Residuals residuals_;
   std::unique_ptr<Compressor> fp16_, topk_, downsample_;
   std::vector<std::unique_ptr<Stream>> streams_;
+  std::mutex planes_mu_;
+  std::unique_ptr<DataPlane> host_plane_;
+  std::map<std::pair<int, int>, std::unique_ptr<DataPlane>> device_planes_;  // (kind, device)
   std::mutex stats_mu_;
   std::vector<StreamStats> stats_;
 };

@@ -15,7 +15,7 @@
 #include "cc/rendezvous/store_client.h"
 #include "cc/rendezvous/store_protocol.h"
 #include "cc/runtime/runtime_internal.h"
-#include "cc/transport/shm_transport.h"
+#include "cc/transport/factory.h"
 
 namespace perseus {
 namespace {
@@ -86,7 +86,7 @@ void Runtime::Fail(const std::string& what) {
   msg << what << ". Collectives cannot continue; restart the job.";
   Status status = Status::Error(StatusCode::kUnavailable, msg.str());
   RecordFirstFailure(culprits, msg.str());
-  if (shm_) shm_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
+  if (transports_) transports_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
   {
     std::lock_guard<std::mutex> lock(mu_);
     failure_ = status;
@@ -124,7 +124,7 @@ void Runtime::AnnounceLeaving() {
       // the store is gone: the others still see the closed connections
     }
   }
-  if (shm_) shm_->Abort();  // ranks waiting for this one in a barrier stop waiting
+  if (transports_) transports_->Abort();  // ranks waiting for this one in a barrier stop waiting
 }
 
 std::string Runtime::HeartbeatKey(int world_rank) const {

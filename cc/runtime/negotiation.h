@@ -40,7 +40,7 @@ struct BucketOutcome {
 };
 
 // A stream's allreduce of a buffer (its algorithm chosen as for any bucket).
-using BufferAllreduce = std::function<void(void* data, size_t count, DataType dtype, ReduceFn fn)>;
+using BufferAllreduce = std::function<void(void* data, size_t count, DataType dtype, ReduceOp op)>;
 
 // One unit of work that every rank executes in the same order.
 struct Response {

@@ -15,7 +15,7 @@
 #include "cc/rendezvous/store_client.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
-#include "cc/transport/shm_transport.h"
+#include "cc/transport/factory.h"
 
 namespace perseus {
 // ---- Plan check (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS) ------------------------
@@ -75,7 +75,7 @@ void Runtime::CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce
   const uint64_t whole = Fnv1a(digests.data(), digests.size() * sizeof(int64_t));
   const int64_t all = static_cast<int64_t>((whole >> 2) | 1);
   const int64_t count = static_cast<int64_t>(digests.size());
-  ReduceFn min64 = GetReduceFn(DataType::kInt64, ReduceOp::kMin);
+  const ReduceOp min64 = ReduceOp::kMin;
   // Minimum of x and of -x: the smallest and (negated) largest value.
   std::vector<int64_t> head{all, -all, count, -count};
   allreduce(head.data(), head.size(), DataType::kInt64, min64);
@@ -105,8 +105,7 @@ void Runtime::CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce
                                    : "no tensor (its plan has " + std::to_string(count) + ")";
   mine.resize(std::min(mine.size(), kPlanCheckText - 1));
   std::memcpy(text.data() + kPlanCheckText * options_.rank, mine.data(), mine.size());
-  allreduce(text.data(), text.size(), DataType::kUint8,
-            GetReduceFn(DataType::kUint8, ReduceOp::kSum));
+  allreduce(text.data(), text.size(), DataType::kUint8, ReduceOp::kSum);
   // Ranks grouped by what they hold, in order of first appearance.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
   for (int r = 0; r < options_.size; ++r) {

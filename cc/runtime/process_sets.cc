@@ -14,7 +14,7 @@
 #include "cc/rendezvous/store_client.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
-#include "cc/transport/shm_transport.h"
+#include "cc/transport/factory.h"
 
 namespace perseus {
 

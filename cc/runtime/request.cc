@@ -15,7 +15,7 @@
 #include "cc/runtime/message.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
-#include "cc/transport/shm_transport.h"
+#include "cc/transport/factory.h"
 
 namespace perseus {
 Status Runtime::Check(Request& request) {
@@ -57,9 +57,13 @@ Status Runtime::Check(Request& request) {
       return invalid("prescale_factor and postscale_factor must be finite numbers; got " +
                      got.str());
     }
-    if (options_.nancheck && IsFloatingPoint(m.dtype) && request.input != nullptr &&
-        HasNonFinite(request.input, m.dtype, static_cast<size_t>(NumElements(m.shape)))) {
-      request.meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)
+    if (options_.nancheck && IsFloatingPoint(m.dtype) && request.input != nullptr) {
+      const size_t n = static_cast<size_t>(NumElements(m.shape));
+      const bool bad = request.where.kind == MemoryKind::kHost
+                           ? HasNonFinite(request.input, m.dtype, n)
+                           : executor_->PlaneFor(request.where)
+                                 .HasNonFinite(request.where, request.input, m.dtype, n);
+      if (bad) request.meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)
     }
   }
   // Compression applies to float32 sums and averages; anything else travels

@@ -9,17 +9,22 @@
 #include <vector>
 
 #include "cc/core/common.h"
+#include "cc/device/data_plane.h"
 
 namespace perseus {
 
 // One collective a caller asked for. `done` runs exactly once, on a runtime
-// thread, after the output is written (or with an error).
+// thread, after the output is written (or with an error): for device memory,
+// once the device work that writes it has finished.
 struct Request {
   TensorMeta meta;
   const void* input = nullptr;
   // Allreduce and broadcast write here (may equal input). Ops whose output
   // shape depends on other ranks leave it null and provide `allocate`.
   void* output = nullptr;
+  // Where input and output live (host unless a device's producer said so);
+  // a result allocated through `allocate` lives there too.
+  Placement where;
   std::function<void*(const std::vector<int64_t>& shape)> allocate;
   std::vector<int64_t> received_splits;  // alltoall: rows from each rank
   int64_t result = 0;                     // join: the rank that joined last

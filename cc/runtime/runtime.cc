@@ -18,7 +18,7 @@
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/allreduce_algorithms.h"
 #include "cc/transport/gloo_transport.h"
-#include "cc/transport/shm_transport.h"
+#include "cc/transport/factory.h"
 
 namespace perseus {
 int Runtime::WorldRank(int r) const {
@@ -83,34 +83,26 @@ Status Runtime::Init(const InitOptions& options) {
         }
       }
     }
+    transports_.reset();
     ConnectTransport(&bo);
-    shm_.reset();
-    // Shared memory inside each host: for the whole allreduce when the job
-    // is one host, for the host phases of the two-level one otherwise.
-    if (options.shm && options.process_set_id == 0 && options.local_size > 1 &&
-        (options.cross_size == 1 || transport_->hierarchical())) {
-      std::string why_not;
+    TransportTopology topo;
+    topo.rank = options.rank;
+    topo.size = options.size;
+    topo.local_rank = options.local_rank;
+    topo.local_size = options.local_size;
+    topo.cross_rank = options.cross_rank;
+    topo.cross_size = options.cross_size;
+    topo.streams = bo.streams;
+    topo.world_group = options.process_set_id == 0;
+    topo.shm_allowed = options.shm;
+    topo.allreduce_mode = options.allreduce_mode;
+    topo.key_prefix = bo.key_prefix;
+    topo.timeout = bo.timeout;
+    transports_ = BuildTransports(*transport_, topo, [this] {
       if (faults_) faults_->BeforeSharedMemory();
-      GlooTransport& world = *transport_;
-      auto agree_min = [&world](int32_t value) {
-        world.Allreduce(Transport::kControl, &value, 1, DataType::kInt32,
-                        GetReduceFn(DataType::kInt32, ReduceOp::kMin));
-        return value;
-      };
-      shm_ = ShmTransport::Connect(agree_min, options.rank, bo.key_prefix, options.local_rank,
-                                   options.local_size, options.cross_rank, bo.streams,
-                                   bo.timeout, &why_not);
-      if (!shm_ && (options.rank == 0 || !why_not.empty())) {
-        std::fprintf(stderr,
-                     "Perseus rank %d: allreduce uses Gloo over TCP, not shared memory: %s "
-                     "(PERSEUS_SHM_ALLREDUCE=0 turns shared memory off)\n",
-                     options.rank,
-                     why_not.empty() ? "another rank could not map the shared segments"
-                                     : why_not.c_str());
-      }
-    }
+    });
   } catch (const std::exception& e) {
-    shm_.reset();
+    transports_.reset();
     transport_.reset();
     store_.reset();
     return Status::Error(StatusCode::kUnavailable,
@@ -140,7 +132,7 @@ Status Runtime::Init(const InitOptions& options) {
     stats_ = Stats();
     stats_.streams.resize(options.streams + 1);
     stats_.hierarchical = transport_->hierarchical() && options.allreduce_mode != 0;
-    stats_.shm = shm_ != nullptr;
+    stats_.shm = transports_->shm();
   }
   dispatched_ = 0;
   state_ = State::kRunning;
@@ -156,12 +148,8 @@ Status Runtime::Init(const InitOptions& options) {
   ExecutorContext ec;
   ec.options = options_;
   ec.world = transport_.get();
-  ec.topology.one_host_shm = shm_ && options.cross_size == 1;
-  ec.topology.two_level = transport_->hierarchical();
-  ec.topology.mode = options.allreduce_mode;
-  ec.groups.world = transport_.get();
-  ec.groups.host = shm_ ? static_cast<GroupCollectives*>(shm_.get()) : transport_->host();
-  ec.groups.leaders = transport_->leaders();
+  ec.topology = transports_->topology();
+  ec.groups = transports_->groups();
   ec.timeline = &timeline_;
   ec.failure = [this] {
     if (state_.load() != State::kFailed) return Status::OK();
@@ -189,7 +177,7 @@ void Runtime::Shutdown() {
   FailAllPending(Status::Error(StatusCode::kUnavailable,
                                "Perseus was shut down before this collective ran"));
   StopHeartbeat();
-  shm_.reset();
+  transports_.reset();
   transport_.reset();
   store_.reset();
   std::string timeline_error;
@@ -304,8 +292,7 @@ Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype) {
   std::lock_guard<std::mutex> lock(raw_mu_);
   try {
     if (store_) transport_->CreateRawChannel(*store_);
-    transport_->Allreduce(GlooTransport::kRawChannel, data, count, dtype,
-                        GetReduceFn(dtype, ReduceOp::kSum));
+    transport_->Allreduce(GlooTransport::kRawChannel, data, count, dtype, ReduceOp::kSum);
   } catch (const std::exception& e) {
     return Status::Error(StatusCode::kUnavailable, std::string("raw allreduce failed: ") + e.what());
   }

@@ -54,7 +54,7 @@
 namespace perseus {
 
 class GlooTransport;
-class ShmTransport;
+class TransportSet;
 class StoreClient;
 
 // The first failure of any runtime in this process (world or process set):
@@ -183,7 +183,7 @@ class Runtime {
   void StartHeartbeat();
   void StopHeartbeat();
   std::unique_ptr<GlooTransport> transport_;
-  std::unique_ptr<ShmTransport> shm_;  // among this host's ranks
+  std::unique_ptr<TransportSet> transports_;  // the data plane's (factory.h)
   std::unique_ptr<Negotiator> negotiator_;
 
   std::mutex mu_;  // guards queue_, pending_, shutdown_requested_, failure_

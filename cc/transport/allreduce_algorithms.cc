@@ -27,7 +27,7 @@ namespace {
 void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& timeline) {
   const int stream = call.channel;
   const DataType dtype = call.dtype;
-  const ReduceFn fn = call.fn;
+  const ReduceOp op = call.op;
   const size_t count = call.count, half_across = call.half_across;
   const size_t esize = DataTypeSize(dtype);
   const size_t chunk = std::max<size_t>(1, (size_t{4} << 20) / esize);
@@ -44,7 +44,7 @@ void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& tim
     const size_t at = first(c), n = length(c);
     if (half_across == 0) {
       TimelineSpan ring(timeline, 1 + stream, "cross-host allreduce", "communication");
-      g.leaders->Allreduce(stream, base + at * esize, n, dtype, fn);
+      g.leaders->Allreduce(stream, base + at * esize, n, dtype, op);
       return;
     }
     float* f = reinterpret_cast<float*>(base) + at;
@@ -55,8 +55,7 @@ void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& tim
     FloatToHalfScaled(f + scaled, h + scaled, n - scaled, 1.0f);
     {
       TimelineSpan ring(timeline, 1 + stream, "cross-host allreduce (fp16)", "communication");
-      g.leaders->Allreduce(stream, h, n, DataType::kFloat16,
-                           GetReduceFn(DataType::kFloat16, ReduceOp::kSum));
+      g.leaders->Allreduce(stream, h, n, DataType::kFloat16, ReduceOp::kSum);
     }
     HalfToFloatScaled(h, f, scaled, 1.0f / call.scale);
     HalfToFloatScaled(h + scaled, f + scaled, n - scaled, 1.0f);
@@ -103,7 +102,7 @@ void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& tim
     for (size_t c = 0; c < chunks; ++c) {
       {
         TimelineSpan span(timeline, 1 + stream, "host reduce", "communication");
-        g.host->Reduce(stream, base + first(c) * esize, length(c), dtype, fn);
+        g.host->Reduce(stream, base + first(c) * esize, length(c), dtype, op);
       }
       std::lock_guard<std::mutex> lock(mu);
       reduced = c + 1;
@@ -135,13 +134,13 @@ void RunAllreduce(AllreduceAlgorithm algorithm, const AllreduceGroups& g,
     case AllreduceAlgorithm::kShm: {
       TimelineSpan span(timeline, 1 + call.channel,
                         half ? "shm allreduce (fp16)" : "shm allreduce", "communication");
-      g.host->Allreduce(call.channel, call.data, call.count, call.dtype, call.fn);
+      g.host->Allreduce(call.channel, call.data, call.count, call.dtype, call.op);
       return;
     }
     case AllreduceAlgorithm::kFlatRing: {
       TimelineSpan ring(timeline, 1 + call.channel,
                         half ? "gloo allreduce (fp16)" : "gloo allreduce", "communication");
-      g.world->Allreduce(call.channel, call.data, call.count, call.dtype, call.fn);
+      g.world->Allreduce(call.channel, call.data, call.count, call.dtype, call.op);
       return;
     }
     case AllreduceAlgorithm::kTwoLevel:

@@ -40,7 +40,7 @@ struct AllreduceCall {
   void* data = nullptr;
   size_t count = 0;
   DataType dtype = DataType::kFloat32;
-  ReduceFn fn = nullptr;
+  ReduceOp op = ReduceOp::kSum;
   // Mixed compression (float32, kTwoLevel only): between hosts, the first
   // half_across elements travel as float16 times `scale`, the rest as plain
   // float16, through `half` (grown as needed).

@@ -13,11 +13,11 @@ namespace {
 class FakeGroup : public GroupCollectives {
  public:
   explicit FakeGroup(int members) : members_(members) {}
-  void Allreduce(int, void* data, size_t count, DataType dtype, ReduceFn) override {
+  void Allreduce(int, void* data, size_t count, DataType dtype, ReduceOp) override {
     ++calls;
     ScaleBuffer(data, dtype, count, members_);
   }
-  void Reduce(int, void* data, size_t count, DataType dtype, ReduceFn) override {
+  void Reduce(int, void* data, size_t count, DataType dtype, ReduceOp) override {
     ++calls;
     ScaleBuffer(data, dtype, count, members_);
   }
@@ -58,7 +58,7 @@ TEST(TwoLevelPipelinesChunksThroughHostAndLeaders) {
   call.data = data.data();
   call.count = data.size();
   call.dtype = DataType::kFloat32;
-  call.fn = GetReduceFn(DataType::kFloat32, ReduceOp::kSum);
+  call.op = ReduceOp::kSum;
   call.half = &half;
   Timeline timeline;
   RunAllreduce(AllreduceAlgorithm::kTwoLevel, groups, call, timeline);
@@ -79,7 +79,7 @@ TEST(MixedTwoLevelSendsFloat16BetweenHosts) {
   call.data = data.data();
   call.count = data.size();
   call.dtype = DataType::kFloat32;
-  call.fn = GetReduceFn(DataType::kFloat32, ReduceOp::kSum);
+  call.op = ReduceOp::kSum;
   call.half_across = 2;  // the first two are gradients, scaled
   call.scale = 1024.0f;
   call.half = &half;

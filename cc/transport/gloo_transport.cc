@@ -77,13 +77,15 @@ struct ReduceRun {
 class GlooTransport::Group : public GroupCollectives {
  public:
   explicit Group(const std::vector<std::shared_ptr<gloo::Context>>& contexts) : contexts_(contexts) {}
-  void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) override {
+  void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) override {
     if (count == 0) return;
-    BySize<AllreduceRun>(dtype, contexts_.at(static_cast<size_t>(channel)), data, count, fn);
+    BySize<AllreduceRun>(dtype, contexts_.at(static_cast<size_t>(channel)), data, count,
+                         HostReduceFn(dtype, op));
   }
-  void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) override {
+  void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) override {
     if (count == 0) return;
-    BySize<ReduceRun>(dtype, contexts_.at(static_cast<size_t>(channel)), data, count, fn);
+    BySize<ReduceRun>(dtype, contexts_.at(static_cast<size_t>(channel)), data, count,
+                      HostReduceFn(dtype, op));
   }
   void Broadcast(int channel, void* data, size_t bytes) override {
     if (bytes == 0) return;
@@ -158,9 +160,9 @@ const std::shared_ptr<gloo::Context>& GlooTransport::Channel(int channel) {
 }
 
 void GlooTransport::Allreduce(int channel, void* data, size_t count, DataType dtype,
-                            ReduceFn fn) {
+                            ReduceOp op) {
   if (options_.size <= 1 || count == 0) return;
-  BySize<AllreduceRun>(dtype, Channel(channel), data, count, fn);
+  BySize<AllreduceRun>(dtype, Channel(channel), data, count, HostReduceFn(dtype, op));
 }
 
 void GlooTransport::Broadcast(int channel, void* data, size_t bytes, int root) {
@@ -215,9 +217,10 @@ void GlooTransport::Alltoallv(int channel, const void* in,
 }
 
 void GlooTransport::ReduceScatter(int channel, void* data, const std::vector<size_t>& counts,
-                                  DataType dtype, ReduceFn fn) {
+                                  DataType dtype, ReduceOp op) {
   const int size = options_.size, rank = options_.rank;
   if (size <= 1) return;
+  const ReduceFn fn = HostReduceFn(dtype, op);
   if (counts.size() != static_cast<size_t>(size)) {
     throw std::invalid_argument("reduce-scatter needs one count per rank");
   }

@@ -42,7 +42,7 @@ class GlooTransport : public Transport {
   void CreateRawChannel(gloo::rendezvous::Store& store);
 
   // All collectives throw gloo::Exception (or std::exception) on failure.
-  void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) override;
+  void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) override;
   void Broadcast(int channel, void* data, size_t bytes, int root) override;
   void Allgatherv(int channel, const void* in, void* out,
                   const std::vector<size_t>& bytes_per_rank) override;
@@ -53,7 +53,7 @@ class GlooTransport : public Transport {
   // reducing the block received from the previous one (half the bytes of a
   // ring allreduce).
   void ReduceScatter(int channel, void* data, const std::vector<size_t>& counts, DataType dtype,
-                     ReduceFn fn) override;
+                     ReduceOp op) override;
 
   // Two-level collectives (only when hierarchical() is true). Local rank 0
   // of each host is its leader.

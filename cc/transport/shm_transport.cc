@@ -289,12 +289,12 @@ void ShmTransport::Barrier(Segment& s) {
   }
 }
 
-void ShmTransport::Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
-  Reduction(stream, data, count, dtype, fn, true);
+void ShmTransport::Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceOp op) {
+  Reduction(stream, data, count, dtype, HostReduceFn(dtype, op), true);
 }
 
-void ShmTransport::Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) {
-  Reduction(stream, data, count, dtype, fn, false);
+void ShmTransport::Reduce(int stream, void* data, size_t count, DataType dtype, ReduceOp op) {
+  Reduction(stream, data, count, dtype, HostReduceFn(dtype, op), false);
 }
 
 void ShmTransport::Broadcast(int stream, void* data, size_t bytes) {

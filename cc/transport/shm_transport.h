@@ -48,13 +48,13 @@ class ShmTransport : public GroupCollectives {
 
   // Among the host's ranks. All throw std::runtime_error naming the rank
   // that is gone or late.
-  void Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) override;
+  void Allreduce(int stream, void* data, size_t count, DataType dtype, ReduceOp op) override;
   // The sum (fn) lands in local rank 0's buffer; the others' are clobbered.
-  void Reduce(int stream, void* data, size_t count, DataType dtype, ReduceFn fn) override;
+  void Reduce(int stream, void* data, size_t count, DataType dtype, ReduceOp op) override;
   // Local rank 0's bytes to every rank of the host.
   void Broadcast(int stream, void* data, size_t bytes) override;
   // Wakes every waiting rank with an error (this rank failed or left).
-  void Abort();
+  void Abort() override;
 
   size_t slot_bytes() const { return slot_bytes_; }
 

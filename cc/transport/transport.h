@@ -8,8 +8,10 @@
 //
 // Implementations: GlooTransport (TCP among all ranks, plus the contexts of
 // the two-level topology) and ShmTransport (shared memory among the ranks of
-// one host). Which of them runs an allreduce is chosen in one place,
-// allreduce_algorithms.h. An NCCL transport belongs here too.
+// one host), built from the topology by factory.h. Which of them runs an
+// allreduce is chosen in one place, allreduce_algorithms.h. A collective
+// names its reduction as an operation on a dtype (ReduceOp); how to carry it
+// out on the memory it is given is the transport's business.
 #pragma once
 
 #include <chrono>
@@ -50,7 +52,12 @@ class Transport {
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) = 0;
+  // Wakes every collective of this transport that is waiting for another
+  // rank, with an error, and fails the later ones. Any thread may call it,
+  // at any time. The default does nothing: the waits of such a transport
+  // end by its own timeout (Gloo's, GLOO_TIMEOUT_SECONDS).
+  virtual void Abort() {}
+  virtual void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) = 0;
   virtual void Broadcast(int channel, void* data, size_t bytes, int root) = 0;
   // out receives bytes_per_rank[r] bytes from each rank r, in rank order.
   virtual void Allgatherv(int channel, const void* in, void* out,
@@ -65,7 +72,7 @@ class Transport {
   // left in place. Every rank passes the same counts; the other blocks of
   // `data` are clobbered.
   virtual void ReduceScatter(int channel, void* data, const std::vector<size_t>& counts,
-                             DataType dtype, ReduceFn fn) = 0;
+                             DataType dtype, ReduceOp op) = 0;
 };
 
 // Collectives among a fixed group of ranks whose first member leads: the
@@ -74,9 +81,14 @@ class Transport {
 class GroupCollectives {
  public:
   virtual ~GroupCollectives() = default;
-  virtual void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) = 0;
+  // Wakes every collective of this transport that is waiting for another
+  // rank, with an error, and fails the later ones. Any thread may call it,
+  // at any time. The default does nothing: the waits of such a transport
+  // end by its own timeout (Gloo's, GLOO_TIMEOUT_SECONDS).
+  virtual void Abort() {}
+  virtual void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) = 0;
   // The sum (fn) lands in the leader's buffer; the others' may be clobbered.
-  virtual void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceFn fn) = 0;
+  virtual void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) = 0;
   // The leader's bytes to every rank of the host.
   virtual void Broadcast(int channel, void* data, size_t bytes) = 0;
 };

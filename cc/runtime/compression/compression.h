@@ -25,6 +25,7 @@
 #include "cc/core/common.h"
 #include "cc/core/reduce.h"
 #include "cc/core/timeline.h"
+#include "cc/device/data_plane.h"
 #include "cc/runtime/negotiation.h"
 #include "cc/runtime/options.h"
 #include "cc/runtime/request.h"
@@ -63,7 +64,8 @@ struct CompressionContext {
   Residuals* residuals = nullptr;
   // The runtime's allreduce of a buffer on a stream (its algorithm chosen by
   // allreduce_algorithms; half_across as there).
-  std::function<void(int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
+  std::function<void(int stream, DataPlane& plane, void* data, size_t count, DataType dtype,
+                     ReduceOp op,
                      size_t half_across)>
       allreduce;
 };
@@ -71,9 +73,11 @@ struct CompressionContext {
 class Compressor {
  public:
   virtual ~Compressor() = default;
-  // Reduces the requests' inputs into their outputs. False: a plan bucket
-  // its plan said not to deliver (outputs and residuals untouched).
-  virtual bool Allreduce(int stream, StreamScratch& scratch, const Response& r,
+  // Reduces the requests' inputs into their outputs, with the memory
+  // operations of `plane` (top-k and downsampling run on the host plane
+  // only: the executor stages device requests for them). False: a plan
+  // bucket its plan said not to deliver (outputs and residuals untouched).
+  virtual bool Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const Response& r,
                          std::vector<std::shared_ptr<Request>>& requests) = 0;
 };
 

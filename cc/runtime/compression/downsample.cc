@@ -31,7 +31,7 @@ class Downsample : public Compressor {
  public:
   explicit Downsample(const CompressionContext& c) : c_(c) {}
 
-  bool Allreduce(int stream, StreamScratch& scratch, const Response& r,
+  bool Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const Response& r,
                  std::vector<std::shared_ptr<Request>>& requests) override {
     const InitOptions& options = *c_.options;
     const TensorMeta& m0 = r.metas[0];
@@ -66,8 +66,7 @@ class Downsample : public Compressor {
     }
     if (r.carrier_vote >= 0) WriteExtras(buf.data() + total * esize, DataType::kFloat32, r,
                                          options.rank);
-    c_.allreduce(stream, buf.data(), slots, DataType::kFloat32,
-                 GetReduceFn(DataType::kFloat32, m0.reduce_op), 0);
+    c_.allreduce(stream, plane, buf.data(), slots, DataType::kFloat32, m0.reduce_op, 0);
     if (r.carrier_vote >= 0 &&
         !Deliver(r, ReadOutcome(buf.data() + total * esize, DataType::kFloat32, r))) {
       return false;  // voted down: outputs and residuals untouched

@@ -1,4 +1,5 @@
 #include <cstring>
+#include <vector>
 
 #include "cc/runtime/compression/compression.h"
 #include "cc/runtime/fusion.h"
@@ -14,49 +15,53 @@ namespace {
 class Fp16 : public Compressor {
  public:
   explicit Fp16(const CompressionContext& c) : c_(c) {}
-  bool Allreduce(int stream, StreamScratch& scratch, const Response& r,
+  bool Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const Response& r,
                  std::vector<std::shared_ptr<Request>>& requests) override;
 
  private:
   CompressionContext c_;
 };
 
-bool Fp16::Allreduce(int stream, StreamScratch& scratch, const Response& r,
+bool Fp16::Allreduce(int stream, DataPlane& plane, StreamScratch&, const Response& r,
                      std::vector<std::shared_ptr<Request>>& requests) {
   const InitOptions& options = *c_.options;
   const TensorMeta& m0 = r.metas[0];
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
   const bool carrier = r.carrier_vote >= 0;
-  std::vector<uint16_t>& half = scratch.half;
   const size_t extras = ExtraSlots(r);
-  if (half.size() < total + extras) half.resize(total + extras);
+  uint16_t* half =
+      static_cast<uint16_t*>(plane.Buffer(stream, PlaneBuffer::kHalf, 2 * (total + extras)));
   const float in_scale = static_cast<float>(m0.prescale * options.gradient_scale);
   size_t offset = 0;
   {
     TimelineSpan pack(*c_.timeline, 1 + stream, "fp16 compress", "compression");
     for (auto& q : requests) {
       size_t n = static_cast<size_t>(NumElements(q->meta.shape));
-      FloatToHalfScaled(static_cast<const float*>(q->input), half.data() + offset, n, in_scale);
+      plane.ToHalf(stream, static_cast<const float*>(q->input), half + offset, n, in_scale);
       offset += n;
     }
   }
+  std::vector<uint16_t> extra(extras);
   if (carrier) {
-    WriteExtras(reinterpret_cast<char*>(half.data() + total), DataType::kFloat16, r, options.rank);
+    WriteExtras(reinterpret_cast<char*>(extra.data()), DataType::kFloat16, r, options.rank);
+    plane.FromHost(stream, half + total, extra.data(), 2 * extras);
   }
-  {
-    c_.allreduce(stream, half.data(), total + extras, DataType::kFloat16,
-                 GetReduceFn(DataType::kFloat16, ReduceOp::kSum), 0);
+  c_.allreduce(stream, plane, half, total + extras, DataType::kFloat16, ReduceOp::kSum, 0);
+  if (carrier) {
+    plane.ToHost(stream, extra.data(), half + total, 2 * extras);
+    if (!Deliver(r, ReadOutcome(reinterpret_cast<const char*>(extra.data()), DataType::kFloat16,
+                                r))) {
+      return false;
+    }
   }
-  const char* extra_at = reinterpret_cast<const char*>(half.data() + total);
-  if (carrier && !Deliver(r, ReadOutcome(extra_at, DataType::kFloat16, r))) return false;
   const double post = PostScale(m0, options.size);
   const float out_scale = static_cast<float>(post / options.gradient_scale);
   offset = 0;
   TimelineSpan unpack(*c_.timeline, 1 + stream, "fp16 decompress", "compression");
   for (auto& q : requests) {
     size_t n = static_cast<size_t>(NumElements(q->meta.shape));
-    HalfToFloatScaled(half.data() + offset, static_cast<float*>(q->output), n, out_scale);
+    plane.FromHalf(stream, half + offset, static_cast<float*>(q->output), n, out_scale);
     offset += n;
   }
   return true;

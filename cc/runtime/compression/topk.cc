@@ -22,14 +22,14 @@ namespace {
 class Topk : public Compressor {
  public:
   explicit Topk(const CompressionContext& c) : c_(c) {}
-  bool Allreduce(int stream, StreamScratch& scratch, const Response& r,
+  bool Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const Response& r,
                  std::vector<std::shared_ptr<Request>>& requests) override;
 
  private:
   CompressionContext c_;
 };
 
-bool Topk::Allreduce(int stream, StreamScratch& scratch, const Response& r,
+bool Topk::Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const Response& r,
                      std::vector<std::shared_ptr<Request>>& requests) {
   Request& q = *requests[0];
   const InitOptions& options = *c_.options;
