@@ -14,7 +14,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = ["cc/core/common.cc", "cc/core/reduce.cc", "cc/core/timeline.cc",
            "cc/runtime/message.cc", "cc/runtime/negotiation.cc", "cc/runtime/negotiation_plan.cc",
            "cc/runtime/fusion.cc",
-           "cc/runtime/plan.cc", "cc/transport/allreduce_algorithms.cc"]
+           "cc/runtime/plan.cc", "cc/transport/allreduce_algorithms.cc",
+           "cc/device/sim_device.cc"]
 FLAGS = ["-std=c++17", "-O1", "-Wall", "-Wno-sign-compare", "-pthread", "-I" + ROOT]
 
 

@@ -35,6 +35,16 @@ LAUNCHES = {
     "1host-downsample": (4, None, {"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4",
                                    "PERSEUS_GRADIENT_MOMENTUM": "0.9"}),
     "1host-mixed": (2, None, {"PERSEUS_ALLREDUCE_DTYPE": "2"}),
+    # On the simulated device: the fp16 casts and plan votes on the device,
+    # top-k, downsampling and the two-level path staged through the host.
+    "2hosts-mixed-topk-sim": (4, HOSTS, {"PERSEUS_ALLREDUCE_DTYPE": "2",
+                                         "PERSEUS_TOPK_ALLREDUCE": "1",
+                                         "PERSEUS_TOPK_RATIO": "0.05",
+                                         "PERSEUS_TOPK_THRESHOLD": "40000",
+                                         "PERSEUS_TEST_DEVICE": "sim"}),
+    "1host-downsample-sim": (2, None, {"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "4",
+                                            "PERSEUS_GRADIENT_MOMENTUM": "0.9",
+                                            "PERSEUS_TEST_DEVICE": "sim"}),
 }
 
 

@@ -13,7 +13,12 @@ CHECKS = check_names("checks_core")
 CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
            (4, "fused"): {"PERSEUS_ALLREDUCE_STREAMS": "2", "PERSEUS_ALLREDUCE_FUSION": "4"},
            # Gloo over TCP instead of shared memory (what several hosts use).
-           (4, "tcp"): {"PERSEUS_SHM_ALLREDUCE": "0"}}
+           (4, "tcp"): {"PERSEUS_SHM_ALLREDUCE": "0"},
+           # Every array on the simulated device (cc/device/sim_device.h),
+           # which checks the ordering of every access.
+           (2, "sim"): {"PERSEUS_TEST_DEVICE": "sim"},
+           (4, "sim-tcp"): {"PERSEUS_TEST_DEVICE": "sim", "PERSEUS_SHM_ALLREDUCE": "0",
+                            "PERSEUS_ALLREDUCE_STREAMS": "2"}}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS), ids=lambda k: f"{k[0]}ranks-{k[1]}")
@@ -28,6 +33,26 @@ def test_core(launched, check):
 
 def test_clean_exit(launched):
     assert launched.proc.returncode == 0, launched.proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fault,expected", [
+    # The runtime reads an input before the producer's event fired.
+    ("skip_wait", r"stream \d+ read a \d+-byte allocation in '[^']+' before it knew that "
+                  r"the write by stream \d+ \('the producer writes the input'\)"),
+    # A request completes before the device work that writes its output.
+    ("early_finish", r"the host read memory in 'the caller reads the result' while '[^']+' "
+                     r"on stream \d+ had not finished"),
+])
+def test_the_simulated_device_catches_ordering_mistakes(fault, expected):
+    """The runtime with one ordering step left out (a test-only fault): the
+    simulated device names the hazard, so the sim runs above would fail on
+    such a mistake however the timing falls."""
+    got = run_checks("checks_core", 2, timeout=180,
+                     env={"PERSEUS_TEST_DEVICE": "sim", "PERSEUS_TEST_SIM_FAULT": fault,
+                          "PERSEUS_CHECKS_ONLY": "large_tensor"})
+    for rank in range(2):
+        message = got.results[rank]["check_large_tensor_and_fp16_reduce"]
+        assert re.search(expected, message), message
 
 
 def _plan_check_run(np_, check_every, swap=None, hosts=None, env=None, steps=16, argument=False):

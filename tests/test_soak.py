@@ -12,13 +12,18 @@ import pytest
 
 from harness import WORKERS, launch
 
-CONFIGS = [(2, "shm", 400, 11), (2, "tcp", 400, 12), (4, "shm", 250, 13), (4, "tcp", 250, 14)]
+# "sim": every array on the simulated device (cc/device/sim_device.h), so the
+# ordering a GPU relies on (producer events, staging, completion after the
+# device work) is checked by the device on every access.
+CONFIGS = [(2, "shm", 400, 11), (2, "tcp", 400, 12), (4, "shm", 250, 13), (4, "tcp", 250, 14),
+           (2, "shm-sim", 250, 15), (4, "tcp-sim", 150, 16)]
 
 
 @pytest.mark.parametrize("np_,transport,steps,seed", CONFIGS,
                          ids=[f"{c[0]}ranks-{c[1]}" for c in CONFIGS])
 def test_soak(np_, transport, steps, seed):
-    env = {"PERSEUS_SHM_ALLREDUCE": "1" if transport == "shm" else "0",
+    env = {"PERSEUS_SHM_ALLREDUCE": "1" if transport.startswith("shm") else "0",
+           "PERSEUS_TEST_DEVICE": "sim" if transport.endswith("sim") else None,
            "GLOO_TIMEOUT_SECONDS": "20", "PERSEUS_STALL_TIMEOUT_SECONDS": "30"}
     proc = launch(np_, [sys.executable, os.path.join(WORKERS, "soak_worker.py"), str(steps),
                         str(seed)], env=env, timeout=240)

@@ -210,8 +210,37 @@ void SimDevice::LaunchHostFunc(int stream, std::function<void()> fn) {
   cv_.notify_all();
 }
 
+void SimDevice::CheckUnfinished(const void* p, size_t bytes, bool write, const char* what) {
+  uintptr_t base;
+  if (Find(p, bytes, &base) == nullptr) return;
+  auto touches = [&](const Op& op) {
+    auto overlaps = [&](const std::vector<Range>& ranges) {
+      for (const Range& r : ranges) {
+        uintptr_t other;
+        if (Find(r.p, 0, &other) != nullptr && other == base) return true;
+      }
+      return false;
+    };
+    return overlaps(op.writes) || (write && overlaps(op.reads));
+  };
+  for (const auto& kv : streams_) {
+    const Stream& s = *kv.second;
+    const Op* pending = s.running && touches(s.current) ? &s.current : nullptr;
+    for (size_t i = 0; pending == nullptr && i < s.queue.size(); ++i) {
+      if (touches(s.queue[i])) pending = &s.queue[i];
+    }
+    if (pending != nullptr) {
+      hazards_.push_back("simulated device: the host " + std::string(write ? "wrote" : "read") +
+                         " memory in '" + what + "' while '" + pending->what + "' on stream " +
+                         std::to_string(s.id) + " had not finished: a missing wait on an event");
+      return;
+    }
+  }
+}
+
 void SimDevice::HostRead(const void* p, size_t bytes, const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
+  CheckUnfinished(p, bytes, false, what);
   ++host_seq_;
   if (host_clock_.empty()) host_clock_.resize(1, 0);
   host_clock_[0] = host_seq_;
@@ -220,6 +249,7 @@ void SimDevice::HostRead(const void* p, size_t bytes, const char* what) {
 
 void SimDevice::HostWrite(const void* p, size_t bytes, const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
+  CheckUnfinished(p, bytes, true, what);
   ++host_seq_;
   if (host_clock_.empty()) host_clock_.resize(1, 0);
   host_clock_[0] = host_seq_;
@@ -245,6 +275,9 @@ void SimDevice::Loop(Stream* s) {
       op = std::move(s->queue.front());
       s->queue.pop_front();
       s->running = true;
+      s->current.what = op.what;
+      s->current.reads = op.reads;
+      s->current.writes = op.writes;
     }
     const int delay = max_delay_us_;
     if (delay > 0 && (op.fn || op.record)) {

@@ -91,6 +91,7 @@ class SimDevice {
     std::vector<uint64_t> clock;  // by agent: 0 the host, 1 + stream id
     bool stop = false;
     bool running = false;
+    Op current;  // what runs now (while running)
   };
   struct Allocation {
     size_t bytes = 0;
@@ -105,6 +106,9 @@ class SimDevice {
   void Access(int agent, uint64_t seq, const std::vector<uint64_t>& clock,
               const std::vector<Range>& ranges, bool write, const std::string& what);
   Allocation* Find(const void* p, size_t bytes, uintptr_t* base);
+  // Work queued or running that touches the host's access (a hazard: the
+  // host cannot know it finished).
+  void CheckUnfinished(const void* p, size_t bytes, bool write, const char* what);
   static void Merge(std::vector<uint64_t>& into, const std::vector<uint64_t>& from);
 
   std::mutex mu_;

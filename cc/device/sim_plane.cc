@@ -3,7 +3,9 @@
 // and writes declared, so the device checks the ordering the executor
 // relies on. Host staging buffers are host memory.
 #include <array>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <mutex>
 #include <vector>
 
@@ -17,6 +19,11 @@ namespace {
 class SimPlane : public DataPlane {
  public:
   explicit SimPlane(int streams) : dev_(SimDevice::Get()) {
+    // Faults for the tests that show the device catches a missing wait on
+    // the producer's event and a request completed before its device work.
+    const char* fault = std::getenv("PERSEUS_TEST_SIM_FAULT");
+    skip_wait_ = fault != nullptr && std::string(fault) == "skip_wait";
+    early_finish_ = fault != nullptr && std::string(fault) == "early_finish";
     for (int s = 0; s < streams; ++s) {
       ids_.push_back(dev_.CreateStream());
       buffers_.emplace_back();
@@ -36,7 +43,9 @@ class SimPlane : public DataPlane {
   MemoryKind kind() const override { return MemoryKind::kSimulated; }
 
   void WaitReady(int stream, const Placement& where) override {
-    if (where.ready) dev_.StreamWait(id(stream), std::static_pointer_cast<SimDevice::Event>(where.ready));
+    if (where.ready && !skip_wait_) {
+      dev_.StreamWait(id(stream), std::static_pointer_cast<SimDevice::Event>(where.ready));
+    }
   }
   void* Buffer(int stream, PlaneBuffer which, size_t bytes) override {
     if (which == PlaneBuffer::kStaging) {
@@ -112,6 +121,7 @@ class SimPlane : public DataPlane {
                 [=] { std::memcpy(dst, copy->data(), bytes); });
   }
   void Finish(int stream, std::function<void()> done) override {
+    if (early_finish_) return done();
     dev_.LaunchHostFunc(id(stream), std::move(done));
   }
 
@@ -125,6 +135,8 @@ class SimPlane : public DataPlane {
   std::vector<std::vector<char>> staging_;
   std::mutex check_mu_;
   int check_ = -1;
+  bool skip_wait_ = false;
+  bool early_finish_ = false;
 };
 
 }  // namespace

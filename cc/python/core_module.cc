@@ -17,6 +17,8 @@
 #include "cc/core/common.h"
 #include "cc/rendezvous/hmac_sha256.h"
 #include "cc/core/reduce.h"
+#include "cc/device/sim_device.h"
+#include "cc/python/sim_requests.h"
 #include "cc/runtime/runtime.h"
 
 namespace py = pybind11;
@@ -225,6 +227,7 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
     state->finished = true;
     state->cv.notify_all();
   };
+  if (SimDeviceRequested()) PlaceOnSimDevice(*req, req->output);
   Status s = rt.Enqueue(req);
   if (!s.ok()) Raise(s);
   return Handle(state, req, input, output, input.attr("dtype"));
@@ -291,6 +294,7 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
       if (!st.ok() && state->status.ok()) state->status = st;
       if (--state->remaining == 0) state->cv.notify_all();
     };
+    if (SimDeviceRequested()) PlaceOnSimDevice(*req, req->output);
     requests.push_back(std::move(req));
   }
   // One call, queued all together or not at all.
@@ -493,6 +497,8 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   // The store handshake's MAC, exposed so tests can check it against hmac.
+  // Work queued on the simulated device so far (PERSEUS_TEST_DEVICE=sim).
+  m.def("sim_device_launches", [] { return SimDevice::Get().launches(); });
   m.def("hmac_sha256", [](py::bytes key, py::bytes data) {
     const Sha256Digest mac = HmacSha256(std::string(key), std::string(data));
     return py::bytes(reinterpret_cast<const char*>(mac.data()), mac.size());

@@ -10,6 +10,7 @@
 
 #include "cc/core/common.h"
 #include "cc/device/data_plane.h"
+#include "cc/runtime/message.h"
 
 namespace perseus {
 

@@ -9,7 +9,9 @@ import os
 import numpy as np
 
 from perseus_tf import _native
-from perseus_tf._native import DTYPE_CODES, OP_ALLGATHER, OP_ALLREDUCE, OP_BROADCAST, _core
+from perseus_tf._native import (
+    COMPRESS_FP16, DTYPE_CODES, OP_ALLGATHER, OP_ALLREDUCE, OP_ALLTOALL, OP_BROADCAST,
+    OP_REDUCESCATTER, _core)
 
 from rank_checks import expect, start_native
 
@@ -139,6 +141,47 @@ def check_allgather_and_broadcast_numpy():
     x = np.full(3, R, np.float64)
     got = _core.submit(OP_BROADCAST, x, "bc", 3, root=N - 1, output=np.empty_like(x)).wait()[0]
     np.testing.assert_array_equal(got, [N - 1] * 3)
+
+
+def check_alltoall_reducescatter_fp16_and_in_place():
+    """The collectives with no device path of their own (staged through the
+    host on a device) and the fp16 compressor's device casts."""
+    f32, f64 = DTYPE_CODES["float32"], DTYPE_CODES["float64"]
+    # Uneven alltoall: rank r sends p + 1 rows to rank p.
+    splits = [p + 1 for p in range(N)]
+    x = np.concatenate([np.full((p + 1, 2), 10 * R + p, np.float32) for p in range(N)])
+    got, received = _core.submit(OP_ALLTOALL, x, "a2a", f32, splits=splits).wait()
+    assert list(received) == [R + 1] * N, received
+    np.testing.assert_array_equal(
+        got, np.concatenate([np.full((R + 1, 2), 10 * p + R, np.float32) for p in range(N)]))
+    # Reduce-scatter of 2N + 1 rows: the lower ranks take the extra row.
+    y = np.arange((2 * N + 1) * 3, dtype=np.float64).reshape(2 * N + 1, 3) * (R + 1)
+    got = _core.submit(OP_REDUCESCATTER, y, "rs", f64).wait()[0]
+    whole = np.arange((2 * N + 1) * 3, dtype=np.float64).reshape(2 * N + 1, 3) * (N * (N + 1) / 2)
+    first = 2 * R + min(R, 1)
+    np.testing.assert_array_equal(got, whole[first:first + 2 + (1 if R < 1 else 0)])
+    # fp16 with the gradient scale, and an in-place sum (output is input).
+    z = np.linspace(-1, 1, 3001, dtype=np.float32) * (R + 1)
+    got = _core.submit(OP_ALLREDUCE, z, "fp16", f32, compression=COMPRESS_FP16,
+                       output=np.empty_like(z)).wait()[0]
+    np.testing.assert_allclose(got, np.linspace(-1, 1, 3001) * N * (N + 1) / 2, rtol=2e-3,
+                               atol=2e-3)
+    w = np.full(7, R + 1, np.int64)
+    _core.submit(OP_ALLREDUCE, w, "inplace", DTYPE_CODES["int64"], output=w).wait()
+    np.testing.assert_array_equal(w, np.full(7, N * (N + 1) // 2))
+
+
+def check_the_simulated_device_carries_the_data_when_asked():
+    """PERSEUS_TEST_DEVICE=sim puts every array on the simulated device: the
+    device ran work then, and none otherwise (so the sim runs test it)."""
+    before = _core.sim_device_launches()
+    x = np.full(5, R, np.float32)
+    allreduce_async(x, "sim.used").wait()
+    ran = _core.sim_device_launches() - before
+    if os.environ.get("PERSEUS_TEST_DEVICE") == "sim":
+        assert ran >= 3, ran  # the producer's write, the runtime's copies
+    else:
+        assert ran == 0, ran
 
 
 def _step(names, k, plannable=True, shapes=None):
