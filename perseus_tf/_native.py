@@ -373,3 +373,24 @@ def stats(process_set_id=0):
 
 
 atexit.register(_shutdown_all)
+
+
+def _nccl_wheel_dirs():
+    """The lib/ folders of the nvidia-nccl-cu12/-cu13 wheels on sys.path."""
+    import glob
+    import sys
+    found = []
+    for base in sys.path:
+        for lib in sorted(glob.glob(os.path.join(base or ".", "nvidia", "**", "libnccl.so.2"),
+                                    recursive=True)):
+            folder = os.path.dirname(lib)
+            if folder not in found:
+                found.append(folder)
+    return found
+
+
+def nccl_library():
+    """{"available", "path", "version", "why_not"}: NCCL as the runtime would
+    load it (PERSEUS_NCCL_LIBRARY, else the nvidia-nccl wheels, else the
+    system's loader path). Loaded once per process."""
+    return dict(_core.nccl_library(_nccl_wheel_dirs()))

@@ -20,7 +20,7 @@ ALLOWED = {
     "device": {"core"},
     "runtime": {"core", "device", "rendezvous", "transport"},
     "tf": {"core", "device", "runtime"},
-    "python": {"core", "device", "rendezvous", "runtime"},
+    "python": {"core", "device", "rendezvous", "runtime", "transport"},
     "testing": set(),
 }
 # The data path: executing a bucket returns an outcome, it never reads plan state.

@@ -116,7 +116,7 @@ def build(out_dir=None, jobs=2, verbose=True):
 
     rpath = ["-Wl,-rpath,$ORIGIN"]
     core = os.path.join(out_dir, "libperseus_core.so")
-    _link(cxx, core, objects["core"] + ["-lgloo", "-lpthread"] +
+    _link(cxx, core, objects["core"] + ["-lgloo", "-lpthread", "-ldl"] +
           ["-Wl,-soname,libperseus_core.so"])
     link_core = ["-L" + out_dir, "-lperseus_core"] + rpath
     ops = os.path.join(out_dir, f"_perseus_ops_{tf_tag()}.so")

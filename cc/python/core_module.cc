@@ -20,6 +20,7 @@
 #include "cc/device/sim_device.h"
 #include "cc/python/sim_requests.h"
 #include "cc/runtime/runtime.h"
+#include "cc/transport/nccl.h"
 
 namespace py = pybind11;
 
@@ -497,6 +498,18 @@ PYBIND11_MODULE(_core, m) {
     return d;
   });
   // The store handshake's MAC, exposed so tests can check it against hmac.
+  // NCCL, loaded at run time (cc/transport/nccl.h): from PERSEUS_NCCL_LIBRARY,
+  // else the wheels' lib folders given, else the loader's path.
+  m.def("nccl_library", [](std::vector<std::string> wheel_dirs) {
+    std::string why_not;
+    const NcclLibrary* lib = NcclLibrary::Load(wheel_dirs, &why_not);
+    py::dict d;
+    d["available"] = lib != nullptr;
+    d["path"] = lib ? lib->path : std::string();
+    d["version"] = lib ? lib->version : 0;
+    d["why_not"] = why_not;
+    return d;
+  });
   // Work queued on the simulated device so far (PERSEUS_TEST_DEVICE=sim).
   m.def("sim_device_launches", [] { return SimDevice::Get().launches(); });
   m.def("hmac_sha256", [](py::bytes key, py::bytes data) {

@@ -1,0 +1,239 @@
+#include "cc/transport/nccl.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+namespace perseus {
+namespace {
+
+template <typename F>
+bool Resolve(void* handle, const char* name, F* out, std::string* missing) {
+  void* sym = dlsym(handle, name);
+  if (sym == nullptr) {
+    *missing += (missing->empty() ? "" : ", ") + std::string(name);
+    return false;
+  }
+  *out = reinterpret_cast<F>(sym);
+  return true;
+}
+
+std::mutex load_mu;
+
+}  // namespace
+
+const NcclLibrary* NcclLibrary::LoadFrom(const std::string& path, std::string* why_not) {
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* err = dlerror();
+    *why_not = "cannot open " + path + ": " + (err ? err : "unknown error");
+    return nullptr;
+  }
+  std::unique_ptr<NcclLibrary> lib(new NcclLibrary());
+  std::string missing;
+  Resolve(handle, "ncclGetVersion", &lib->GetVersion, &missing);
+  Resolve(handle, "ncclGetUniqueId", &lib->GetUniqueId, &missing);
+  Resolve(handle, "ncclCommInitRankConfig", &lib->CommInitRankConfig, &missing);
+  Resolve(handle, "ncclCommGetAsyncError", &lib->CommGetAsyncError, &missing);
+  Resolve(handle, "ncclCommAbort", &lib->CommAbort, &missing);
+  Resolve(handle, "ncclCommDestroy", &lib->CommDestroy, &missing);
+  Resolve(handle, "ncclCommCount", &lib->CommCount, &missing);
+  Resolve(handle, "ncclCommUserRank", &lib->CommUserRank, &missing);
+  Resolve(handle, "ncclAllReduce", &lib->AllReduce, &missing);
+  Resolve(handle, "ncclBroadcast", &lib->Broadcast, &missing);
+  Resolve(handle, "ncclGroupStart", &lib->GroupStart, &missing);
+  Resolve(handle, "ncclGroupEnd", &lib->GroupEnd, &missing);
+  Resolve(handle, "ncclGetErrorString", &lib->GetErrorString, &missing);
+  if (!missing.empty()) {
+    *why_not = path + " lacks " + missing + " (NCCL 2.14 or later is needed)";
+    dlclose(handle);
+    return nullptr;
+  }
+  if (lib->GetVersion(&lib->version) != kSuccess || lib->version < 21400) {
+    *why_not = path + " is NCCL version code " + std::to_string(lib->version) +
+               "; 2.14 (21400) or later is needed for non-blocking communicators";
+    dlclose(handle);
+    return nullptr;
+  }
+  lib->path = path;
+  return lib.release();  // kept for the life of the process, like the library
+}
+
+const NcclLibrary* NcclLibrary::Load(const std::vector<std::string>& wheel_dirs,
+                                     std::string* why_not) {
+  std::lock_guard<std::mutex> lock(load_mu);
+  static bool tried = false;
+  static const NcclLibrary* loaded = nullptr;
+  static std::string reason;
+  if (tried) {
+    if (!loaded) *why_not = reason;
+    return loaded;
+  }
+  tried = true;
+  std::vector<std::string> candidates;
+  const char* env = std::getenv("PERSEUS_NCCL_LIBRARY");
+  if (env != nullptr && *env != '\0') {
+    candidates.push_back(env);  // only this one: the user asked for it
+  } else {
+    for (const std::string& dir : wheel_dirs) candidates.push_back(dir + "/libnccl.so.2");
+    candidates.push_back("libnccl.so.2");  // the loader's path
+  }
+  std::string tried_why;
+  for (const std::string& path : candidates) {
+    std::string why;
+    loaded = LoadFrom(path, &why);
+    if (loaded) return loaded;
+    tried_why += (tried_why.empty() ? "" : "; ") + why;
+  }
+  reason = "NCCL is not available (" + tried_why + ")" +
+           (env && *env ? "" : "; set PERSEUS_NCCL_LIBRARY to its libnccl.so.2, or install "
+                               "the nvidia-nccl-cu12 or nvidia-nccl-cu13 wheel");
+  *why_not = reason;
+  return nullptr;
+}
+
+int NcclDataType(DataType dtype) {
+  switch (dtype) {
+    case DataType::kInt8: return 0;
+    case DataType::kUint8:
+    case DataType::kBool: return 1;
+    case DataType::kInt32: return 2;
+    case DataType::kInt64: return 4;
+    case DataType::kFloat16: return 6;
+    case DataType::kFloat32: return 7;
+    case DataType::kFloat64: return 8;
+    case DataType::kBFloat16: return 9;
+    default:
+      throw std::invalid_argument(std::string("NCCL has no ") + DataTypeName(dtype) +
+                                  " type: such tensors take the host path");
+  }
+}
+
+int NcclReduceOp(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAverage: return 0;
+    case ReduceOp::kProduct: return 1;
+    case ReduceOp::kMax: return 2;
+    case ReduceOp::kMin: return 3;
+  }
+  throw std::invalid_argument("unknown reduction");
+}
+
+NcclComm::NcclComm(const NcclLibrary& lib, int rank, int size, const NcclBootstrap& bootstrap,
+                   std::chrono::milliseconds timeout, const std::string& what)
+    : lib_(lib), rank_(rank), size_(size), timeout_(timeout), what_(what) {
+  NcclLibrary::UniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (rank == 0) {
+    NcclLibrary::Result r = lib_.GetUniqueId(&id);
+    if (r != NcclLibrary::kSuccess) {
+      throw std::runtime_error("NCCL " + what_ + ": rank 0 could not make the unique id: " +
+                               lib_.GetErrorString(r));
+    }
+    bootstrap.publish(std::string(id.internal, sizeof(id.internal)));
+  } else {
+    std::string got;
+    if (!bootstrap.fetch(timeout_, &got) || got.size() != sizeof(id.internal)) {
+      throw std::runtime_error("NCCL " + what_ + ": rank " + std::to_string(rank) +
+                               " did not get the unique id from rank 0 within " +
+                               std::to_string(timeout_.count() / 1000) +
+                               " s (GLOO_TIMEOUT_SECONDS); is rank 0 alive?");
+    }
+    std::memcpy(id.internal, got.data(), sizeof(id.internal));
+  }
+  NcclLibrary::Config config;
+  config.blocking = 0;
+  NcclLibrary::Result r = lib_.CommInitRankConfig(&comm_, size, id, rank, &config);
+  if (comm_ == nullptr && r != NcclLibrary::kSuccess && r != NcclLibrary::kInProgress) {
+    throw std::runtime_error("NCCL " + what_ + ": rank " + std::to_string(rank) +
+                             " could not create its communicator: " + lib_.GetErrorString(r));
+  }
+  Settle(r, "creating the communicator");
+}
+
+NcclComm::~NcclComm() {
+  if (comm_ == nullptr || aborted_) return;
+  // A communicator whose work is still in flight is aborted, not destroyed:
+  // destroying waits for that work, without a deadline.
+  NcclLibrary::Result state = NcclLibrary::kSuccess;
+  lib_.CommGetAsyncError(comm_, &state);
+  if (state == NcclLibrary::kSuccess) {
+    lib_.CommDestroy(comm_);
+  } else {
+    lib_.CommAbort(comm_);
+  }
+}
+
+int NcclComm::count() const {
+  int n = 0;
+  lib_.CommCount(comm_, &n);
+  return n;
+}
+
+void NcclComm::Abort() {
+  if (aborted_ || comm_ == nullptr) return;
+  aborted_ = true;
+  lib_.CommAbort(comm_);
+}
+
+void NcclComm::Fail(const std::string& operation, const std::string& why) {
+  Abort();
+  throw std::runtime_error("NCCL " + what_ + ", rank " + std::to_string(rank_) + " of " +
+                           std::to_string(size_) + ": " + operation + " " + why +
+                           "; the communicator was aborted");
+}
+
+void NcclComm::Settle(NcclLibrary::Result r, const std::string& operation) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  auto sleep = std::chrono::microseconds(20);
+  while (r == NcclLibrary::kInProgress) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      Fail(operation, "did not finish within " + std::to_string(timeout_.count() / 1000.0) +
+                          " s (GLOO_TIMEOUT_SECONDS): a rank is missing, dead or stuck");
+    }
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min(sleep * 2, std::chrono::microseconds(2000));
+    if (lib_.CommGetAsyncError(comm_, &r) != NcclLibrary::kSuccess) break;
+  }
+  if (r != NcclLibrary::kSuccess) Fail(operation, std::string("failed: ") + lib_.GetErrorString(r));
+}
+
+void NcclComm::Allreduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                         void* stream) {
+  if (aborted_) Fail("allreduce", "cannot run: an earlier error");
+  const int type = NcclDataType(dtype), red = NcclReduceOp(op);
+  Settle(lib_.AllReduce(send, recv, count, type, red, comm_, stream), "allreduce");
+}
+
+void NcclComm::Broadcast(const void* send, void* recv, size_t bytes, int root, void* stream) {
+  if (aborted_) Fail("broadcast", "cannot run: an earlier error");
+  Settle(lib_.Broadcast(send, recv, bytes, NcclDataType(DataType::kUint8), root, comm_, stream),
+         "broadcast");
+}
+
+void NcclComm::WaitUntil(const std::function<bool()>& finished, const std::string& operation) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  auto sleep = std::chrono::microseconds(20);
+  while (!finished()) {
+    NcclLibrary::Result state = NcclLibrary::kSuccess;
+    lib_.CommGetAsyncError(comm_, &state);
+    if (state != NcclLibrary::kSuccess && state != NcclLibrary::kInProgress) {
+      Fail(operation, std::string("failed: ") + lib_.GetErrorString(state));
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      Fail(operation, "did not finish within " + std::to_string(timeout_.count() / 1000.0) +
+                          " s (GLOO_TIMEOUT_SECONDS): a rank is missing, dead or stuck");
+    }
+    std::this_thread::sleep_for(sleep);
+    sleep = std::min(sleep * 2, std::chrono::microseconds(2000));
+  }
+}
+
+}  // namespace perseus
