@@ -17,18 +17,19 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # (slurm-wlm, munge).
 SYSTEM_PACKAGES := libgloo-dev g++ python3-venv
 TEST_PACKAGES := bazel-bootstrap iproute2 openssh-server openmpi-bin slurm-wlm munge
-NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h') setup.py tools/build_native.py \
+NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') setup.py \
+    tools/build_native.py \
     tools/gen_store_protocol.py perseus_tf/runner/store_protocol.py
 
-.PHONY: demo test test-new test-old system system-test install-packages native native-old bazel clean
+.PHONY: demo test test-new test-old system system-test install-packages native native-old bazel clean cuda
 
 demo: native
 	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
 
 test: test-new test-old
 
-test-new: native system-test
-	$(PY) -m pytest tests -q
+test-new: native system-test cuda
+	PERSEUS_REQUIRE_NVCC=1 $(PY) -m pytest tests -q
 
 # Tests that never import TensorFlow (the runtime through _core, the C++ unit
 # tests, the tree's layout, the store) run the same binaries under either
@@ -82,3 +83,14 @@ bazel: $(VENV)/.deps system-test
 
 clean:
 	rm -rf build perseus_tf/*.so *.egg-info $(VENV)/.native $(VENV_OLD)/.native
+
+# The CUDA kernels (cc/cuda) compiled without a GPU: CUDA 13's compiler,
+# runtime headers and CUB from PyPI, into .cuda/ (about 350 MB), then
+# perseus_tf/libperseus_cuda.so. The tests check that it built.
+CUDA_WHEELS := nvidia-cuda-nvcc==13.* nvidia-cuda-crt==13.* nvidia-nvvm==13.* \
+    nvidia-cuda-runtime==13.* nvidia-cuda-cccl==13.*
+cuda: .cuda/.installed $(VENV)/.native
+	$(PY) tools/build_native.py --cuda
+.cuda/.installed: | $(VENV)/.deps
+	$(PY) -m pip install -q --no-deps --target .cuda $(CUDA_WHEELS)
+	touch $@

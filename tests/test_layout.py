@@ -18,6 +18,7 @@ ALLOWED = {
     "rendezvous": {"core"},
     "transport": {"core"},
     "device": {"core"},
+    "cuda": set(),
     "runtime": {"core", "device", "rendezvous", "transport"},
     "tf": {"core", "device", "runtime"},
     "python": {"core", "device", "rendezvous", "runtime", "transport"},

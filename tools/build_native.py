@@ -2,6 +2,7 @@
 
 Three shared objects land in one directory (the `perseus_tf` package):
   libperseus_core.so   cc/core, cc/rendezvous, cc/transport, cc/device, cc/runtime; no TensorFlow
+  libperseus_cuda.so   cc/cuda's kernels, only with --cuda (nvcc; no GPU needed to build)
   _perseus_ops_tfX_Y.so  TensorFlow ops and kernels for TF X.Y, linked to libperseus_core.so
   _core<EXT_SUFFIX>    pybind11 module, linked to libperseus_core.so
 Both front ends load the same libperseus_core.so (found through
@@ -129,5 +130,51 @@ def build(out_dir=None, jobs=2, verbose=True):
     return [core, ops, pymod]
 
 
+# The CUDA kernels (cc/cuda): for the GPUs of the last generations, plus PTX
+# that newer ones compile at load time. CUDA 13 supports compute 7.5 and up.
+CUDA_ARCHS = ["-gencode=arch=compute_80,code=sm_80",
+              "-gencode=arch=compute_90,code=[sm_90,compute_90]"]
+
+
+def find_nvcc():
+    """PERSEUS_NVCC, else the CUDA 13 compiler wheels in the tree's .cuda/
+    (`make cuda` installs them), else nvcc on PATH; None when there is none."""
+    import shutil
+    env = os.environ.get("PERSEUS_NVCC")
+    if env:
+        return env
+    local = os.path.join(ROOT, ".cuda", "nvidia", "cu13", "bin", "nvcc")
+    if os.path.exists(local):
+        return local
+    return shutil.which("nvcc")
+
+
+def build_cuda(out_dir=None, verbose=True):
+    """Builds libperseus_cuda.so from cc/cuda/*.cu when nvcc is found (no GPU
+    is needed to compile); returns its path, or None without nvcc."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        if verbose:
+            print("no nvcc: the CUDA kernels are not built (make cuda installs a compiler)",
+                  flush=True)
+        return None
+    out_dir = out_dir or os.path.join(ROOT, "perseus_tf")
+    target = os.path.join(out_dir, "libperseus_cuda.so")
+    folder = os.path.join(ROOT, "cc", "cuda")
+    sources = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".cu"))
+    headers = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h")]
+    if _newer(target, sources + headers):
+        return target
+    partial = target + ".partial"
+    _run([nvcc, "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-I" + ROOT] +
+         CUDA_ARCHS + sources + ["-o", partial])
+    os.replace(partial, target)
+    if verbose:
+        print("built", target, flush=True)
+    return target
+
+
 if __name__ == "__main__":
+    if "--cuda" in sys.argv:
+        sys.exit(0 if build_cuda() else 1)
     build(sys.argv[1] if len(sys.argv) > 1 else None)

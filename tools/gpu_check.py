@@ -1,0 +1,175 @@
+"""Checks on a machine with an NVIDIA GPU (no TensorFlow needed): the CUDA
+kernels of cc/cuda against numpy, through ctypes and CuPy device arrays, and
+NCCL as the runtime loads it.
+
+    python tools/gpu_check.py [--lib perseus_tf/libperseus_cuda.so]
+
+Prints one line per check ("ok"/"FAIL" and what was compared) and exits
+non-zero when any failed. Needs numpy, CuPy and the built
+libperseus_cuda.so (`make cuda`, or tools/build_native.py --cuda where nvcc
+is). Without a GPU it says so and exits 2.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAILED = []
+
+
+def report(name, ok, detail=""):
+    print(f"{'ok  ' if ok else 'FAIL'} {name}{': ' + detail if detail else ''}", flush=True)
+    if not ok:
+        FAILED.append(name)
+
+
+def load(path):
+    lib = ctypes.CDLL(path)
+    p, sz, f32, f64, i32 = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_float, ctypes.c_double,
+                            ctypes.c_int)
+    sig = {
+        "perseus_cuda_to_half": [p, p, sz, f32, p],
+        "perseus_cuda_from_half": [p, p, sz, f32, p],
+        "perseus_cuda_scale": [p, i32, sz, f64, p],
+        "perseus_cuda_sum_chunks": [p, i32, p, sz, p],
+        "perseus_cuda_nonfinite": [p, i32, sz, p, p],
+        "perseus_cuda_batched_copy": [p, i32, p],
+        "perseus_cuda_topk": [p, p, sz, sz, f32, p, p, p, p],
+    }
+    for name, args in sig.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = i32
+    lib.perseus_cuda_topk_scratch_bytes.argtypes = [sz]
+    lib.perseus_cuda_topk_scratch_bytes.restype = sz
+    return lib
+
+
+def check_kernels(lib, cp):
+    rng = np.random.default_rng(7)
+    stream = cp.cuda.Stream(non_blocking=True)
+    s = stream.ptr
+    ptr = lambda a: ctypes.c_void_p(a.data.ptr)  # noqa: E731
+
+    for n in (0, 1, 1000, 3_000_001):
+        x = (rng.standard_normal(n) * 3).astype(np.float32)
+        dx = cp.asarray(x)
+        dh = cp.empty(n, cp.uint16)
+        rc = lib.perseus_cuda_to_half(ptr(dx), ptr(dh), n, 10.0, ctypes.c_void_p(s))
+        stream.synchronize()
+        want = (x * np.float32(10)).astype(np.float16).view(np.uint16)
+        report(f"to_half n={n}", rc == 0 and np.array_equal(cp.asnumpy(dh), want))
+        dy = cp.empty(n, cp.float32)
+        rc = lib.perseus_cuda_from_half(ptr(dh), ptr(dy), n, 0.1, ctypes.c_void_p(s))
+        stream.synchronize()
+        want_y = want.view(np.float16).astype(np.float32) * np.float32(0.1)
+        report(f"from_half n={n}", rc == 0 and np.array_equal(cp.asnumpy(dy), want_y))
+
+    for dtype, code in ((np.float32, 2), (np.float64, 3), (np.int32, 4), (np.int64, 5)):
+        x = (rng.standard_normal(1001) * 100).astype(dtype)
+        dx = cp.asarray(x)
+        rc = lib.perseus_cuda_scale(ptr(dx), code, x.size, 0.3, ctypes.c_void_p(s))
+        stream.synchronize()
+        if np.issubdtype(dtype, np.integer):
+            want = np.trunc(x.astype(np.float64) * 0.3).astype(dtype)
+            ok = np.array_equal(cp.asnumpy(dx), want)
+        else:
+            ok = np.allclose(cp.asnumpy(dx), x * 0.3, rtol=1e-6)
+        report(f"scale {np.dtype(dtype).name}", rc == 0 and ok)
+
+    chunks = [cp.asarray(rng.standard_normal(5000).astype(np.float32)) for _ in range(4)]
+    table = cp.asarray(np.array([c.data.ptr for c in chunks], np.uint64))
+    out = cp.empty(5000, cp.float32)
+    rc = lib.perseus_cuda_sum_chunks(ptr(table), 4, ptr(out), 5000, ctypes.c_void_p(s))
+    stream.synchronize()
+    host = [cp.asnumpy(c) for c in chunks]
+    want = ((host[0] + host[1]) + host[2]) + host[3]
+    report("sum_chunks (chunk order)", rc == 0 and np.array_equal(cp.asnumpy(out), want))
+
+    for dtype, kind in ((np.float32, 0), (np.float16, 1), (np.float64, 2)):
+        for bad in (None, np.nan, np.inf):
+            x = np.ones(70001, dtype)
+            if bad is not None:
+                x[69999] = bad
+            flag = cp.zeros(1, cp.int32)
+            rc = lib.perseus_cuda_nonfinite(ptr(cp.asarray(x)), kind, x.size, ptr(flag),
+                                            ctypes.c_void_p(s))
+            stream.synchronize()
+            report(f"nonfinite {np.dtype(dtype).name} {bad}",
+                   rc == 0 and int(flag.get()[0]) == (0 if bad is None else 1))
+
+    sizes = [0, 1, 15, 16, 17, 4096, 1 << 20, 333]
+    srcs = [cp.asarray(rng.integers(0, 255, n, dtype=np.uint8)) for n in sizes]
+    dst = cp.zeros(sum(sizes) + 3, cp.uint8)
+    spans, at = [], 3  # a misaligned start
+    for src, n in zip(srcs, sizes):
+        spans += [src.data.ptr, dst.data.ptr + at, n]
+        at += n
+    dspans = cp.asarray(np.array(spans, np.uint64))
+    rc = lib.perseus_cuda_batched_copy(ptr(dspans), len(sizes), ctypes.c_void_p(s))
+    stream.synchronize()
+    want = np.concatenate([np.zeros(3, np.uint8)] + [cp.asnumpy(x) for x in srcs])
+    report("batched_copy (8 spans, unaligned)", rc == 0 and np.array_equal(cp.asnumpy(dst), want))
+
+    for n, k in ((10, 3), (100_000, 5_000), (1000, 1000)):
+        g = rng.standard_normal(n).astype(np.float32)
+        g[:4] = 0.5  # ties
+        res = rng.standard_normal(n).astype(np.float32) * 0.1
+        dg, dres = cp.asarray(g), cp.asarray(res)
+        idx = cp.empty(k, cp.int32)
+        val = cp.empty(k, cp.float32)
+        scratch = cp.empty(lib.perseus_cuda_topk_scratch_bytes(n), cp.uint8)
+        rc = lib.perseus_cuda_topk(ptr(dg), ptr(dres), n, k, 2.0, ptr(idx), ptr(val),
+                                   ptr(scratch), ctypes.c_void_p(s))
+        stream.synchronize()
+        acc = g * np.float32(2.0) + res
+        order = np.lexsort((np.arange(n), -np.abs(acc)))  # |acc| descending, ties by index
+        chosen = np.sort(order[:k])
+        want_res = acc.copy()
+        want_res[chosen] = 0
+        ok = (rc == 0 and np.array_equal(cp.asnumpy(idx), chosen) and
+              np.array_equal(cp.asnumpy(val), acc[chosen]) and
+              np.array_equal(cp.asnumpy(dres), want_res))
+        report(f"topk n={n} k={k}", ok)
+
+
+def check_nccl():
+    code = ("import json; from perseus_tf import _native; "
+            "print(json.dumps(_native.nccl_library()))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT)
+    if proc.returncode != 0:
+        report("nccl_library", False, proc.stderr.strip().splitlines()[-1:][0]
+               if proc.stderr.strip() else "failed")
+        return
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    report("nccl_library", info["available"], json.dumps(info))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lib", default=os.path.join(ROOT, "perseus_tf", "libperseus_cuda.so"))
+    args = parser.parse_args()
+    try:
+        import cupy as cp
+        devices = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no CuPy, no driver, no device
+        print(f"no GPU here ({type(e).__name__}: {e})")
+        return 2
+    if devices < 1:
+        print("no GPU here (CUDA reports 0 devices)")
+        return 2
+    print(f"GPU: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {devices} device(s)")
+    check_kernels(load(args.lib), cp)
+    check_nccl()
+    print(f"{len(FAILED)} failed" + (": " + ", ".join(FAILED) if FAILED else ""))
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
