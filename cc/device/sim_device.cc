@@ -14,6 +14,12 @@ struct SimDevice::Event {
 };
 
 namespace {
+// How long anyone waits for an event: work queued before it runs on other
+// threads and always ends, so an event that has not fired by then means
+// work that never will (a deadlock in the code under test). It is reported
+// as a hazard and the waiter goes on.
+constexpr std::chrono::seconds kEventWait(120);
+
 std::string AgentName(int agent) {
   return agent == 0 ? "the host" : "stream " + std::to_string(agent - 1);
 }
@@ -193,7 +199,11 @@ void SimDevice::StreamWait(int stream, const EventPtr& event) {
 void SimDevice::Synchronize(const EventPtr& event) {
   if (!event) return;
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return event->fired; });
+  if (!cv_.wait_for(lock, kEventWait, [&] { return event->fired; })) {
+    hazards_.push_back("simulated device: the host waited " + std::to_string(kEventWait.count()) +
+                       " s for an event that never fired");
+    return;
+  }
   Merge(host_clock_, event->clock);
 }
 
@@ -270,6 +280,8 @@ void SimDevice::Loop(Stream* s) {
     Op op;
     {
       std::unique_lock<std::mutex> lock(mu_);
+      // Idle until work or DestroyStream comes (not a wait on another
+      // agent: nothing is pending while the queue is empty).
       cv_.wait(lock, [&] { return !s->queue.empty() || s->stop; });
       if (s->queue.empty()) return;
       op = std::move(s->queue.front());
@@ -286,8 +298,13 @@ void SimDevice::Loop(Stream* s) {
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (op.wait) {
-        cv_.wait(lock, [&] { return op.wait->fired; });
-        Merge(s->clock, op.wait->clock);
+        if (cv_.wait_for(lock, kEventWait, [&] { return op.wait->fired; })) {
+          Merge(s->clock, op.wait->clock);
+        } else {
+          hazards_.push_back("simulated device: stream " + std::to_string(s->id) + " waited " +
+                             std::to_string(kEventWait.count()) +
+                             " s for an event that never fired");
+        }
       }
       // What the host knew when it queued the work, the work knows.
       Merge(s->clock, op.host_knows);

@@ -154,7 +154,7 @@ void Executor::Run(int index, Response& response, Requests& requests) {
   DataPlane* plane = host_plane_.get();
   try {
     if (!response.control) plane = &PlaneOf(requests);
-    complete = Execute(index, response, requests);
+    complete = Execute(index, *plane, response, requests);
   } catch (const std::exception& e) {
     status = c_.fail(response.control ? std::string(e.what())
                                       : std::string("stream ") + std::to_string(index) + " " +
@@ -277,7 +277,7 @@ bool Executor::Staged(int stream, DataPlane& plane, Requests& requests,
   return true;
 }
 
-bool Executor::Execute(int stream, const Response& r, Requests& requests) {
+bool Executor::Execute(int stream, DataPlane& plane, const Response& r, Requests& requests) {
   if (r.control) {
     r.control([this, stream](void* data, size_t count, DataType dtype, ReduceOp op) {
       AllreduceBuffer(stream, *host_plane_, data, count, dtype, op);
@@ -287,13 +287,12 @@ bool Executor::Execute(int stream, const Response& r, Requests& requests) {
   if (requests.size() != r.names.size()) {
     throw std::runtime_error("internal error: response and local requests disagree");
   }
-  DataPlane& plane = PlaneOf(requests);
   if (plane.host()) return ExecuteOnHost(stream, r, requests);
   for (auto& q : requests) plane.WaitReady(stream, q->where);
   const int compression = r.op == OpType::kAllreduce ? r.metas[0].compression : 0;
   if (r.op == OpType::kAllreduce && compression != kCompressTopk &&
       compression != kCompressDownsample) {
-    return Allreduce(stream, r, requests);
+    return Allreduce(stream, plane, r, requests);
   }
   return Staged(stream, plane, requests,
                 [&](Requests& host) { return ExecuteOnHost(stream, r, host); });
@@ -302,7 +301,7 @@ bool Executor::Execute(int stream, const Response& r, Requests& requests) {
 bool Executor::ExecuteOnHost(int stream, const Response& r, Requests& requests) {
   switch (r.op) {
     case OpType::kAllreduce:
-      return Allreduce(stream, r, requests);
+      return Allreduce(stream, *host_plane_, r, requests);
     case OpType::kBroadcast: {
       Request& q = *requests[0];
       size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
@@ -328,10 +327,9 @@ bool Executor::ExecuteOnHost(int stream, const Response& r, Requests& requests) 
   return true;
 }
 
-bool Executor::Allreduce(int stream, const Response& r, Requests& requests) {
+bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Requests& requests) {
   const TensorMeta& m0 = r.metas[0];
   StreamScratch& scratch = streams_[stream]->scratch;
-  DataPlane& plane = PlaneOf(requests);
   switch (m0.compression) {
     case kCompressFp16: return fp16_->Allreduce(stream, plane, scratch, r, requests);
     case kCompressTopk: return topk_->Allreduce(stream, plane, scratch, r, requests);

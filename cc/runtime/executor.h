@@ -94,8 +94,9 @@ class Executor {
               const std::function<bool(Requests&)>& body);
   bool ExecuteOnHost(int stream, const Response& r, Requests& requests);
   // False when the requests must not be completed (a voted-down plan bucket).
-  bool Execute(int stream, const Response& r, Requests& requests);
-  bool Allreduce(int stream, const Response& r, Requests& requests);
+  // On `plane`, the plane of the requests (PlaneOf).
+  bool Execute(int stream, DataPlane& plane, const Response& r, Requests& requests);
+  bool Allreduce(int stream, DataPlane& plane, const Response& r, Requests& requests);
   // Allreduces a buffer of `plane` (staged through host memory when it is
   // a device's: the transports move host memory).
   void AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,
