@@ -153,6 +153,16 @@ void SimDevice::DestroyStream(int stream) {
   streams_.erase(stream);
 }
 
+void SimDevice::Enqueue(int stream, Op op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stream& s = *streams_.at(stream);
+  op.seq = ++s.issued;
+  op.host_knows = host_clock_;
+  if (op.fn && !op.host_func) ++launches_;
+  s.queue.push_back(std::move(op));
+  cv_.notify_all();
+}
+
 void SimDevice::Launch(int stream, const char* what, std::vector<Range> reads,
                        std::vector<Range> writes, std::function<void()> fn) {
   Op op;
@@ -160,26 +170,15 @@ void SimDevice::Launch(int stream, const char* what, std::vector<Range> reads,
   op.reads = std::move(reads);
   op.writes = std::move(writes);
   op.fn = std::move(fn);
-  std::lock_guard<std::mutex> lock(mu_);
-  Stream& s = *streams_.at(stream);
-  op.seq = ++s.issued;
-  op.host_knows = host_clock_;
-  s.queue.push_back(std::move(op));
-  ++launches_;
-  cv_.notify_all();
+  Enqueue(stream, std::move(op));
 }
 
 SimDevice::EventPtr SimDevice::Record(int stream) {
-  auto event = std::make_shared<Event>();
   Op op;
   op.what = "record";
-  op.record = event;
-  std::lock_guard<std::mutex> lock(mu_);
-  Stream& s = *streams_.at(stream);
-  op.seq = ++s.issued;
-  op.host_knows = host_clock_;
-  s.queue.push_back(std::move(op));
-  cv_.notify_all();
+  op.record = std::make_shared<Event>();
+  EventPtr event = op.record;
+  Enqueue(stream, std::move(op));
   return event;
 }
 
@@ -188,12 +187,7 @@ void SimDevice::StreamWait(int stream, const EventPtr& event) {
   Op op;
   op.what = "wait";
   op.wait = event;
-  std::lock_guard<std::mutex> lock(mu_);
-  Stream& s = *streams_.at(stream);
-  op.seq = ++s.issued;
-  op.host_knows = host_clock_;
-  s.queue.push_back(std::move(op));
-  cv_.notify_all();
+  Enqueue(stream, std::move(op));
 }
 
 void SimDevice::Synchronize(const EventPtr& event) {
@@ -212,12 +206,7 @@ void SimDevice::LaunchHostFunc(int stream, std::function<void()> fn) {
   op.what = "host function";
   op.fn = std::move(fn);
   op.host_func = true;
-  std::lock_guard<std::mutex> lock(mu_);
-  Stream& s = *streams_.at(stream);
-  op.seq = ++s.issued;
-  op.host_knows = host_clock_;
-  s.queue.push_back(std::move(op));
-  cv_.notify_all();
+  Enqueue(stream, std::move(op));
 }
 
 void SimDevice::CheckUnfinished(const void* p, size_t bytes, bool write, const char* what) {
@@ -248,22 +237,13 @@ void SimDevice::CheckUnfinished(const void* p, size_t bytes, bool write, const c
   }
 }
 
-void SimDevice::HostRead(const void* p, size_t bytes, const char* what) {
+void SimDevice::HostAccess(const void* p, size_t bytes, bool write, const char* what) {
   std::lock_guard<std::mutex> lock(mu_);
-  CheckUnfinished(p, bytes, false, what);
+  CheckUnfinished(p, bytes, write, what);
   ++host_seq_;
   if (host_clock_.empty()) host_clock_.resize(1, 0);
   host_clock_[0] = host_seq_;
-  Access(0, host_seq_, host_clock_, {{p, bytes}}, false, what);
-}
-
-void SimDevice::HostWrite(const void* p, size_t bytes, const char* what) {
-  std::lock_guard<std::mutex> lock(mu_);
-  CheckUnfinished(p, bytes, true, what);
-  ++host_seq_;
-  if (host_clock_.empty()) host_clock_.resize(1, 0);
-  host_clock_[0] = host_seq_;
-  Access(0, host_seq_, host_clock_, {{p, bytes}}, true, what);
+  Access(0, host_seq_, host_clock_, {{p, bytes}}, write, what);
 }
 
 std::vector<std::string> SimDevice::TakeHazards() {

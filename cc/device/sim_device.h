@@ -65,8 +65,12 @@ class SimDevice {
   // Queues fn on `stream`; when it runs, the host knows what the stream knew.
   void LaunchHostFunc(int stream, std::function<void()> fn);
   // The host's own accesses to device memory (checked at once).
-  void HostRead(const void* p, size_t bytes, const char* what);
-  void HostWrite(const void* p, size_t bytes, const char* what);
+  void HostRead(const void* p, size_t bytes, const char* what) {
+    HostAccess(p, bytes, false, what);
+  }
+  void HostWrite(const void* p, size_t bytes, const char* what) {
+    HostAccess(p, bytes, true, what);
+  }
 
   std::vector<std::string> TakeHazards();
   void set_max_delay_us(int us) { max_delay_us_ = us; }
@@ -101,6 +105,9 @@ class SimDevice {
   };
 
   SimDevice() = default;
+  // Queues op at the end of the stream (numbered, with what the host knows).
+  void Enqueue(int stream, Op op);
+  void HostAccess(const void* p, size_t bytes, bool write, const char* what);
   void Loop(Stream* s);
   // Checks and records the accesses of agent `agent` at seq, knowing clock.
   void Access(int agent, uint64_t seq, const std::vector<uint64_t>& clock,
