@@ -40,6 +40,36 @@ def _load_library():
 
 _LIB = _load_library()
 
+# Op types TF may run in any order relative to each other inside a
+# tf.function. Perseus ops are stateful (they must run, and must not be
+# merged or folded), and TF's automatic control dependencies chain every
+# stateful op in program order: each gradient group's allreduce would wait
+# for the previous group's to finish, and for any stateful op traced before
+# it, so no reduction could overlap back-propagation. Grouped allreduces
+# need no order: each is matched across ranks by name in the runtime, as
+# Horovod's (not stateful) ops are, and TF still runs every one of them.
+UNORDERED_OP_TYPES = ("PerseusGroupedAllreduce",)
+
+
+def _let_tf_run_unordered(op_types):
+    """Adds op_types to the stateful ops TF's automatic control dependencies
+    leave unordered but still run (a module-level set of
+    tensorflow/python/framework/auto_control_deps.py, read at every trace,
+    the same in TF 2.15 to 2.21). Returns False when this TF has no such set
+    (then the ops stay in program order: correct, without the overlap)."""
+    try:
+        from tensorflow.python.framework import auto_control_deps as acd
+    except ImportError:
+        return False
+    current = getattr(acd, "MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS", None)
+    if not isinstance(current, frozenset):
+        return False
+    acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = current | frozenset(op_types)
+    return True
+
+
+UNORDERED = _let_tf_run_unordered(UNORDERED_OP_TYPES)
+
 # Reduction ops, numbered as in Horovod so that code passing them through works.
 Average = 0
 Sum = 1

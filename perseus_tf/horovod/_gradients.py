@@ -120,14 +120,20 @@ class GradientReducer:
         if not shared or not ps.included() or set_size <= 1:
             return out
         with tf.name_scope(self.name + "_Allreduce"):
-            for group in self._group_indices(shared, variables):
+            for group in self._group_indices(shared, variables, grads):
                 for i, g in zip(group, self._reduce_group([grads[i] for i in group])):
                     out[i] = g
         return out
 
-    def _group_indices(self, shared, variables):
+    def _group_indices(self, shared, variables, grads):
         if self.groups is None:
-            return [shared]
+            if tf.executing_eagerly():
+                return [shared]  # eagerly every gradient exists already
+            # In a graph, runs in the order backprop produces them (last
+            # layers first), each its own op: TF starts each as soon as its
+            # gradients exist, while backprop goes on (ops.UNORDERED_OP_TYPES).
+            from perseus_tf.cross_device_ops import _backprop_groups
+            return _backprop_groups(shared, grads)
         if isinstance(self.groups, int):
             return _split_evenly(shared, self.groups)
         remaining = list(shared)

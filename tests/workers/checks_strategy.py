@@ -434,13 +434,15 @@ def check_gradient_reductions_can_start_before_backprop_ends():
     groups = [op for op in graph.get_operations() if op.type == "PerseusGroupedAllreduce"]
     assert len(groups) >= 2, [op.name for op in groups]
 
+    # Data and control inputs: TF's automatic control dependencies would
+    # otherwise chain the stateful groups in program order.
     def ancestors(op):
-        seen, todo = set(), [t.op for t in op.inputs]
+        seen, todo = set(), [t.op for t in op.inputs] + list(op.control_inputs)
         while todo:
             o = todo.pop()
             if o.name not in seen:
                 seen.add(o.name)
-                todo.extend(t.op for t in o.inputs)
+                todo.extend([t.op for t in o.inputs] + list(o.control_inputs))
         return seen
 
     # The first layer's kernel gradient (512 x 1024) feeds one group, the
@@ -452,6 +454,9 @@ def check_gradient_reductions_can_start_before_backprop_ends():
     assert first is not last
     first_grads = {t.op.name for t in first.inputs if t.shape.as_list() == [512, 1024]}
     assert not first_grads & ancestors(last), first_grads
+    # No group waits for another group.
+    assert not any(op.name in ancestors(other) for op in groups for other in groups), [
+        (op.name, [c.name for c in op.control_inputs]) for op in groups]
 
 
 def _bn_model():
