@@ -18,6 +18,7 @@ import perseus_tf.horovod as hvd_tf
 import perseus_tf.horovod.keras as hvd
 from perseus_tf.horovod.keras._optimizer import is_distributed
 
+import overlap_graph
 from checks_horovod import counting_native_calls, teardown  # noqa: F401
 from rank_checks import expect, same_on_all_ranks
 
@@ -111,6 +112,90 @@ def check_custom_loop_apply_gradients_in_tf_function():
     np.testing.assert_allclose(w.numpy(), 1.0 - 2 * mean_grad, rtol=1e-6)
     expect(ValueError, lambda: hvd.DistributedOptimizer(opt), "already")
     expect(ValueError, lambda: hvd.DistributedOptimizer(object()), "Keras optimizer")
+
+
+WIDE_X = rng.normal(size=(64, 512)).astype(np.float32)
+WIDE_Y = rng.normal(size=(64, 1)).astype(np.float32)
+
+
+def _wide_model():
+    keras.utils.set_random_seed(7)
+    return keras.Sequential([keras.Input((512,)), keras.layers.Dense(1024, activation="tanh"),
+                             keras.layers.Dense(1024, activation="tanh"), keras.layers.Dense(1)])
+
+
+def _wide_shards(steps):
+    b = WIDE_X.shape[0] // steps // N
+    return [(WIDE_X[s * b * N + R * b:s * b * N + (R + 1) * b],
+             WIDE_Y[s * b * N + R * b:s * b * N + (R + 1) * b]) for s in range(steps)]
+
+
+def _tape_loop(compression, steps=4):
+    model, opt = _wide_model(), keras.optimizers.SGD(0.01, momentum=0.9)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        tape = hvd_tf.DistributedGradientTape(tape, compression=compression)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for x, y in _wide_shards(steps):
+        step(x, y)
+    return model
+
+
+def _optimizer_loop(compression, steps=4):
+    model = _wide_model()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9),
+                                   compression=compression)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for x, y in _wide_shards(steps):
+        step(x, y)
+    return model
+
+
+def _optimizer_fit(compression, steps=4):
+    model = _wide_model()
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9),
+                                                     compression=compression), loss="mse")
+    shards = _wide_shards(steps)
+    x = np.concatenate([x for x, _ in shards])
+    y = np.concatenate([y for _, y in shards])
+    model.fit(x, y, batch_size=len(shards[0][0]), epochs=1, verbose=0, shuffle=False)
+    return model
+
+
+def check_gradient_reductions_overlap_backprop_with_unchanged_results():
+    """DistributedGradientTape and DistributedOptimizer (custom loop and fit),
+    without and with fp16 compression: inside the traced step, gradient groups
+    are reduced by ops free to start as soon as their gradients exist (the
+    last layer's group does not wait for the first layer's gradient, no group
+    waits for another), and the weights equal those of the same training with
+    the groups chained in program order."""
+    for train in (_tape_loop, _optimizer_loop, _optimizer_fit):
+        for compression in (hvd.Compression.none, hvd.Compression.fp16):
+            what = f"{train.__name__}, {compression.__name__}"
+            with overlap_graph.recording_graphs() as graphs:
+                overlapped = weights(train(compression))
+            assert overlap_graph.overlaps(graphs, [512, 1024], [1024, 1]), what
+            with overlap_graph.recording_graphs() as graphs, overlap_graph.chained():
+                sequential = weights(train(compression))
+            assert not overlap_graph.overlaps(graphs, [512, 1024], [1024, 1]), what
+            for a, b in zip(overlapped, sequential):
+                if N == 2:  # each element's sum is the same; at 4 ranks, to rounding
+                    np.testing.assert_array_equal(a, b, err_msg=what)
+                else:
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=what)
+            same_on_all_ranks(overlapped)
 
 
 def check_partial_distributed_optimizer_keeps_local_layers_local():
