@@ -71,3 +71,33 @@ def test_multi_rank_without_rendezvous_names_the_variables():
     with pytest.raises(ConfigError, match="PERSEUS_MASTER_ADDR"):
         load_topology({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
                        "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+
+
+def test_import_makes_tensorflow_pool_cpu_memory_unless_the_user_chose():
+    """`import perseus_tf` before TensorFlow's first op gives TF's pooling
+    (BFC) CPU allocator, whose statistics TF reports; TF's default allocator,
+    or the user's TF_CPU_ALLOCATOR_USE_BFC=false, has none."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, tensorflow as tf\n"
+            "if sys.argv[1] == 'perseus':\n"
+            "    import perseus_tf\n"
+            "tf.reduce_sum(tf.ones([1 << 20]))\n"
+            "try:\n"
+            "    print('POOL', tf.config.experimental.get_memory_info('CPU:0')['peak'] > 0)\n"
+            "except ValueError:\n"
+            "    print('POOL', None)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPU_ALLOCATOR_USE_BFC"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+
+    def pool(mode, **extra):
+        out = subprocess.run([sys.executable, "-c", code, mode], env=dict(env, **extra),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line for line in out.stdout.splitlines() if line.startswith("POOL")][-1]
+
+    assert pool("perseus") == "POOL True"
+    assert pool("plain") == "POOL None"
+    assert pool("perseus", TF_CPU_ALLOCATOR_USE_BFC="false") == "POOL None"

@@ -1,0 +1,318 @@
+"""End to end: training steps of real models on two hosts joined by a shaped link.
+
+Makes two hosts out of network namespaces (tests/netns_hosts.py), shapes each
+host's link to --rate each way with `tc tbf`, and runs one rank per host,
+each pinned to its own core, for every contender, interleaved, in --rounds
+rounds:
+
+  compute         the same Keras `fit` with no distribution, on both hosts at once
+  comm            a grouped allreduce of the model's gradient shapes through
+                  perseus_tf.horovod (float32), nothing else
+  comm fp16       the same with Compression.fp16
+  strategy fp32   PerseusStrategy `fit`, PERSEUS_ALLREDUCE_DTYPE=1
+  strategy        PerseusStrategy `fit`, defaults (float16 with the gradient scale)
+  strategy, chained   PerseusStrategy `fit` (defaults) with the gradient groups
+                  run one after another in program order, as before overlap
+  shim none       `fit` with perseus_tf.horovod.keras.DistributedOptimizer
+  shim fp16       the same with Compression.fp16
+  mwms            MultiWorkerMirroredStrategy `fit` (TF 2.15 only: Keras 3's
+                  `fit` fails under it)
+
+Every contender runs with TF_CPU_ALLOCATOR_USE_BFC=true (what `import
+perseus_tf` sets), the baselines included. A step is the time between Keras's batch-end callbacks (rank 0, the median
+of --steps after --warmup). Each contender's step is printed as a ratio to
+max(compute, comm) and to compute + comm of the same round, and the table
+gives the median over rounds. Per-replica batch --batch, synthetic data,
+SGD with momentum.
+
+Models: mobilenetv2 (MobileNetV2 at 96x96, 10 classes: 8.9 MB of gradients)
+and mlp (a wide MLP where communication dominates: 4 x 1536 + 1024 inputs,
+30 MB of gradients).
+
+Needs root, iproute2, tc and openssh-server. Usage:
+    .venv/bin/python benchmarks/step_overlap.py --models mobilenetv2,mlp --rates 1gbit,10gbit
+"""
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONTENDERS = ["compute", "comm", "comm fp16", "strategy fp32", "strategy",
+              "strategy, chained", "shim none", "shim fp16", "mwms"]
+
+FP16 = {"strategy", "strategy, chained", "shim fp16"}
+
+
+# ---- the worker (runs in a namespace, one per host) ------------------------
+
+def _model(name, keras):
+    if name == "mobilenetv2":
+        return keras.applications.MobileNetV2(input_shape=(96, 96, 3), weights=None,
+                                              classes=10), (96, 96, 3), 10
+    if name == "mlp":
+        layers = [keras.Input((1024,))] + [keras.layers.Dense(1536, activation="relu")
+                                           for _ in range(4)] + [keras.layers.Dense(10)]
+        return keras.Sequential(layers), (1024,), 10
+    raise ValueError(f"--models: unknown model {name!r} (mobilenetv2, mlp)")
+
+
+def _chain_groups():
+    from tensorflow.python.framework import auto_control_deps as acd
+    acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = \
+        acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS - frozenset(["PerseusGroupedAllreduce"])
+
+
+def worker(args):
+    import numpy as np
+    import tensorflow as tf
+    try:
+        import keras
+    except ImportError:
+        keras = tf.keras
+    contender = args.worker
+    steps = args.warmup + args.steps
+    times = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter())
+
+    def data(global_batch, shape, classes, seed):
+        rng = np.random.default_rng(seed)
+        x = rng.normal(size=(global_batch * 4,) + shape).astype(np.float32)
+        y = rng.integers(0, classes, size=(global_batch * 4,))
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch).repeat()
+
+    def fit(model, dataset):
+        model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Clock()])
+
+    def compile_(model, optimizer):
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    def sgd():
+        return keras.optimizers.SGD(0.01, momentum=0.9)
+
+    rank = 0
+    if contender == "compute":
+        model, shape, classes = _model(args.model, keras)
+        compile_(model, sgd())
+        fit(model, data(args.batch, shape, classes, 0))
+    elif contender.startswith("comm"):
+        import perseus_tf.horovod as hvd
+        hvd.init()
+        rank = hvd.rank()
+        model, _, _ = _model(args.model, keras)
+        grads = [tf.random.normal(v.shape) for v in model.trainable_variables]
+        compression = hvd.Compression.fp16 if contender == "comm fp16" else hvd.Compression.none
+
+        @tf.function
+        def reduce(grads):
+            out = []
+            for g in grads:
+                c, ctx = compression.compress(g)
+                out.append((c, ctx))
+            reduced = hvd.grouped_allreduce([c for c, _ in out])
+            return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, out)]
+
+        for _ in range(steps):
+            reduce(grads)[0].numpy()
+            times.append(time.perf_counter())
+    elif contender.startswith("strategy") or contender == "mwms":
+        if contender == "strategy, chained":
+            _chain_groups()
+        if contender == "mwms":
+            strategy = tf.distribute.MultiWorkerMirroredStrategy()
+            rank = strategy.cluster_resolver.task_id
+        else:
+            import perseus_tf
+            strategy = perseus_tf.PerseusStrategy()
+            rank = perseus_tf.rank()
+        with strategy.scope():
+            model, shape, classes = _model(args.model, keras)
+            compile_(model, sgd())
+        dataset = data(args.batch * strategy.num_replicas_in_sync, shape, classes, 0)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = \
+            tf.data.experimental.AutoShardPolicy.DATA
+        fit(model, dataset.with_options(options))
+    elif contender.startswith("shim"):
+        import perseus_tf.horovod.keras as hvd
+        hvd.init()
+        rank = hvd.rank()
+        model, shape, classes = _model(args.model, keras)
+        compression = hvd.Compression.fp16 if contender == "shim fp16" else hvd.Compression.none
+        compile_(model, hvd.DistributedOptimizer(sgd(), compression=compression))
+        fit(model, data(args.batch, shape, classes, rank))
+    else:
+        raise ValueError(f"unknown contender {contender!r}")
+    gaps = [b - a for a, b in zip(times, times[1:])][args.warmup - 1:]
+    if rank == 0:
+        print("RESULT " + json.dumps({"ms": 1000 * statistics.median(gaps),
+                                      "min": 1000 * min(gaps), "max": 1000 * max(gaps)}),
+              flush=True)
+
+
+# ---- the driver -----------------------------------------------------------
+
+def run_contender(hosts, contender, args, model, env_extra=None):
+    """Starts one process per host (pinned to core h) and returns rank 0's result."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--model", model,
+           "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    # What `import perseus_tf` sets, for every contender (the baselines too).
+    env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    env.update(env_extra or {})
+    if contender == "strategy fp32":
+        env["PERSEUS_ALLREDUCE_DTYPE"] = "1"
+    port = 20000 + secrets.randbelow(10000)
+    common = dict(env, PERSEUS_MASTER_ADDR=hosts.addrs[0], PERSEUS_MASTER_PORT=str(port),
+                  PERSEUS_RENDEZVOUS_SECRET=secrets.token_hex(16),
+                  PERSEUS_JOB_ID="e2e-" + secrets.token_hex(4))
+    procs = []
+    for h in range(2):
+        if contender == "compute":
+            henv = dict(env)
+        elif contender == "mwms":
+            cluster = {"worker": [f"{a}:{port + 1}" for a in hosts.addrs]}
+            henv = dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                    "task": {"type": "worker", "index": h}}))
+        else:
+            henv = dict(common, PERSEUS_RANK=str(h), PERSEUS_SIZE="2", PERSEUS_LOCAL_RANK="0",
+                        PERSEUS_LOCAL_SIZE="1", PERSEUS_CROSS_RANK=str(h),
+                        PERSEUS_CROSS_SIZE="2", PERSEUS_HOST_ADDR=hosts.addrs[h])
+        procs.append(hosts.popen(h, ["taskset", "-c", str(h % os.cpu_count())] + cmd,
+                                 env=henv, cwd=ROOT, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True))
+    deadline = time.time() + args.timeout
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{contender} ({model}) timed out after {args.timeout} s")
+    for out in outputs:
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{contender} ({model}) failed:\n" + "\n".join(o[-2000:] for o in outputs))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="mobilenetv2,mlp")
+    p.add_argument("--rates", default="1gbit,10gbit", help="tc rates of the link")
+    p.add_argument("--contenders", default=",".join(CONTENDERS).replace(", ", "+"),
+                   help="comma-separated (write 'strategy, chained' as 'strategy+chained')")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch", type=int, default=16, help="per-replica batch")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=8, help="untimed steps first")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    p.add_argument("--timeline", action="store_true",
+                   help="also run 'strategy' and 'strategy, chained' once with PERSEUS_TIMELINE "
+                        "and print rank 0's communication spans of the last steps")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from netns_hosts import NetnsHosts, missing_requirements
+    import tensorflow as tf
+    why = missing_requirements()
+    if why:
+        sys.exit(f"step_overlap.py: {why}")
+    contenders = [c.replace("+", ", ") for c in args.contenders.split(",")]
+    for c in contenders:
+        if c not in CONTENDERS:
+            sys.exit(f"--contenders: unknown {c!r}; choose from {', '.join(CONTENDERS)}")
+    if tf.__version__ >= "2.16" and "mwms" in contenders:
+        contenders.remove("mwms")  # Keras 3's fit fails under MWMS (PerReplica to Tensor)
+    print(f"# TF {tf.__version__}; 2 hosts (network namespaces), 1 rank each pinned to one "
+          f"core; per-replica batch {args.batch}; rank 0's median step of {args.steps} after "
+          f"{args.warmup} warm-up; median over {args.rounds} interleaved rounds")
+    for rate in args.rates.split(","):
+        hosts = NetnsHosts(2, subnet=0)
+        try:
+            for ns in hosts.names:
+                subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
+                                "rate", rate, "burst", "256kb", "latency", "200ms"], check=True)
+            for model in args.models.split(","):
+                rounds = {c: [] for c in contenders}
+                for r in range(args.rounds):
+                    order = contenders if r % 2 == 0 else contenders[::-1]
+                    for c in order:
+                        rounds[c].append(run_contender(hosts, c, args, model)["ms"])
+                _print_table(model, rate, contenders, rounds)
+                if args.timeline:
+                    for c in ("strategy", "strategy, chained"):
+                        _print_timeline(hosts, c, args, model)
+        finally:
+            hosts.close()
+
+
+def _print_timeline(hosts, contender, args, model, spans=12):
+    """Rank 0's last `spans` bucket spans (start relative to the first shown)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as out:
+        run_contender(hosts, contender, args, model,
+                      {"PERSEUS_TIMELINE": os.path.join(out, "trace.json")})
+        with open(os.path.join(out, "trace.rank0.json")) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    buckets = sorted((e for e in events if e.get("cat") == "bucket"), key=lambda e: e["ts"])
+    shown = buckets[-spans:]
+    if not shown:
+        print(f"(no bucket spans in the timeline of {contender})")
+        return
+    t0 = shown[0]["ts"]
+    print(f"\n{contender}, {model}: rank 0's last {len(shown)} communication spans "
+          f"(PERSEUS_TIMELINE; stream = tid - 1)")
+    print("| start ms | end ms | stream | op | tensors | MB | first tensor |")
+    print("|---|---|---|---|---|---|---|")
+    for e in shown:
+        a = e.get("args", {})
+        print(f"| {(e['ts'] - t0) / 1e3:.1f} | {(e['ts'] + e['dur'] - t0) / 1e3:.1f} | "
+              f"{e['tid'] - 1} | {e['name']} | {a.get('tensors', '')} | "
+              f"{a.get('bytes', 0) / 1e6:.2f} | {a.get('first', '')} |")
+    sys.stdout.flush()
+
+
+def _print_table(model, rate, contenders, rounds):
+    ms = {c: statistics.median(v) for c, v in rounds.items()}
+    n = len(next(iter(rounds.values())))
+    print(f"\n## {model}, link {rate}")
+    print(", ".join(f"{c} {ms[c]:.0f} ms" for c in ("compute", "comm", "comm fp16") if c in ms))
+    print("(contenders sending float16 are compared with comm fp16)")
+    print("| contender | step ms | rounds ms | / max(compute, comm) | / (compute + comm) |")
+    print("|---|---|---|---|---|")
+    for c in contenders:
+        if c == "compute" or c.startswith("comm"):
+            continue
+        per_round = " ".join(f"{v:.0f}" for v in rounds[c])
+        comm = rounds.get("comm fp16" if c in FP16 else "comm")
+        compute = rounds.get("compute")
+        if comm and compute:
+            to_max = statistics.median(rounds[c][i] / max(compute[i], comm[i]) for i in range(n))
+            to_sum = statistics.median(rounds[c][i] / (compute[i] + comm[i]) for i in range(n))
+            print(f"| {c} | {ms[c]:.0f} | {per_round} | {to_max:.2f} | {to_sum:.2f} |")
+        else:
+            print(f"| {c} | {ms[c]:.0f} | {per_round} | | |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
