@@ -130,14 +130,19 @@ def _wide_shards(steps):
              WIDE_Y[s * b * N + R * b:s * b * N + (R + 1) * b]) for s in range(steps)]
 
 
-def _tape_loop(compression, steps=4):
+def _custom_loop(compression, wrap_tape, steps=4):
+    """A tf.function loop whose gradients are reduced by the shim's tape
+    (wrap_tape) or by its DistributedOptimizer."""
     model, opt = _wide_model(), keras.optimizers.SGD(0.01, momentum=0.9)
+    if not wrap_tape:
+        opt = hvd.DistributedOptimizer(opt, compression=compression)
 
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((model(x) - y) ** 2)
-        tape = hvd_tf.DistributedGradientTape(tape, compression=compression)
+        if wrap_tape:
+            tape = hvd_tf.DistributedGradientTape(tape, compression=compression)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
 
@@ -146,21 +151,12 @@ def _tape_loop(compression, steps=4):
     return model
 
 
-def _optimizer_loop(compression, steps=4):
-    model = _wide_model()
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01, momentum=0.9),
-                                   compression=compression)
+def _tape_loop(compression):
+    return _custom_loop(compression, wrap_tape=True)
 
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x) - y) ** 2)
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
 
-    for x, y in _wide_shards(steps):
-        step(x, y)
-    return model
+def _optimizer_loop(compression):
+    return _custom_loop(compression, wrap_tape=False)
 
 
 def _optimizer_fit(compression, steps=4):
