@@ -17,6 +17,9 @@ rounds:
   shim fp16       the same with Compression.fp16
   mwms            MultiWorkerMirroredStrategy `fit` (TF 2.15 only: Keras 3's
                   `fit` fails under it)
+  horovod         Horovod's own horovod.tensorflow.keras.DistributedOptimizer
+                  (float32) over Gloo, where Horovod imports (the .venv-hvd of
+                  README, TF 2.15); its Gloo rendezvous server runs on host 0
 
 Every contender runs with TF_CPU_ALLOCATOR_USE_BFC=true (what `import
 perseus_tf` sets), the baselines included. A step is the time between Keras's batch-end callbacks (rank 0, the median
@@ -45,7 +48,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONTENDERS = ["compute", "comm", "comm fp16", "strategy fp32", "strategy",
-              "strategy, chained", "shim none", "shim fp16", "mwms"]
+              "strategy, chained", "shim none", "shim fp16", "mwms", "horovod"]
 
 FP16 = {"strategy", "strategy, chained", "shim fp16"}
 
@@ -80,9 +83,24 @@ def worker(args):
     steps = args.warmup + args.steps
     times = []
 
+    cpu_at = []  # per-thread CPU seconds when the timed steps start and end
+
+    profile_dir = []
+
+    def mark():
+        times.append(time.perf_counter())
+        if args.threads and len(times) in (args.warmup, steps):
+            cpu_at.append(_thread_cpu())
+        if args.ops and len(times) == args.warmup:
+            import tempfile
+            profile_dir.append(tempfile.mkdtemp())
+            tf.profiler.experimental.start(profile_dir[0])
+        if args.ops and len(times) == steps:
+            tf.profiler.experimental.stop()
+
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            times.append(time.perf_counter())
+            mark()
 
     def data(global_batch, shape, classes, seed):
         rng = np.random.default_rng(seed)
@@ -124,7 +142,7 @@ def worker(args):
 
         for _ in range(steps):
             reduce(grads)[0].numpy()
-            times.append(time.perf_counter())
+            mark()
     elif contender.startswith("strategy") or contender == "mwms":
         if contender == "strategy, chained":
             _chain_groups()
@@ -143,8 +161,11 @@ def worker(args):
         options.experimental_distribute.auto_shard_policy = \
             tf.data.experimental.AutoShardPolicy.DATA
         fit(model, dataset.with_options(options))
-    elif contender.startswith("shim"):
-        import perseus_tf.horovod.keras as hvd
+    elif contender.startswith("shim") or contender == "horovod":
+        if contender == "horovod":
+            import horovod.tensorflow.keras as hvd
+        else:
+            import perseus_tf.horovod.keras as hvd
         hvd.init()
         rank = hvd.rank()
         model, shape, classes = _model(args.model, keras)
@@ -154,18 +175,131 @@ def worker(args):
     else:
         raise ValueError(f"unknown contender {contender!r}")
     gaps = [b - a for a, b in zip(times, times[1:])][args.warmup - 1:]
+    result = {"ms": 1000 * statistics.median(gaps), "min": 1000 * min(gaps),
+              "max": 1000 * max(gaps)}
+    if len(cpu_at) == 2:
+        result["threads"] = _cpu_per_step(cpu_at[0], cpu_at[1], args.steps,
+                                          times[-1] - times[args.warmup - 1])
+    if profile_dir:
+        import shutil
+        result["ops"] = _op_times(profile_dir[0], args.steps)
+        shutil.rmtree(profile_dir[0])
     if rank == 0:
-        print("RESULT " + json.dumps({"ms": 1000 * statistics.median(gaps),
-                                      "min": 1000 * min(gaps), "max": 1000 * max(gaps)}),
-              flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def _op_times(profile_dir, steps, top=14):
+    """TF op types by time per step (ms) in a TF profiler trace: [(op, ms, count)]."""
+    import glob
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError:
+        return []
+    path = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
+    if not path:
+        return []
+    space = xplane_pb2.XSpace()
+    with open(path[0], "rb") as f:
+        space.ParseFromString(f.read())
+    ms, count = {}, {}
+    for plane in space.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for ev in line.events:
+                name = plane.event_metadata[ev.metadata_id].name
+                if ":" not in name:
+                    continue  # executor bookkeeping, not an op
+                op = name.rsplit(":", 1)[1]
+                ms[op] = ms.get(op, 0.0) + ev.duration_ps / 1e9 / steps
+                count[op] = count.get(op, 0) + 1
+    rows = sorted(ms.items(), key=lambda kv: -kv[1])
+    return [("all ops", round(sum(ms.values()), 1), sum(count.values()) // steps)] + \
+        [(op, round(t, 1), count[op] // steps) for op, t in rows[:top]]
+
+
+def _thread_cpu():
+    """{tid: (name, user + system CPU seconds)} of this process's threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def _cpu_per_step(before, after, steps, wall):
+    """CPU ms per step by thread name (threads of one name summed), busiest first."""
+    by_name = {}
+    for tid, (name, secs) in after.items():
+        used = secs - before.get(tid, (name, 0.0))[1]
+        by_name[name] = by_name.get(name, 0.0) + used
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1])
+    total = sum(by_name.values())
+    return {"wall ms/step": round(1000 * wall / steps, 1),
+            "cpu ms/step": round(1000 * total / steps, 1),
+            "by thread": [(n, round(1000 * s / steps, 1)) for n, s in rows[:8] if s > 0]}
 
 
 # ---- the driver -----------------------------------------------------------
+
+def _horovod_rendezvous(hosts):
+    """Horovod's Gloo rendezvous server for one rank per host, run on host 0 as
+    horovodrun would run it; returns (process, port)."""
+    script = (
+        "import sys\n"
+        "from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts\n"
+        "from horovod.runner.http.http_server import RendezvousServer\n"
+        "server = RendezvousServer(0)\n"
+        "port = server.start()\n"
+        f"server.init(get_host_assignments(parse_hosts('{hosts.names[0]}:1,{hosts.names[1]}:1'), 2))\n"
+        "print(port, flush=True)\n"
+        "sys.stdin.read()\n")
+    proc = hosts.popen(0, [sys.executable, "-c", script], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        proc.kill()
+        raise RuntimeError("Horovod's rendezvous server did not start")
+    return proc, int(line)
+
+
+def horovod_hostnames(hosts):
+    """Horovod 0.28 builds its process-set Gloo contexts from gethostname(), so
+    this machine's host name must resolve, in each namespace, to that host's
+    own address: an /etc/netns/<ns>/hosts that `ip netns exec` mounts over
+    /etc/hosts. Returns the files made, for removal."""
+    import socket
+    made = []
+    me = socket.gethostname()
+    with open("/etc/hosts") as f:  # less the lines that name this machine
+        base = "".join(line for line in f if me not in line.split("#")[0].split()[1:])
+    for name, addr in zip(hosts.names, hosts.addrs):
+        d = os.path.join("/etc/netns", name)
+        os.makedirs(d, exist_ok=True)
+        path = os.path.join(d, "hosts")
+        with open(path, "w") as f:
+            f.write(f"{addr} {socket.gethostname()} {name}\n"
+                    + "".join(f"{a} {n}\n" for n, a in zip(hosts.names, hosts.addrs) if n != name)
+                    + base)
+        made.append(path)
+    return made
+
 
 def run_contender(hosts, contender, args, model, env_extra=None):
     """Starts one process per host (pinned to core h) and returns rank 0's result."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.threads:
+        cmd.append("--threads")
+    if args.ops:
+        cmd.append("--ops")
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
@@ -179,9 +313,19 @@ def run_contender(hosts, contender, args, model, env_extra=None):
                   PERSEUS_RENDEZVOUS_SECRET=secrets.token_hex(16),
                   PERSEUS_JOB_ID="e2e-" + secrets.token_hex(4))
     procs = []
+    rendezvous = None
+    if contender == "horovod":
+        rendezvous, hvd_port = _horovod_rendezvous(hosts)
     for h in range(2):
         if contender == "compute":
             henv = dict(env)
+        elif contender == "horovod":
+            henv = dict(env, HOROVOD_GLOO_RENDEZVOUS_ADDR=hosts.addrs[0],
+                        HOROVOD_GLOO_RENDEZVOUS_PORT=str(hvd_port), HOROVOD_CONTROLLER="gloo",
+                        HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="eth0",
+                        HOROVOD_HOSTNAME=hosts.names[h], HOROVOD_RANK=str(h), HOROVOD_SIZE="2",
+                        HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
+                        HOROVOD_CROSS_RANK=str(h), HOROVOD_CROSS_SIZE="2")
         elif contender == "mwms":
             cluster = {"worker": [f"{a}:{port + 1}" for a in hosts.addrs]}
             henv = dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
@@ -195,13 +339,18 @@ def run_contender(hosts, contender, args, model, env_extra=None):
                                  stderr=subprocess.STDOUT, text=True))
     deadline = time.time() + args.timeout
     outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise RuntimeError(f"{contender} ({model}) timed out after {args.timeout} s")
+    try:
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise RuntimeError(f"{contender} ({model}) timed out after {args.timeout} s")
+    finally:
+        if rendezvous:
+            rendezvous.kill()
+            rendezvous.communicate()
     for out in outputs:
         for line in out.splitlines():
             if line.startswith("RESULT "):
@@ -223,6 +372,11 @@ def main(argv=None):
     p.add_argument("--timeline", action="store_true",
                    help="also run 'strategy' and 'strategy, chained' once with PERSEUS_TIMELINE "
                         "and print rank 0's communication spans of the last steps")
+    p.add_argument("--threads", action="store_true",
+                   help="also print each contender's CPU time per step by thread (rank 0)")
+    p.add_argument("--ops", action="store_true",
+                   help="also profile the timed steps (TF profiler) and print rank 0's op "
+                        "types by time per step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -241,12 +395,21 @@ def main(argv=None):
             sys.exit(f"--contenders: unknown {c!r}; choose from {', '.join(CONTENDERS)}")
     if tf.__version__ >= "2.16" and "mwms" in contenders:
         contenders.remove("mwms")  # Keras 3's fit fails under MWMS (PerReplica to Tensor)
+    if "horovod" in contenders:
+        try:
+            import horovod.tensorflow  # noqa: F401
+        except ImportError:
+            contenders.remove("horovod")
+            print("# horovod: not importable by this Python (README: .venv-hvd), left out")
     print(f"# TF {tf.__version__}; 2 hosts (network namespaces), 1 rank each pinned to one "
           f"core; per-replica batch {args.batch}; rank 0's median step of {args.steps} after "
           f"{args.warmup} warm-up; median over {args.rounds} interleaved rounds")
     for rate in args.rates.split(","):
         hosts = NetnsHosts(2, subnet=0)
+        made = []
         try:
+            if "horovod" in contenders:
+                made = horovod_hostnames(hosts)
             for ns in hosts.names:
                 subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
                                 "rate", rate, "burst", "256kb", "latency", "200ms"], check=True)
@@ -255,12 +418,20 @@ def main(argv=None):
                 for r in range(args.rounds):
                     order = contenders if r % 2 == 0 else contenders[::-1]
                     for c in order:
-                        rounds[c].append(run_contender(hosts, c, args, model)["ms"])
+                        result = run_contender(hosts, c, args, model)
+                        rounds[c].append(result["ms"])
+                        for key in ("threads", "ops"):
+                            if key in result:
+                                print(f"# {model} {rate} {c} {key}: "
+                                      f"{json.dumps(result[key])}", flush=True)
                 _print_table(model, rate, contenders, rounds)
                 if args.timeline:
                     for c in ("strategy", "strategy, chained"):
                         _print_timeline(hosts, c, args, model)
         finally:
+            for path in made:
+                os.remove(path)
+                os.rmdir(os.path.dirname(path))
             hosts.close()
 
 
