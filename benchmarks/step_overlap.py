@@ -274,9 +274,12 @@ def horovod_hostnames(hosts):
     """Horovod 0.28 builds its process-set Gloo contexts from gethostname(), so
     this machine's host name must resolve, in each namespace, to that host's
     own address: an /etc/netns/<ns>/hosts that `ip netns exec` mounts over
-    /etc/hosts. Returns the files made, for removal."""
+    /etc/hosts. Returns what it made, for removal in reverse order."""
     import socket
     made = []
+    if not os.path.isdir("/etc/netns"):
+        os.makedirs("/etc/netns")
+        made.append("/etc/netns")
     me = socket.gethostname()
     with open("/etc/hosts") as f:  # less the lines that name this machine
         base = "".join(line for line in f if me not in line.split("#")[0].split()[1:])
@@ -429,9 +432,12 @@ def main(argv=None):
                     for c in ("strategy", "strategy, chained"):
                         _print_timeline(hosts, c, args, model)
         finally:
-            for path in made:
-                os.remove(path)
-                os.rmdir(os.path.dirname(path))
+            for path in reversed(made):  # the hosts files, then /etc/netns if made here
+                if os.path.isdir(path):
+                    os.rmdir(path)
+                else:
+                    os.remove(path)
+                    os.rmdir(os.path.dirname(path))
             hosts.close()
 
 
