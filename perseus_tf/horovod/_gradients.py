@@ -12,7 +12,7 @@ import tensorflow as tf
 from perseus_tf import ops
 from perseus_tf._accumulator import GradientAccumulator
 from perseus_tf.horovod import _basics
-from perseus_tf.horovod._collectives import (Adasum, Average, _device, _sparse_allreduce,
+from perseus_tf.horovod._collectives import (Adasum, Average, Sum, _device, _sparse_allreduce,
                                              check_op)
 from perseus_tf.horovod._process_sets import global_process_set, op_kwargs
 from perseus_tf.horovod.compression import Compression
@@ -150,19 +150,28 @@ class GradientReducer:
         results = [None] * len(grads)
         by_dtype = {}
         contexts = {}
+        runtime_fp16 = self.compression is Compression.fp16 and self.op in (Average, Sum)
         with _device(self.device_dense):
             for i, g in enumerate(grads):
                 if isinstance(g, tf.IndexedSlices):
                     continue
-                compressed, ctx = self.compression.compress(tf.convert_to_tensor(g))
+                g = tf.convert_to_tensor(g)
+                if runtime_fp16 and g.dtype == tf.float32:
+                    contexts[i] = None
+                    by_dtype.setdefault("float32 as float16", []).append((i, g))
+                    continue
+                compressed, ctx = self.compression.compress(g)
                 contexts[i] = ctx
                 by_dtype.setdefault(compressed.dtype, []).append((i, compressed))
             native = _native_compression(self.compression)
-            for members in by_dtype.values():
+            for key, members in by_dtype.items():
+                compression, prescale, postscale = native, self.prescale, self.postscale
+                if key == "float32 as float16":
+                    compression, prescale, postscale = _runtime_fp16(prescale, postscale)
                 reduced = ops.grouped_allreduce([t for _, t in members], op=self.op,
-                                                prescale_factor=self.prescale,
-                                                postscale_factor=self.postscale,
-                                                compression=native, gradients=True,
+                                                prescale_factor=prescale,
+                                                postscale_factor=postscale,
+                                                compression=compression, gradients=True,
                                                 **op_kwargs(self.process_set))
                 for (i, _), r in zip(members, reduced):
                     results[i] = self.compression.decompress(r, contexts[i])
@@ -172,6 +181,22 @@ class GradientReducer:
                     results[i] = _sparse_allreduce(g, self.op, self.prescale, self.postscale,
                                                    self.process_set)
         return results
+
+
+def _runtime_fp16(prescale, postscale):
+    """Compression.fp16 of float32 gradients, done by the runtime: each value
+    is converted to float16 as it is packed and back as it is unpacked (F16C),
+    instead of by two TF Cast ops per gradient, which on a CPU cost about four
+    times a memory pass. The runtime multiplies by PERSEUS_ALLREDUCE_GRADIENT_SCALE
+    before converting and divides after; Horovod's fp16 does not scale, so the
+    scale is cancelled through prescale and postscale, and the values that
+    travel are Horovod's: float16(x), summed in float16.
+    Returns (compression, prescale, postscale) for ops.grouped_allreduce."""
+    from perseus_tf import _native
+
+    _native.ensure_initialized()
+    scale = float(_native._config_in_use.gradient_scale)
+    return "fp16", prescale / scale, postscale * scale
 
 
 def _native_compression(compression):

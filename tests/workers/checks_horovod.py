@@ -440,6 +440,60 @@ def _linear_problem(seed=0):
     return w0, xs, ys, grads
 
 
+def check_fp16_gradients_convert_in_the_runtime_with_horovods_values():
+    """Compression.fp16 of float32 gradients: the float32 tensors go to the
+    runtime, which converts while packing (no TF Cast per gradient), and the
+    result is Horovod's: float16(g) summed in float16, averaged after. Large
+    values (30000 / N per rank, over 6550 = float16's max / the default
+    gradient scale of 10) must not overflow: the scale is cancelled."""
+    rng = np.random.default_rng(7)
+    per_rank = []
+    for r in range(N):
+        g = (rng.normal(size=512) * 10.0 ** rng.integers(-4, 2, size=512)).astype(np.float32)
+        g[:8] = 30000.0 / N * (1 + 0.01 * r)  # the average's sum stays under 65504
+        per_rank.append(g)
+    coeff = tf.constant(per_rank[R])
+    w = tf.Variable(tf.zeros([512]))
+    v64 = tf.Variable(tf.zeros([4], tf.float64))
+    seen = []
+    grouped = ops.grouped_allreduce
+
+    def spy(tensors, *args, **kwargs):
+        tensors = list(tensors)
+        seen.append(([t.dtype for t in tensors], kwargs.get("compression")))
+        return grouped(tensors, *args, **kwargs)
+
+    @tf.function
+    def step(op):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * coeff) + tf.cast(tf.reduce_sum(v64 * (R + 1.0)), tf.float32)
+        tape = hvd.DistributedGradientTape(tape, compression=hvd.Compression.fp16, op=op)
+        return tape.gradient(loss, [w, v64])
+
+    ops.grouped_allreduce = spy
+    try:
+        gw, g64 = step(hvd.Average)
+        gw_sum, _ = step(hvd.Sum)
+    finally:
+        ops.grouped_allreduce = grouped
+    # float32 travels as itself with the runtime's fp16; float64 is cast by TF.
+    assert ([tf.float32], "fp16") in seen and ([tf.float16], "none") in seen, seen
+    halves = [h.astype(np.float16) for h in per_rank]
+    total = halves[0]
+    for h in halves[1:]:
+        total = (total + h).astype(np.float16)
+    got_sum = gw_sum.numpy()
+    assert np.all(np.isfinite(got_sum)) and got_sum.dtype == np.float32
+    if N == 2:  # one float16 addition: the same bits whatever the order
+        np.testing.assert_array_equal(got_sum, total.astype(np.float32))
+        np.testing.assert_array_equal(gw.numpy(), total.astype(np.float32) / N)
+    else:  # the ring's order of float16 additions may differ from numpy's
+        np.testing.assert_allclose(got_sum, total.astype(np.float32), rtol=4e-3, atol=1e-6)
+        np.testing.assert_allclose(gw.numpy(), total.astype(np.float32) / N, rtol=4e-3,
+                                   atol=1e-6)
+    np.testing.assert_allclose(g64.numpy(), np.full(4, (N + 1) / 2.0), rtol=1e-3)
+
+
 def check_gradient_tape_average_sum_predivide_and_fp16():
     w0, xs, ys, grads = _linear_problem()
     w = tf.Variable(w0)
