@@ -30,11 +30,10 @@ import secrets
 import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from netns_hosts import NetnsHosts, missing_requirements  # noqa: E402
+from netns_hosts import NetnsHosts, communicate_all, missing_requirements  # noqa: E402
 
 # name -> (PERSEUS_* settings, target speed-up over "flat, none" or None)
 SETTINGS = [
@@ -76,15 +75,7 @@ def run_job(hosts, profile, per_host, env_extra, iters, timeout, by_hand=False):
                                      "-H", hostlist, "-i", hosts.key, "--"] + bench,
                                  env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)]
-        deadline = time.time() + timeout
-        outputs = []
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise RuntimeError(f"job {env_extra} timed out after {timeout} s")
+        outputs = communicate_all(procs, timeout, f"job {env_extra}")
         if any(p.returncode for p in procs) or not os.path.exists(path):
             raise RuntimeError(f"job {env_extra} failed:\n" + outputs[0][-3000:])
         with open(path) as f:

@@ -297,6 +297,7 @@ def horovod_hostnames(hosts):
 
 def run_contender(hosts, contender, args, model, env_extra=None):
     """Starts one process per host (pinned to core h) and returns rank 0's result."""
+    from netns_hosts import communicate_all  # on sys.path from main()
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     if args.threads:
@@ -340,16 +341,8 @@ def run_contender(hosts, contender, args, model, env_extra=None):
         procs.append(hosts.popen(h, ["taskset", "-c", str(h % os.cpu_count())] + cmd,
                                  env=henv, cwd=ROOT, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True))
-    deadline = time.time() + args.timeout
-    outputs = []
     try:
-        for p in procs:
-            try:
-                outputs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise RuntimeError(f"{contender} ({model}) timed out after {args.timeout} s")
+        outputs = communicate_all(procs, args.timeout, f"{contender} ({model})")
     finally:
         if rendezvous:
             rendezvous.kill()

@@ -33,6 +33,22 @@ def _run(*cmd, check=True, **kw):
     return subprocess.run(cmd, check=check, capture_output=True, text=True, **kw)
 
 
+def communicate_all(procs, timeout, what):
+    """The outputs of a job's processes, waited for under one deadline of
+    `timeout` seconds; on expiry every process is killed and RuntimeError
+    names `what`."""
+    deadline = time.time() + timeout
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=max(1, deadline - time.time()))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{what} timed out after {timeout} s")
+    return outputs
+
+
 def missing_requirements():
     """Why the cross-host tests cannot run here, or None."""
     if os.geteuid() != 0:
