@@ -5,6 +5,7 @@ runtime tested) where TensorFlow is not installed.
 """
 
 import atexit
+import functools
 import os
 import threading
 
@@ -56,6 +57,9 @@ def init(cluster=None, **overrides):
             return
         cfg = _config.load_config(overrides)
         topo = _config.load_topology(cluster=cluster)
+        cfg.gpu_transport = _resolve_gpu_transport(cfg.gpu_transport)
+        if cfg.nccl_iface:
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", cfg.nccl_iface)
         if cfg.streams is None:
             cfg.streams = _config.auto_streams(topo.local_size)
         if topo.host_store and _store_server is None:
@@ -91,6 +95,7 @@ def init(cluster=None, **overrides):
             plan_check_n_steps=cfg.offline_neg_check_n_steps,
             allreduce_mode=-1 if cfg.allreduce_mode is None else cfg.allreduce_mode,
             shm=bool(cfg.shm_allreduce),
+            nccl=cfg.gpu_transport == "nccl", nccl_dirs=_nccl_wheel_dirs(),
             fusion_granularity=-1 if cfg.fusion is None else cfg.fusion,
             topk_ratio=cfg.topk_ratio, topk_threshold_bytes=cfg.topk_threshold,
             topk_fp16=bool(cfg.topk_fp16), topk_fallback=_DTYPE_COMPRESSION[cfg.allreduce_dtype],
@@ -375,6 +380,7 @@ def stats(process_set_id=0):
 atexit.register(_shutdown_all)
 
 
+@functools.lru_cache(maxsize=None)
 def _nccl_wheel_dirs():
     """The lib/ folders of the nvidia-nccl-cu12/-cu13 wheels on sys.path."""
     import glob
@@ -386,7 +392,23 @@ def _nccl_wheel_dirs():
             folder = os.path.dirname(lib)
             if folder not in found:
                 found.append(folder)
-    return found
+    return tuple(found)
+
+
+def _resolve_gpu_transport(wanted):
+    """PERSEUS_GPU_TRANSPORT as the runtime uses it: "nccl" or "host" ("auto":
+    nccl where NCCL loads). The resolved value is among the settings every
+    rank must share, so ranks that resolve differently fail at init."""
+    if wanted == "host":
+        return "host"
+    info = nccl_library()
+    if info["available"]:
+        return "nccl"
+    if wanted == "nccl":
+        raise RuntimeError(f"PERSEUS_GPU_TRANSPORT=nccl, but NCCL cannot be loaded: "
+                           f"{info['why_not']}; install nvidia-nccl-cu12 or nvidia-nccl-cu13, "
+                           f"or set PERSEUS_GPU_TRANSPORT=host (or auto) on every rank")
+    return "host"
 
 
 def nccl_library():

@@ -116,3 +116,19 @@ def check_names(module):
             if line.startswith("def check_"):
                 names.append(line[4:line.index("(")])
     return names
+
+
+def cuda_devices():
+    """How many CUDA devices libperseus_cuda.so sees here (0: none, or the
+    library is not built: tests that need a GPU skip then)."""
+    import ctypes
+    lib = os.path.join(ROOT, "perseus_tf", "libperseus_cuda.so")
+    if not os.path.exists(lib):
+        return 0
+    count = ctypes.c_int(0)
+    try:
+        rc = ctypes.CDLL(lib).perseus_cuda_device_count(ctypes.byref(count))
+    except OSError:
+        return 0
+    return count.value if rc == 0 else 0
+

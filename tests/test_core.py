@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness import WORKERS, check_names, launch, run_checks
+from harness import WORKERS, check_names, cuda_devices, launch, run_checks
 
 CHECKS = check_names("checks_core")
 CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
@@ -18,11 +18,19 @@ CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
            # which checks the ordering of every access.
            (2, "sim"): {"PERSEUS_TEST_DEVICE": "sim"},
            (4, "sim-tcp"): {"PERSEUS_TEST_DEVICE": "sim", "PERSEUS_SHM_ALLREDUCE": "0",
-                            "PERSEUS_ALLREDUCE_STREAMS": "2"}}
+                            "PERSEUS_ALLREDUCE_STREAMS": "2"},
+           # Every array on a real GPU (sim_requests.h), staged through pinned
+           # host memory: NCCL refuses two ranks on one GPU. Skipped without one.
+           (2, "cuda"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host"},
+           (4, "cuda-tcp"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host",
+                             "PERSEUS_SHM_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_STREAMS": "2"}}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS), ids=lambda k: f"{k[0]}ranks-{k[1]}")
 def launched(request):
+    if request.param[1].startswith("cuda") and cuda_devices() == 0:
+        pytest.skip("no GPU here: the CUDA data plane runs on a GPU machine "
+                    "(tools/gpu_session.sh)")
     return run_checks("checks_core", request.param[0], env=CONFIGS[request.param], timeout=300)
 
 

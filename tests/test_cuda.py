@@ -14,7 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB = os.path.join(ROOT, "perseus_tf", "libperseus_cuda.so")
 ENTRY_POINTS = ["perseus_cuda_to_half", "perseus_cuda_from_half", "perseus_cuda_scale",
                 "perseus_cuda_sum_chunks", "perseus_cuda_nonfinite", "perseus_cuda_batched_copy",
-                "perseus_cuda_topk_scratch_bytes", "perseus_cuda_topk"]
+                "perseus_cuda_topk_scratch_bytes", "perseus_cuda_topk",
+                "perseus_cuda_plane_create", "perseus_cuda_device_count",
+                "perseus_cuda_error_string", "perseus_cuda_test_alloc", "perseus_cuda_test_free",
+                "perseus_cuda_test_produce", "perseus_cuda_test_fetch",
+                "perseus_cuda_event_destroy"]
 
 
 def _built():
@@ -44,3 +48,57 @@ def test_the_kernels_match_numpy_on_a_gpu():
     if proc.returncode == 2:
         pytest.skip(proc.stdout.strip() or "no GPU here")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+NO_GPU_SCRIPT = """
+import os
+from perseus_tf import _core, _native
+_native.init()
+h = _core.submit_device(_native.OP_ALLREDUCE, 4096, 4096, [4], "on.gpu",
+                        _native.DTYPE_CODES["float32"])
+try:
+    h.wait()
+    print("NO ERROR")
+except RuntimeError as e:
+    print("ERROR", e)
+"""
+
+
+def test_a_gpu_tensor_without_a_usable_gpu_fails_with_the_reason():
+    """Where CUDA cannot run (no GPU, no driver), a tensor placed on a CUDA
+    device fails its collective with CUDA's reason, on a runtime thread,
+    instead of crashing the process."""
+    _built()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import cuda_devices
+    if cuda_devices():
+        pytest.skip("a GPU is here: the GPU runs below use it")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name in ("PERSEUS_RANK", "PERSEUS_SIZE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", NO_GPU_SCRIPT], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ERROR" in proc.stdout and "cannot use CUDA device 0" in proc.stdout, proc.stdout
+    assert "on.gpu" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("np_", [1, 2, 4])
+def test_the_runtime_on_a_gpu(np_):
+    """tools/gpu_runtime_check.py: at 1 rank NCCL (every dtype and reduction,
+    fused buckets, broadcast, fp16, an aborted communicator); at 2 and 4
+    ranks sharing the GPU, the host-staged path."""
+    _built()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import cuda_devices, launch
+    if cuda_devices() == 0:
+        pytest.skip("no GPU here")
+    script = os.path.join(ROOT, "tools", "gpu_runtime_check.py")
+    if np_ == 1:
+        proc = subprocess.run([sys.executable, script, "nccl"], capture_output=True, text=True,
+                              timeout=600, cwd=ROOT)
+    else:
+        proc = launch(np_, [sys.executable, script, "staged"], timeout=600)
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, (
+        proc.stdout[-6000:] + proc.stderr[-3000:])
+

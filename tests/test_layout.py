@@ -18,7 +18,7 @@ ALLOWED = {
     "rendezvous": {"core"},
     "transport": {"core"},
     "device": {"core"},
-    "cuda": set(),
+    "cuda": {"core", "device"},
     "runtime": {"core", "device", "rendezvous", "transport"},
     "tf": {"core", "device", "runtime"},
     "python": {"core", "device", "rendezvous", "runtime", "transport"},

@@ -163,6 +163,8 @@ def build_cuda(out_dir=None, verbose=True):
     folder = os.path.join(ROOT, "cc", "cuda")
     sources = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".cu"))
     headers = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h")]
+    headers += [os.path.join(ROOT, "cc", "device", "data_plane.h"),
+                os.path.join(ROOT, "cc", "core", "common.h")]
     if _newer(target, sources + headers):
         return target
     partial = target + ".partial"

@@ -53,6 +53,7 @@ def load(path):
 def check_kernels(lib, cp):
     rng = np.random.default_rng(7)
     stream = cp.cuda.Stream(non_blocking=True)
+    stream.use()  # CuPy's own copies and fills too, so each kernel comes after them
     s = stream.ptr
     ptr = lambda a: ctypes.c_void_p(a.data.ptr)  # noqa: E731
 

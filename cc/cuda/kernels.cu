@@ -34,18 +34,36 @@ __global__ void FromHalf(const uint16_t* in, float* out, size_t n, float scale) 
   }
 }
 
+// As the host does (cc/core/reduce.cc ScaleBuffer), so that both planes
+// give the same bits: floats times the factor in their own precision,
+// float16 and bfloat16 through a double product rounded to float.
 template <typename T>
-__global__ void ScaleFloat(T* data, size_t n, double factor) {
+__global__ void ScaleFloat(T* data, size_t n, T factor) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
        i += size_t(gridDim.x) * blockDim.x) {
-    data[i] = static_cast<T>(data[i] * factor);
+    data[i] *= factor;
   }
 }
 
-__global__ void ScaleHalf(uint16_t* data, size_t n, float factor) {
+__global__ void ScaleHalf(uint16_t* data, size_t n, double factor) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
        i += size_t(gridDim.x) * blockDim.x) {
-    data[i] = __half_as_ushort(__float2half_rn(__half2float(__ushort_as_half(data[i])) * factor));
+    const float v = static_cast<float>(__half2float(__ushort_as_half(data[i])) * factor);
+    data[i] = __half_as_ushort(__float2half_rn(v));
+  }
+}
+
+__global__ void ScaleBf16(uint16_t* data, size_t n, double factor) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float v = static_cast<float>(__uint_as_float(uint32_t(data[i]) << 16) * factor);
+    uint32_t x = __float_as_uint(v);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a quiet NaN
+      data[i] = static_cast<uint16_t>((x >> 16) | 0x40);
+    } else {
+      x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest even
+      data[i] = static_cast<uint16_t>(x >> 16);
+    }
   }
 }
 
@@ -80,10 +98,11 @@ __global__ void NonFinite(const T* data, size_t n, int* flag) {
   }
 }
 
-__global__ void NonFiniteHalf(const uint16_t* data, size_t n, int* flag) {
+// Exponent all ones: inf or NaN (float16: mask 0x7c00, bfloat16: 0x7f80).
+__global__ void NonFinite16(const uint16_t* data, size_t n, uint16_t mask, int* flag) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
        i += size_t(gridDim.x) * blockDim.x) {
-    if ((data[i] & 0x7c00u) == 0x7c00u) {  // exponent all ones: inf or NaN
+    if ((data[i] & mask) == mask) {
       *flag = 1;
       return;
     }
@@ -217,15 +236,27 @@ int perseus_cuda_scale(void* data, int dtype, size_t n, double factor, void* str
   if (n == 0 || factor == 1.0) return 0;
   switch (dtype) {
     case 0: ScaleHalf<<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<uint16_t*>(data), n,
-                                                             static_cast<float>(factor)); break;
+                                                             factor); break;
+    case 1: ScaleBf16<<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<uint16_t*>(data), n,
+                                                             factor); break;
     case 2: ScaleFloat<float><<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<float*>(data), n,
-                                                                     factor); break;
+                                                                     static_cast<float>(factor));
+      break;
     case 3: ScaleFloat<double><<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<double*>(data),
                                                                       n, factor); break;
     case 4: ScaleInt<int32_t><<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<int32_t*>(data),
                                                                      n, factor); break;
     case 5: ScaleInt<int64_t><<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<int64_t*>(data),
                                                                      n, factor); break;
+    case 6: ScaleInt<uint8_t><<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<uint8_t*>(data),
+                                                                     n, factor); break;
+    case 7: ScaleInt<int8_t><<<Blocks(n), kThreads, 0, S(stream)>>>(static_cast<int8_t*>(data),
+                                                                    n, factor); break;
+    case 8: break;  // bool: as on the host, scaling leaves it
+    case 9: ScaleInt<uint16_t><<<Blocks(n), kThreads, 0, S(stream)>>>(
+        static_cast<uint16_t*>(data), n, factor); break;
+    case 10: ScaleInt<int16_t><<<Blocks(n), kThreads, 0, S(stream)>>>(
+        static_cast<int16_t*>(data), n, factor); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -243,8 +274,10 @@ int perseus_cuda_nonfinite(const void* data, int kind, size_t n, int* flag, void
   switch (kind) {
     case 0: NonFinite<float><<<Blocks(n), kThreads, 0, S(stream)>>>(
         static_cast<const float*>(data), n, flag); break;
-    case 1: NonFiniteHalf<<<Blocks(n), kThreads, 0, S(stream)>>>(
-        static_cast<const uint16_t*>(data), n, flag); break;
+    case 1: NonFinite16<<<Blocks(n), kThreads, 0, S(stream)>>>(
+        static_cast<const uint16_t*>(data), n, 0x7c00u, flag); break;
+    case 3: NonFinite16<<<Blocks(n), kThreads, 0, S(stream)>>>(
+        static_cast<const uint16_t*>(data), n, 0x7f80u, flag); break;
     case 2: NonFinite<double><<<Blocks(n), kThreads, 0, S(stream)>>>(
         static_cast<const double*>(data), n, flag); break;
     default: return cudaErrorInvalidValue;

@@ -17,10 +17,11 @@ extern "C" {
 int perseus_cuda_to_half(const float* in, uint16_t* out, size_t n, float scale, void* stream);
 // out[i] = float(in[i]) * scale.
 int perseus_cuda_from_half(const uint16_t* in, float* out, size_t n, float scale, void* stream);
-// data[i] *= factor, for float32 (dtype 2), float64 (3), float16 (0), int32
-// (4) and int64 (5) (the runtime's DataType codes; integers through double,
-// truncated toward zero as on the host). Returns cudaErrorInvalidValue (1)
-// for other dtypes.
+// data[i] *= factor, for every dtype of the runtime (its DataType codes:
+// float16 0, bfloat16 1, float32 2, float64 3, int32 4, int64 5, uint8 6,
+// int8 7, bool 8 (left as it is), uint16 9, int16 10), with the host's
+// rounding (ScaleBuffer): integers through double, truncated toward zero.
+// Returns cudaErrorInvalidValue (1) for other codes.
 int perseus_cuda_scale(void* data, int dtype, size_t n, double factor, void* stream);
 // out[i] = sum over k < chunks of in[k][i], float32, in chunk order (the sum
 // of host-staged chunks, the same order on every rank). `in` is a device
@@ -28,7 +29,7 @@ int perseus_cuda_scale(void* data, int dtype, size_t n, double factor, void* str
 int perseus_cuda_sum_chunks(const float* const* in, int chunks, float* out, size_t n,
                             void* stream);
 // *flag = 1 if any element is NaN or infinite (float32 0 / float16 1 /
-// float64 2 by `kind`), else left as it is: clear it first.
+// float64 2 / bfloat16 3 by `kind`), else left as it is: clear it first.
 int perseus_cuda_nonfinite(const void* data, int kind, size_t n, int* flag, void* stream);
 // Copies `count` spans in one launch: spans is a device array of
 // {src, dst, bytes} triples (three uint64 each).

@@ -13,9 +13,12 @@
 //   HostPlane  today's host code: memcpy, host loops, F16C conversion, and
 //              every "asynchronous" operation done by the time it returns;
 //   SimPlane   the simulated device (sim_device.h), for tests without a GPU;
-//   a CUDA plane belongs here too (kernels on the runtime's own streams).
+//   CudaPlane  CUDA's, in libperseus_cuda.so (cc/cuda/cuda_plane.cu), opened
+//              when the first request on a CUDA device comes (cuda_library.h):
+//              kernels and copies on the runtime's own non-blocking streams.
 // Transports move host memory (Gloo, shared memory): a device buffer is
-// staged through host memory around them (ToHost, then FromHost).
+// staged through host memory around them (ToHost, then FromHost), unless
+// NCCL reduces it where it is (nccl.h).
 #pragma once
 
 #include <cstddef>
@@ -84,8 +87,18 @@ class DataPlane {
   // host bytes may be reused as soon as it returns.
   virtual void FromHost(int stream, void* dst, const void* host, size_t bytes) = 0;
   // Runs `done` (on some thread) once everything queued on `stream` so far
-  // has finished; the host plane runs it before returning.
-  virtual void Finish(int stream, std::function<void()> done) = 0;
+  // has finished; the host plane runs it before returning. `error` is empty,
+  // or says what failed in the device work.
+  virtual void Finish(int stream, std::function<void(const std::string& error)> done) = 0;
+  // The device's own handle of `stream` (a cudaStream_t), for transports
+  // that queue work on it (NCCL); null on planes without one.
+  virtual void* NativeStream(int stream) { return nullptr; }
+  // A test that says whether the work queued on `stream` so far has
+  // finished (for transports that poll with a deadline); planes that finish
+  // everything before returning answer true at once.
+  virtual std::function<bool()> Marker(int stream) {
+    return [] { return true; };
+  }
 };
 
 // The host's plane (stateless apart from its buffers).

@@ -53,7 +53,7 @@ class HostPlane : public DataPlane {
   void FromHost(int, void* dst, const void* host, size_t bytes) override {
     if (bytes && host != dst) std::memcpy(dst, host, bytes);
   }
-  void Finish(int, std::function<void()> done) override { done(); }
+  void Finish(int, std::function<void(const std::string&)> done) override { done(""); }
 
  private:
   std::vector<std::array<std::vector<char>, static_cast<int>(PlaneBuffer::kCount)>> buffers_;

@@ -120,9 +120,9 @@ class SimPlane : public DataPlane {
     dev_.Launch(id(stream), "from host", {}, {{dst, bytes}},
                 [=] { std::memcpy(dst, copy->data(), bytes); });
   }
-  void Finish(int stream, std::function<void()> done) override {
-    if (early_finish_) return done();
-    dev_.LaunchHostFunc(id(stream), std::move(done));
+  void Finish(int stream, std::function<void(const std::string&)> done) override {
+    if (early_finish_) return done("");
+    dev_.LaunchHostFunc(id(stream), [done] { done(""); });
   }
 
  private:

@@ -228,10 +228,54 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
     state->finished = true;
     state->cv.notify_all();
   };
-  if (SimDeviceRequested()) PlaceOnSimDevice(*req, req->output);
+  PlaceOnTestDevice(*req, req->output);
   Status s = rt.Enqueue(req);
   if (!s.ok()) Raise(s);
   return Handle(state, req, input, output, input.attr("dtype"));
+}
+
+// An allreduce or broadcast of CUDA device memory the caller owns (CuPy
+// arrays on a GPU machine): `ready` is a cudaEvent_t recorded after the
+// producer's writes on `stream` (0: already written). The caller keeps the
+// memory and the event alive until the handle completes; wait() returns
+// (output pointer, None).
+Handle SubmitDevice(int op, uintptr_t input, uintptr_t output, std::vector<int64_t> shape,
+                    const std::string& name, int dtype, int device, uintptr_t stream,
+                    uintptr_t ready, int reduce_op, int root, double prescale, double postscale,
+                    int compression, bool plannable, int process_set) {
+  Runtime& rt = RuntimeOf(process_set);
+  CheckCodes(name, op, dtype, reduce_op);
+  const OpType kind = static_cast<OpType>(op);
+  if (kind != OpType::kAllreduce && kind != OpType::kBroadcast) {
+    throw InvalidError("'" + name + "': submit_device takes allreduce and broadcast only");
+  }
+  auto state = std::make_shared<HandleState>();
+  auto req = std::make_shared<Request>();
+  req->meta.name = name;
+  req->meta.op = kind;
+  req->meta.dtype = static_cast<DataType>(dtype);
+  req->meta.reduce_op = static_cast<ReduceOp>(reduce_op);
+  req->meta.shape = std::move(shape);
+  req->meta.root = root;
+  req->meta.prescale = prescale;
+  req->meta.postscale = postscale;
+  req->meta.compression = compression;
+  if (plannable) req->meta.flags |= kMetaPlannable;
+  req->input = reinterpret_cast<const void*>(input);
+  req->output = reinterpret_cast<void*>(output);
+  req->where.kind = MemoryKind::kCuda;
+  req->where.device = device;
+  req->where.stream = reinterpret_cast<void*>(stream);
+  if (ready) req->where.ready = std::shared_ptr<void>(reinterpret_cast<void*>(ready), [](void*) {});
+  req->done = [state](const Status& s) {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->status = s;
+    state->finished = true;
+    state->cv.notify_all();
+  };
+  Status s = rt.Enqueue(req);
+  if (!s.ok()) Raise(s);
+  return Handle(state, req, py::none(), py::int_(output), py::none());
 }
 
 // What the TF grouped-allreduce kernel does, from numpy: every array reduced
@@ -295,7 +339,7 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
       if (!st.ok() && state->status.ok()) state->status = st;
       if (--state->remaining == 0) state->cv.notify_all();
     };
-    if (SimDeviceRequested()) PlaceOnSimDevice(*req, req->output);
+    PlaceOnTestDevice(*req, req->output);
     requests.push_back(std::move(req));
   }
   // One call, queued all together or not at all.
@@ -414,6 +458,8 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("plan_check_n_steps", &InitOptions::plan_check_n_steps)
       .def_readwrite("allreduce_mode", &InitOptions::allreduce_mode)
       .def_readwrite("shm", &InitOptions::shm)
+      .def_readwrite("nccl", &InitOptions::nccl)
+      .def_readwrite("nccl_dirs", &InitOptions::nccl_dirs)
       .def_readwrite("topk_ratio", &InitOptions::topk_ratio)
       .def_readwrite("settings", &InitOptions::settings)
       .def_readwrite("topk_threshold_bytes", &InitOptions::topk_threshold_bytes)
@@ -525,6 +571,21 @@ PYBIND11_MODULE(_core, m) {
         py::arg("postscale") = 1.0, py::arg("splits") = std::vector<int64_t>(),
         py::arg("output") = py::none(), py::arg("process_set") = 0,
         py::arg("compression") = 0, py::arg("plannable") = false);
+  m.def("submit_device", &SubmitDevice, py::arg("op"), py::arg("input"), py::arg("output"),
+        py::arg("shape"), py::arg("name"), py::arg("dtype"), py::arg("device") = 0,
+        py::arg("stream") = 0, py::arg("ready") = 0, py::arg("reduce_op") = 0,
+        py::arg("root") = 0, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
+        py::arg("compression") = 0, py::arg("plannable") = false, py::arg("process_set") = 0);
+  // A NCCL communicator of `size` ranks that only this process joins, as
+  // rank 0: creation cannot finish, so it shows the deadline and the abort
+  // with the real library (tools/gpu_runtime_check.py). Returns the error,
+  // or what NCCL said of a communicator that did come up (size 1).
+  // A NCCL communicator nobody else joins (sim_requests.h).
+  m.def("nccl_lone_communicator", [](std::vector<std::string> wheel_dirs, int size,
+                                     int timeout_ms) {
+    py::gil_scoped_release release;
+    return NcclLoneCommunicator(wheel_dirs, size, timeout_ms);
+  });
   m.def("raw_allreduce", [](py::array data, int dtype) {
     Status s;
     void* p = data.mutable_data();

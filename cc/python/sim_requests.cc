@@ -27,12 +27,22 @@ int ProducerStream() {
 
 }  // namespace
 
-bool SimDeviceRequested() {
+TestDevice RequestedTestDevice() {
   const char* v = std::getenv("PERSEUS_TEST_DEVICE");
-  if (v == nullptr || *v == '\0') return false;
-  if (std::string(v) == "sim") return true;
+  if (v == nullptr || *v == '\0') return TestDevice::kNone;
+  if (std::string(v) == "sim") return TestDevice::kSim;
+  if (std::string(v) == "cuda") return TestDevice::kCuda;
   throw std::invalid_argument(std::string("PERSEUS_TEST_DEVICE=") + v +
-                              " is not valid: use sim (the simulated device) or leave it unset");
+                              " is not valid: use sim (the simulated device), cuda (a GPU) or "
+                              "leave it unset");
+}
+
+void PlaceOnTestDevice(Request& req, void* host_out) {
+  switch (RequestedTestDevice()) {
+    case TestDevice::kSim: return PlaceOnSimDevice(req, host_out);
+    case TestDevice::kCuda: return PlaceOnCudaDevice(req, host_out);
+    case TestDevice::kNone: return;
+  }
 }
 
 void PlaceOnSimDevice(Request& req, void* host_out) {

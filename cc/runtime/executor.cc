@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "cc/core/reduce.h"
+#include "cc/device/cuda_library.h"
 #include "cc/runtime/compression/compression.h"
 #include "cc/runtime/fusion.h"
 #include "cc/runtime/runtime_internal.h"
@@ -49,13 +50,17 @@ Executor::Executor(const ExecutorContext& context)
   topk_ = MakeTopkCompressor(compression);
   downsample_ = MakeDownsampleCompressor(compression);
   stats_.resize(options_.streams + 1);
+  nccl_.resize(options_.streams + 1);
   for (int s = 0; s <= options_.streams; ++s) streams_.emplace_back(new Stream());
   for (int s = 0; s <= options_.streams; ++s) {
     streams_[s]->thread = std::thread(&Executor::StreamLoop, this, s);
   }
 }
 
-Executor::~Executor() { Stop(); }
+Executor::~Executor() {
+  Stop();
+  ReleaseDevices();
+}
 
 void Executor::Stop() {
   for (auto& s : streams_) {
@@ -68,6 +73,12 @@ void Executor::Stop() {
   for (auto& s : streams_) {
     if (s->thread.joinable()) s->thread.join();
   }
+}
+
+void Executor::ReleaseDevices() {
+  for (auto& comm : nccl_) comm.reset();
+  std::lock_guard<std::mutex> lock(planes_mu_);
+  device_planes_.clear();
 }
 
 std::vector<StreamStats> Executor::stats() {
@@ -183,8 +194,9 @@ void Executor::Run(int index, Response& response, Requests& requests) {
     return;
   }
   // Done once the device work queued for them has finished.
-  plane->Finish(index, [requests, status] {
-    for (auto& q : requests) q->done(status);
+  plane->Finish(index, [requests, status, fail = c_.fail](const std::string& error) {
+    const Status st = error.empty() || !status.ok() ? status : fail(error);
+    for (auto& q : requests) q->done(st);
   });
 }
 
@@ -198,6 +210,9 @@ DataPlane& Executor::PlaneFor(const Placement& where) {
   switch (where.kind) {
     case MemoryKind::kSimulated:
       plane = MakeSimPlane(options_.streams + 1);
+      break;
+    case MemoryKind::kCuda:
+      plane = MakeCudaPlane(where.device, options_.streams + 1);
       break;
     default:
       throw std::runtime_error(std::string("this build of Perseus has no data plane for ") +
@@ -289,6 +304,17 @@ bool Executor::Execute(int stream, DataPlane& plane, const Response& r, Requests
   }
   if (plane.host()) return ExecuteOnHost(stream, r, requests);
   for (auto& q : requests) plane.WaitReady(stream, q->where);
+  if (r.op == OpType::kBroadcast && requests.size() == 1) {
+    Request& q = *requests[0];
+    if (NcclComm* comm = NcclFor(stream, plane, DataType::kUint8)) {
+      const size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
+      if (bytes) {
+        comm->Broadcast(q.input, q.output, bytes, q.meta.root, plane.NativeStream(stream));
+        AwaitNccl(*comm, stream, plane, "broadcast of '" + q.meta.name + "'");
+      }
+      return true;
+    }
+  }
   const int compression = r.op == OpType::kAllreduce ? r.metas[0].compression : 0;
   if (r.op == OpType::kAllreduce && compression != kCompressTopk &&
       compression != kCompressDownsample) {
@@ -396,6 +422,14 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
 void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count,
                                DataType dtype, ReduceOp op, size_t half_across) {
   const size_t bytes = count * DataTypeSize(dtype);
+  if (half_across == 0 && count > 0) {
+    if (NcclComm* comm = NcclFor(stream, plane, dtype)) {
+      TimelineSpan span(timeline_, 1 + stream, "nccl allreduce", "transport");
+      comm->Allreduce(buf, buf, count, dtype, op, plane.NativeStream(stream));
+      AwaitNccl(*comm, stream, plane, "allreduce");
+      return;
+    }
+  }
   void* data = buf;
   if (!plane.host()) {
     data = plane.Buffer(stream, PlaneBuffer::kStaging, bytes);
@@ -412,6 +446,34 @@ void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t c
   call.half = &streams_[stream]->scratch.half;
   RunAllreduce(ChooseAllreduce(bytes, half_across > 0, c_.topology), c_.groups, call, timeline_);
   if (!plane.host()) plane.FromHost(stream, buf, data, bytes);
+}
+
+NcclComm* Executor::NcclFor(int stream, const DataPlane& plane, DataType dtype) {
+  if (plane.kind() != MemoryKind::kCuda || !options_.nccl) return nullptr;
+  if (dtype == DataType::kUint16 || dtype == DataType::kInt16) return nullptr;  // no NCCL type
+  std::unique_ptr<NcclComm>& comm = nccl_.at(static_cast<size_t>(stream));
+  if (!comm) {
+    std::string why;
+    const NcclLibrary* lib = NcclLibrary::Load(options_.nccl_dirs, &why);
+    if (lib == nullptr) {
+      throw std::runtime_error("PERSEUS_GPU_TRANSPORT=nccl, but NCCL cannot be loaded: " + why +
+                               "; or set PERSEUS_GPU_TRANSPORT=host on every rank");
+    }
+    const std::string name = "stream" + std::to_string(stream);
+    // The plane's calls on this thread made its device the current one, which
+    // is the device NCCL binds the communicator to.
+    comm.reset(new NcclComm(
+        *lib, options_.rank, options_.size, c_.nccl_bootstrap(name),
+        std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000)),
+        "stream " + std::to_string(stream) + " of " +
+            (options_.process_set_id ? "process set " + std::to_string(options_.process_set_id)
+                                     : std::string("the world"))));
+  }
+  return comm.get();
+}
+
+void Executor::AwaitNccl(NcclComm& comm, int stream, DataPlane& plane, const std::string& what) {
+  comm.WaitUntil(plane.Marker(stream), what);
 }
 
 int64_t Executor::PayloadBytes(const TensorMeta& m) const {

@@ -30,6 +30,7 @@
 #include "cc/runtime/request.h"
 #include "cc/runtime/stats.h"
 #include "cc/transport/allreduce_algorithms.h"
+#include "cc/transport/nccl.h"
 #include "cc/transport/transport.h"
 
 namespace perseus {
@@ -48,6 +49,9 @@ struct ExecutorContext {
   // Fails the runtime with this description; returns the failure every
   // request now completes with.
   std::function<Status(const std::string&)> fail;
+  // How rank 0 hands NCCL's unique id of communicator `name` to the others
+  // (through the rendezvous store, under this round's keys).
+  std::function<NcclBootstrap(const std::string& name)> nccl_bootstrap;
 };
 
 class Executor {
@@ -57,6 +61,9 @@ class Executor {
   ~Executor();
   // Runs what is queued, then joins the threads.
   void Stop();
+  // After Stop: closes NCCL's communicators and the device planes (their
+  // streams and threads), while the process's CUDA is still alive.
+  void ReleaseDevices();
 
   // Queues the response on `stream`, after what is queued there.
   void Submit(int stream, Response response, Requests requests);
@@ -101,6 +108,12 @@ class Executor {
   // a device's: the transports move host memory).
   void AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,
                        ReduceOp op, size_t half_across = 0);
+  // NCCL's communicator of `stream` when a buffer of `plane` in `dtype`
+  // goes through NCCL (nccl.h), else null (host staging). Made on first use:
+  // every rank reaches the same stream's buckets in the same order.
+  NcclComm* NcclFor(int stream, const DataPlane& plane, DataType dtype);
+  // Waits, with the communicator's deadline, for `plane`'s queued work.
+  void AwaitNccl(NcclComm& comm, int stream, DataPlane& plane, const std::string& what);
   void Allgather(int stream, const Response& r, Request& q);
   void Alltoall(int stream, const Response& r, Request& q);
   void Reducescatter(int stream, const Response& r, Request& q);
@@ -116,6 +129,7 @@ class Executor {
   std::mutex planes_mu_;
   std::unique_ptr<DataPlane> host_plane_;
   std::map<std::pair<int, int>, std::unique_ptr<DataPlane>> device_planes_;  // (kind, device)
+  std::vector<std::unique_ptr<NcclComm>> nccl_;  // by stream
   std::mutex stats_mu_;
   std::vector<StreamStats> stats_;
 };

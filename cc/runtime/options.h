@@ -68,6 +68,12 @@ struct InitOptions {
   // Downsampling (kCompressDownsample): 1/N of each tensor per step.
   int downsample_n = 1;
   double gradient_momentum = 1.0;
+  // Tensors on CUDA devices: reduced and broadcast by NCCL where they are
+  // (PERSEUS_GPU_TRANSPORT resolved to nccl), else staged through pinned
+  // host memory for the CPU transports. nccl_dirs: where the nvidia-nccl
+  // wheels keep libnccl.so.2 (NcclLibrary::Load).
+  bool nccl = false;
+  std::vector<std::string> nccl_dirs;
   // A process set (sub-group) runtime: its id and the world ranks of its
   // members, in order (this process is member `rank`). Empty: the world.
   int process_set_id = 0;

@@ -161,6 +161,27 @@ Status Runtime::Init(const InitOptions& options) {
     std::lock_guard<std::mutex> lock(mu_);
     return failure_;
   };
+  // NCCL's unique ids travel through the store on connections of their own
+  // (made only when a communicator is), under this round's keys.
+  const std::string nccl_keys = bo.key_prefix + "/nccl/";
+  const auto store_wait = StartupStoreWait(bo.timeout);
+  ec.nccl_bootstrap = [options, nccl_keys, store_wait](const std::string& name) {
+    const std::string key = nccl_keys + name;
+    NcclBootstrap b;
+    b.publish = [options, key, store_wait](const std::string& id) {
+      if (options.size == 1) return;
+      StoreClient store(options.store_addr, options.store_port, options.secret, store_wait);
+      store.set(key, std::vector<char>(id.begin(), id.end()));
+    };
+    b.fetch = [options, key, store_wait](std::chrono::milliseconds wait, std::string* id) {
+      StoreClient store(options.store_addr, options.store_port, options.secret, store_wait);
+      std::vector<char> data;
+      if (!store.TryGet(key, wait, &data)) return false;
+      id->assign(data.begin(), data.end());
+      return true;
+    };
+    return b;
+  };
   executor_.reset(new Executor(ec));
   background_ = std::thread(&Runtime::BackgroundLoop, this);
   return Status::OK();
@@ -173,7 +194,10 @@ void Runtime::Shutdown() {
   }
   queue_cv_.notify_all();
   if (background_.joinable()) background_.join();
-  if (executor_) executor_->Stop();
+  if (executor_) {
+    executor_->Stop();
+    executor_->ReleaseDevices();
+  }
   FailAllPending(Status::Error(StatusCode::kUnavailable,
                                "Perseus was shut down before this collective ran"));
   StopHeartbeat();

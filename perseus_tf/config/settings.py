@@ -40,6 +40,10 @@ class Config:
     perf_check_n_steps: int = 0
     gloo_iface: str = ""
     nccl_iface: str = ""
+    # Tensors on GPUs: "nccl" reduces them with NCCL, "host" stages them
+    # through pinned host memory for Gloo / shared memory, "auto" is nccl
+    # where NCCL loads (resolved at init, the same on every rank).
+    gpu_transport: str = "auto"
     timeout_seconds: float = 60.0
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     cycle_time_ms: float = 1.0
@@ -85,6 +89,14 @@ def _string():
     return str, "an interface name"
 
 
+def _word(*values):
+    def parse(text):
+        if text not in values:
+            raise ValueError
+        return text
+    return parse, "one of " + ", ".join(values)
+
+
 VARIABLES = {
     "allreduce_dtype": ("PERSEUS_ALLREDUCE_DTYPE", *_choice(0, 1, 2)),
     "gradient_scale": ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", *_float_range(0, 1e6, lo_open=True)),
@@ -105,6 +117,7 @@ VARIABLES = {
     "perf_check_n_steps": ("PERSEUS_PERF_CHECK_N_STEPS", *_int_range(0, 10**9)),
     "gloo_iface": ("PERSEUS_GLOO_NETWORK_INTERFACE", *_string()),
     "nccl_iface": ("PERSEUS_NCCL_NETWORK_INTERFACE", *_string()),
+    "gpu_transport": ("PERSEUS_GPU_TRANSPORT", *_word("auto", "nccl", "host")),
     "timeout_seconds": ("GLOO_TIMEOUT_SECONDS", *_float_range(1, 86400)),
     "fusion_threshold_bytes": ("PERSEUS_FUSION_THRESHOLD", *_int_range(0, 2**40)),
     "cycle_time_ms": ("PERSEUS_CYCLE_TIME_MS", *_float_range(0.05, 1000)),

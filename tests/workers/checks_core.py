@@ -116,11 +116,18 @@ def check_raw_gloo_allreduce():
 
 
 def check_duplicate_name_in_flight_is_rejected():
-    h = allreduce_async(np.ones(4, np.float32), "dup")
-    if R == 0:  # a second 'dup' in flight is rejected
+    # Rank 0's 'dup' stays in flight until the others submit theirs, which
+    # they do only after 'dup.go', which rank 0 submits after its attempt:
+    # the attempt meets a 'dup' in flight however slow a submit is (a GPU's).
+    if R == 0:
+        h = allreduce_async(np.ones(4, np.float32), "dup")
         expect(_core.InvalidArgumentError, lambda: allreduce_async(np.ones(4, np.float32), "dup"),
                "already in flight")
-    h.wait()
+        allreduce_async(np.ones(1, np.float32), "dup.go").wait()
+    else:
+        allreduce_async(np.ones(1, np.float32), "dup.go").wait()
+        h = allreduce_async(np.ones(4, np.float32), "dup")
+    np.testing.assert_array_equal(h.wait()[0], np.full(4, N))
 
 
 def check_group_naming_a_tensor_twice_is_rejected_and_leaves_nothing_pending():

@@ -1,0 +1,91 @@
+#include "cc/device/cuda_library.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <type_traits>
+
+namespace perseus {
+namespace {
+
+std::string DefaultPath() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&MakeCudaPlane), &info) == 0 || info.dli_fname == nullptr) {
+    return "libperseus_cuda.so";
+  }
+  std::string self = info.dli_fname;
+  const size_t slash = self.rfind('/');
+  return (slash == std::string::npos ? std::string() : self.substr(0, slash + 1)) +
+         "libperseus_cuda.so";
+}
+
+const CudaLibrary* Open(std::string* why_not) {
+  const char* env = std::getenv("PERSEUS_CUDA_LIBRARY");
+  const std::string path = env != nullptr && *env ? env : DefaultPath();
+  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (handle == nullptr) {
+    const char* err = dlerror();
+    *why_not = "cannot open " + path + " (" + (err ? err : "unknown error") +
+               "): it holds Perseus's CUDA code and is built where nvcc is found (`make cuda`, "
+               "or tools/build_native.py --cuda); PERSEUS_CUDA_LIBRARY names another path";
+    return nullptr;
+  }
+  auto* lib = new CudaLibrary();
+  lib->path = path;
+  bool ok = true;
+  auto get = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(handle, name));
+    if (fn == nullptr) {
+      ok = false;
+      *why_not = path + " lacks " + name + ": it is from another version of Perseus; rebuild it";
+    }
+  };
+  get(lib->plane_create, "perseus_cuda_plane_create");
+  get(lib->device_count, "perseus_cuda_device_count");
+  get(lib->error_string, "perseus_cuda_error_string");
+  get(lib->test_alloc, "perseus_cuda_test_alloc");
+  get(lib->test_free, "perseus_cuda_test_free");
+  get(lib->test_produce, "perseus_cuda_test_produce");
+  get(lib->test_fetch, "perseus_cuda_test_fetch");
+  get(lib->event_destroy, "perseus_cuda_event_destroy");
+  if (!ok) {
+    delete lib;
+    return nullptr;  // the handle stays open: a process loads it once
+  }
+  return lib;
+}
+
+}  // namespace
+
+const CudaLibrary* CudaLibrary::Load(std::string* why_not) {
+  static std::once_flag once;
+  static const CudaLibrary* lib = nullptr;
+  static std::string reason;
+  std::call_once(once, [] { lib = Open(&reason); });
+  if (lib == nullptr && why_not != nullptr) *why_not = reason;
+  return lib;
+}
+
+void CudaLibrary::Check(int code, const std::string& what) const {
+  if (code != 0) {
+    throw std::runtime_error("CUDA error in " + what + ": " + error_string(code) + " (" +
+                             std::to_string(code) + ")");
+  }
+}
+
+std::unique_ptr<DataPlane> MakeCudaPlane(int device, int streams) {
+  std::string why;
+  const CudaLibrary* lib = CudaLibrary::Load(&why);
+  if (lib == nullptr) throw std::runtime_error("a tensor on CUDA device " +
+                                               std::to_string(device) + " needs CUDA: " + why);
+  char error[512] = {0};
+  void* plane = lib->plane_create(device, streams, error, sizeof(error));
+  if (plane == nullptr) {
+    throw std::runtime_error("cannot use CUDA device " + std::to_string(device) + ": " + error);
+  }
+  return std::unique_ptr<DataPlane>(static_cast<DataPlane*>(plane));
+}
+
+}  // namespace perseus

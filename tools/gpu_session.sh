@@ -1,0 +1,81 @@
+#!/bin/bash
+# Everything that needs a GPU, as one run on a lent GPU machine (no
+# TensorFlow there, CuPy and nvidia-nccl-cu13 are): the CUDA kernels against
+# numpy, the runtime's CUDA data plane and NCCL through perseus_tf._core, and
+# the _core test suite with every array on the GPU.
+#
+# It expects libperseus_core.so and libperseus_cuda.so built on the
+# development machine (tools/build_native.py, --cuda) and, in .gpu/, Gloo's
+# headers (include/gloo) and the shared libraries libperseus_core.so needs
+# (lib/: libgloo.so.0 and what it links). It builds _core for the machine's
+# own Python, then runs each step with a time limit. Logs go to $OUT.
+#
+#   bash tools/gpu_session.sh [steps...]
+#       (default: build kernels nccl lone staged core soak; CORE_RANKS="2 4",
+#       SOAK_STEPS=400)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/perseus-gpu}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH="$PWD"
+PY=${PYTHON:-python3}
+steps=${*:-build kernels nccl lone staged core soak}
+status=0
+
+step() {  # name, limit in seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 60 "$OUT/$name.log"
+  echo "=== $name: exit $rc"
+  [ $rc -eq 0 ] || status=1
+}
+
+for s in $steps; do
+  case $s in
+    build)
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      ext=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+      step build 300 g++ -std=c++17 -O2 -fPIC -shared -fvisibility=hidden \
+        -D_GLIBCXX_USE_CXX11_ABI=1 -I. -I.gpu/include $($PY -m pybind11 --includes) \
+        cc/python/*.cc -Lperseus_tf -lperseus_core -Wl,-rpath,'$ORIGIN' \
+        -o "perseus_tf/_core$ext"
+      ;;
+    kernels) step kernels 300 $PY tools/gpu_check.py ;;
+    nccl) step nccl 200 $PY tools/gpu_runtime_check.py nccl ;;
+    lone) step lone 60 $PY tools/gpu_runtime_check.py lone ;;
+    staged)
+      for n in 2 4; do
+        step "staged$n" 300 $PY -m perseus_tf.runner -np $n -- $PY tools/gpu_runtime_check.py staged
+      done
+      ;;
+    core)
+      # tests/workers/checks_core.py with every array on the GPU, launched
+      # directly so that its per-check results survive a failure.
+      for n in ${CORE_RANKS:-2 4}; do
+        dir=$(mktemp -d)
+        extra=""
+        [ $n = 4 ] && extra="PERSEUS_SHM_ALLREDUCE=0 PERSEUS_ALLREDUCE_STREAMS=2"
+        step "core$n" 150 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=host \
+          GLOO_TIMEOUT_SECONDS=20 PERSEUS_STALL_TIMEOUT_SECONDS=20 $extra \
+          $PY -m perseus_tf.runner -np $n -- $PY tests/workers/run_checks.py checks_core "$dir"
+        $PY -c 'import json, sys, glob
+for p in sorted(glob.glob(sys.argv[1] + "/rank*.json")):
+    r = json.load(open(p))
+    bad = {k: v for k, v in r.items() if v != "ok"}
+    print(p.split("/")[-1], len(r) - len(bad), "ok,", len(bad), "failed")
+    for k, v in list(bad.items())[:6]:
+        print("  FAIL", k, v.strip().splitlines()[-1][:400])' "$dir" | tee "$OUT/core$n.results"
+      done
+      ;;
+    soak)  # tools/soak.py briefly, every array on the GPU
+      step soak 150 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=host \
+        $PY tools/soak.py --np 2 --steps ${SOAK_STEPS:-400} --seed 41
+      ;;
+    *) echo "unknown step $s"; status=1 ;;
+  esac
+done
+exit $status
