@@ -23,3 +23,50 @@ def launched(request):
 @pytest.mark.parametrize("check", CHECKS)
 def test_faults(launched, check):
     launched.assert_ok(check)
+
+
+LATE_CALL = """
+import os, sys, threading
+import numpy as np
+from perseus_tf import _core, _native
+_native.init()
+marker = os.environ["PERSEUS_TEST_ENQUEUE_PAUSE"]
+outcome = {}
+
+def submit():
+    try:
+        h = _core.submit(_native.OP_ALLREDUCE, np.ones(4, np.float32), "late",
+                         _native.DTYPE_CODES["float32"])
+    except RuntimeError as e:
+        outcome["refused"] = str(e)
+        return
+    h.wait()  # with the race, nothing ever completes it
+    outcome["ran"] = True
+
+t = threading.Thread(target=submit, daemon=True)
+t.start()
+while not os.path.exists(marker):  # past its checks, paused before queuing
+    t.join(0.01)
+_native.shutdown()  # lands in that window
+t.join(30)
+print("HUNG" if t.is_alive() else outcome)
+"""
+
+
+def test_a_call_caught_by_shutdown_between_check_and_queue_is_refused(tmp_path):
+    """A call that passed Enqueue's checks while the runtime ran, and is
+    queued only after shutdown() finished (a test-only pause holds it in
+    that window), is refused with shutdown's error; before the fix it sat
+    in the pending table of a stopped runtime and its wait never returned."""
+    import os
+    import subprocess
+    import sys
+    from harness import ROOT, rank_env
+    env = rank_env({"PERSEUS_TEST_ENQUEUE_PAUSE": str(tmp_path / "paused"),
+                    "PERSEUS_RANK": None, "PERSEUS_SIZE": None})
+    proc = subprocess.run([sys.executable, "-c", LATE_CALL], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "refused" in last and "shut down" in last, proc.stdout + proc.stderr[-2000:]
+    assert os.path.exists(tmp_path / "paused")

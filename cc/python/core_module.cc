@@ -19,6 +19,7 @@
 #include "cc/core/reduce.h"
 #include "cc/device/sim_device.h"
 #include "cc/python/sim_requests.h"
+#include "cc/python/stats_dict.h"
 #include "cc/runtime/runtime.h"
 #include "cc/transport/nccl.h"
 
@@ -54,6 +55,16 @@ struct HandleState {
   std::vector<char> storage;  // outputs whose shape comes from negotiation
   std::vector<int64_t> shape;
 };
+
+// The `done` of a request whose handle waits on `state`.
+std::function<void(const Status&)> FinishInto(std::shared_ptr<HandleState> state) {
+  return [state](const Status& s) {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->status = s;
+    state->finished = true;
+    state->cv.notify_all();
+  };
+}
 
 class Handle {
  public:
@@ -166,6 +177,13 @@ void CheckCodes(const std::string& name, int op, int dtype, int reduce_op) {
   }
 }
 
+// Enqueue may wait for the runtime's lock (and a test-only pause holds it
+// there): other Python threads run meanwhile.
+Status EnqueueReleasingGil(Runtime& rt, const std::vector<std::shared_ptr<Request>>& requests) {
+  py::gil_scoped_release release;
+  return rt.EnqueueGroup(requests);
+}
+
 // A request for `input` with the fields every submit sets.
 std::shared_ptr<Request> NewRequest(const py::array& input, const std::string& name, int op,
                                     int dtype, int reduce_op, int compression, bool plannable) {
@@ -222,14 +240,9 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
       return state->storage.data();
     };
   }
-  req->done = [state](const Status& s) {
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->status = s;
-    state->finished = true;
-    state->cv.notify_all();
-  };
+  req->done = FinishInto(state);
   PlaceOnTestDevice(*req, req->output);
-  Status s = rt.Enqueue(req);
+  Status s = EnqueueReleasingGil(rt, {req});
   if (!s.ok()) Raise(s);
   return Handle(state, req, input, output, input.attr("dtype"));
 }
@@ -267,13 +280,8 @@ Handle SubmitDevice(int op, uintptr_t input, uintptr_t output, std::vector<int64
   req->where.device = device;
   req->where.stream = reinterpret_cast<void*>(stream);
   if (ready) req->where.ready = std::shared_ptr<void>(reinterpret_cast<void*>(ready), [](void*) {});
-  req->done = [state](const Status& s) {
-    std::lock_guard<std::mutex> lock(state->mu);
-    state->status = s;
-    state->finished = true;
-    state->cv.notify_all();
-  };
-  Status s = rt.Enqueue(req);
+  req->done = FinishInto(state);
+  Status s = EnqueueReleasingGil(rt, {req});
   if (!s.ok()) Raise(s);
   return Handle(state, req, py::none(), py::int_(output), py::none());
 }
@@ -344,44 +352,12 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
   }
   // One call, queued all together or not at all.
   state->remaining = requests.size();
-  Status st = rt.EnqueueGroup(requests);
+  Status st = EnqueueReleasingGil(rt, requests);
   if (!st.ok()) Raise(st);
   return GroupHandle(state, arrays);
 }
 
-py::dict StatsDict(int process_set) {
-  Stats st = RuntimeOf(process_set).GetStats();
-  py::dict d;
-  d["cycles"] = st.cycles;
-  d["control_bytes_sent"] = st.control_bytes_sent;
-  d["requests"] = st.requests;
-  d["responses"] = st.responses;
-  d["fused_responses"] = st.fused_responses;
-  d["plans"] = st.plans;
-  d["perf_reports"] = st.perf_reports;
-  d["slow_ranks"] = st.slow_ranks;
-  d["plan_exits"] = st.plan_exits;
-  d["offline_steps"] = st.offline_steps;
-  d["plan_checks"] = st.plan_checks;
-  d["plan_timeouts"] = st.plan_timeouts;
-  d["hierarchical"] = st.hierarchical;
-  d["shm"] = st.shm;
-  auto stream_dict = [](const StreamStats& s) {
-    py::dict sd;
-    sd["responses"] = s.responses;
-    sd["tensors"] = s.tensors;
-    sd["bytes"] = s.bytes;
-    sd["busy_seconds"] = s.busy_seconds;
-    sd["wait_seconds"] = s.wait_seconds;
-    return sd;
-  };
-  // The last stream only carries online work while a plan runs offline.
-  py::list streams;
-  for (size_t i = 0; i + 1 < st.streams.size(); ++i) streams.append(stream_dict(st.streams[i]));
-  d["streams"] = streams;
-  if (!st.streams.empty()) d["online_stream"] = stream_dict(st.streams.back());
-  return d;
-}
+py::dict StatsDict(int process_set) { return StatsToDict(RuntimeOf(process_set).GetStats()); }
 
 }  // namespace
 }  // namespace perseus

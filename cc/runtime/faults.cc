@@ -29,6 +29,10 @@ std::unique_ptr<FaultInjector> FaultInjector::FromEnv(int world_rank, int proces
     faults->error_dispatch_delay_ms_ = std::max(0, std::atoi(delay));
     any = any || faults->error_dispatch_delay_ms_ > 0;
   }
+  if (const char* pause = std::getenv("PERSEUS_TEST_ENQUEUE_PAUSE")) {
+    faults->enqueue_pause_file_ = pause;
+    any = any || *pause != '\0';
+  }
   if (!any) faults.reset();
   return faults;
 }
@@ -40,6 +44,15 @@ void FaultInjector::BeforeSharedMemory() const {
 void FaultInjector::AfterErrorResponse() const {
   if (error_dispatch_delay_ms_ > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(error_dispatch_delay_ms_));
+  }
+}
+
+void FaultInjector::BeforeQueuing(const std::function<bool()>& shut_down) const {
+  if (enqueue_pause_file_.empty() || enqueue_paused_.exchange(true)) return;
+  if (std::FILE* f = std::fopen(enqueue_pause_file_.c_str(), "w")) std::fclose(f);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!shut_down() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 

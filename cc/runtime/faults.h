@@ -13,10 +13,18 @@
 //                                   a caller woken by it submits its next
 //                                   request before the cycle's later
 //                                   responses are dispatched.
+//   PERSEUS_TEST_ENQUEUE_PAUSE=PATH the first Enqueue that gets past its
+//                                   checks creates the file PATH, then waits
+//                                   (up to 60 s) until the runtime has shut
+//                                   down before it queues the call: a shutdown
+//                                   lands in between.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
 #include "cc/runtime/negotiation.h"
 
@@ -30,11 +38,15 @@ class FaultInjector {
   void BeforeSharedMemory() const;
   void OnPlanStep(int64_t step, Plan* plan) const;
   void AfterErrorResponse() const;
+  // `shut_down` says whether the runtime has finished shutting down.
+  void BeforeQueuing(const std::function<bool()>& shut_down) const;
 
  private:
   bool exit_before_shm_ = false;
   int64_t swap_step_ = -1;
   int error_dispatch_delay_ms_ = 0;
+  std::string enqueue_pause_file_;
+  mutable std::atomic<bool> enqueue_paused_{false};
 };
 
 }  // namespace perseus

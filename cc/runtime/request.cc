@@ -18,19 +18,24 @@
 #include "cc/transport/factory.h"
 
 namespace perseus {
+Status Runtime::StoppedStatus(State state) const {
+  if (state == State::kFailed) return failure_;
+  if (state == State::kShutdown) {
+    return Status::Error(StatusCode::kUnavailable,
+                         "Perseus has been shut down" +
+                             (shutdown_by_.empty() ? std::string() : " (" + shutdown_by_ + ")") +
+                             "; no collective can run after shutdown()");
+  }
+  return Status::Error(StatusCode::kFailedPrecondition,
+                       "Perseus is not initialized: call perseus_tf.init() (or hvd.init()) first");
+}
+
 Status Runtime::Check(Request& request) {
   State state = state_.load();
   if (state != State::kRunning) {
+    // A first look without the lock; EnqueueGroup looks again under it.
     std::lock_guard<std::mutex> lock(mu_);
-    if (state == State::kFailed) return failure_;
-    if (state == State::kShutdown) {
-      return Status::Error(StatusCode::kUnavailable,
-                           "Perseus has been shut down" +
-                               (shutdown_by_.empty() ? std::string() : " (" + shutdown_by_ + ")") +
-                               "; no collective can run after shutdown()");
-    }
-    return Status::Error(StatusCode::kFailedPrecondition,
-                         "Perseus is not initialized: call perseus_tf.init() (or hvd.init()) first");
+    return StoppedStatus(state);
   }
   const TensorMeta& m = request.meta;
   const int size = options_.size;

@@ -194,6 +194,11 @@ void Runtime::Shutdown() {
   }
   queue_cv_.notify_all();
   if (background_.joinable()) background_.join();
+  {
+    // From here on Enqueue refuses calls (nothing would run them).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_.load() == State::kRunning) state_ = State::kShutdown;
+  }
   if (executor_) {
     executor_->Stop();
     executor_->ReleaseDevices();
@@ -206,7 +211,6 @@ void Runtime::Shutdown() {
   store_.reset();
   std::string timeline_error;
   if (!timeline_.Write(&timeline_error)) std::fprintf(stderr, "Perseus: %s\n", timeline_error.c_str());
-  if (state_.load() == State::kRunning) state_ = State::kShutdown;
   ++generation_;
 }
 
@@ -228,10 +232,19 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
     for (const auto& q : requests) call->push_back(q->meta.name);
     for (const auto& q : requests) q->call = call;
   }
+  if (faults_) {
+    const int generation = generation_.load();
+    faults_->BeforeQueuing([this, generation] { return generation_.load() != generation; });
+  }
   const auto now = Clock::now();
   bool wake = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // Failed or shut down since Check: Fail and Shutdown change the state
+    // under mu_ before they complete everything pending, so a call queued
+    // now would never complete. It gets their error instead.
+    const State state = state_.load();
+    if (state != State::kRunning) return StoppedStatus(state);
     // All or nothing: the whole call is in pending_ before the background
     // thread can look at any of it (it waits for mu_), so a plan bucket
     // never sees half a call. A name already pending (from an earlier call,

@@ -124,6 +124,9 @@ class Runtime {
   void RunCycle(bool* stop);
   // Local checks of one request (may adjust its compression and flags).
   Status Check(Request& request);
+  // Why a request cannot run when the runtime is not running (`state`);
+  // the caller holds mu_.
+  Status StoppedStatus(State state) const;
   // Hands a response with its local requests to the executor. lone: the
   // cycle's only response, which may run on this thread. any_in_plan: some
   // rank runs an offline plan in this cycle (then online work takes the
@@ -168,7 +171,7 @@ class Runtime {
   InitOptions options_;
   std::atomic<State> state_{State::kUninitialized};
   Status failure_;
-  int generation_ = 0;
+  std::atomic<int> generation_{0};
 
   std::unique_ptr<StoreClient> store_;
   // The world's liveness beat: a thread adds to this rank's counter in the

@@ -1,0 +1,40 @@
+#include "cc/python/stats_dict.h"
+
+#include <pybind11/stl.h>
+
+namespace perseus {
+
+pybind11::dict StatsToDict(const Stats& st) {
+  pybind11::dict d;
+  d["cycles"] = st.cycles;
+  d["control_bytes_sent"] = st.control_bytes_sent;
+  d["requests"] = st.requests;
+  d["responses"] = st.responses;
+  d["fused_responses"] = st.fused_responses;
+  d["plans"] = st.plans;
+  d["perf_reports"] = st.perf_reports;
+  d["slow_ranks"] = st.slow_ranks;
+  d["plan_exits"] = st.plan_exits;
+  d["offline_steps"] = st.offline_steps;
+  d["plan_checks"] = st.plan_checks;
+  d["plan_timeouts"] = st.plan_timeouts;
+  d["hierarchical"] = st.hierarchical;
+  d["shm"] = st.shm;
+  auto stream_dict = [](const StreamStats& s) {
+    pybind11::dict sd;
+    sd["responses"] = s.responses;
+    sd["tensors"] = s.tensors;
+    sd["bytes"] = s.bytes;
+    sd["busy_seconds"] = s.busy_seconds;
+    sd["wait_seconds"] = s.wait_seconds;
+    return sd;
+  };
+  // The last stream only carries online work while a plan runs offline.
+  pybind11::list streams;
+  for (size_t i = 0; i + 1 < st.streams.size(); ++i) streams.append(stream_dict(st.streams[i]));
+  d["streams"] = streams;
+  if (!st.streams.empty()) d["online_stream"] = stream_dict(st.streams.back());
+  return d;
+}
+
+}  // namespace perseus
