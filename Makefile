@@ -29,7 +29,7 @@ demo: native
 test: test-new test-old
 
 test-new: native system-test cuda
-	PERSEUS_REQUIRE_NVCC=1 $(PY) -m pytest tests -q
+	PERSEUS_REQUIRE_NVCC=1 $(PY) -m pytest tests -q --durations=25
 
 # Tests that never import TensorFlow (the runtime through _core, the C++ unit
 # tests, the tree's layout, the store) run the same binaries under either
@@ -38,9 +38,17 @@ TF_INDEPENDENT_TESTS := test_cc_unit.py test_layout.py test_core.py test_soak.py
     test_compression.py test_bounded.py test_faults.py test_store_protocol.py \
     test_store_security.py
 
+# Tests of the launcher (perseusrun over ssh, mpirun, Slurm, the Kubernetes
+# variables) and of the benchmarks' plumbing check what perseusrun and the
+# runtime do, which TF's version does not change: they too run once. The
+# second pass runs the smaller model matrix (tests/model_matrix.py:
+# every model and entry point once, and the settings Keras takes part in).
+LAUNCHER_TESTS := test_runner.py test_slurm.py test_launch_mistakes.py test_multihost.py \
+    test_bench.py
+
 test-old: native-old system-test
-	PERSEUS_SKIP_BAZEL_TEST=1 $(PY_OLD) -m pytest tests -q \
-	    $(addprefix --ignore=tests/,$(TF_INDEPENDENT_TESTS))
+	PERSEUS_SKIP_BAZEL_TEST=1 PERSEUS_TEST_MATRIX=second $(PY_OLD) -m pytest tests -q \
+	    --durations=25 $(addprefix --ignore=tests/,$(TF_INDEPENDENT_TESTS) $(LAUNCHER_TESTS))
 
 system:
 	@$(MAKE) --no-print-directory install-packages PACKAGES="$(SYSTEM_PACKAGES)"

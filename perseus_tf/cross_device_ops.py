@@ -39,6 +39,14 @@ def _same_device(a, b):
         (a.device_index or 0) == (b.device_index or 0)
 
 
+def _collective_device(t):
+    """Where a collective of `t` runs: on its GPU when it lives on one (the
+    op library has GPU kernels: the runtime reads and writes TF's GPU memory,
+    with NCCL or staged through the host), else on the CPU."""
+    spec = tf.DeviceSpec.from_string(t.device or "")
+    return t.device if spec.device_type == "GPU" else "/cpu:0"
+
+
 def _mirrored(value, destinations):
     """`value` as a Mirrored value on `destinations`. One replica per process
     (PerseusStrategy) has one destination, where the reduced tensor already
@@ -137,7 +145,7 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
                         compression=compression if dtype == tf.float32 else 0,
                         gradients=gradients)
 
-                with tf.device("/cpu:0"):
+                with tf.device(_collective_device(inputs[0])):
                     if pending is None:
                         outs = reduce()
                     else:
@@ -183,7 +191,7 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
                 perm = [axis] + [i for i in range(rank) if i != axis]
                 inverse = [perm.index(i) for i in range(rank)]
                 local = tf.transpose(local, perm)
-            with tf.device("/cpu:0"):
+            with tf.device(_collective_device(local)):
                 local = perseus_ops.allgather(local)
             if axis != 0:
                 local = tf.transpose(local, inverse)

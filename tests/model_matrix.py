@@ -130,4 +130,28 @@ def full():
         yield np_, settings, [i for i in items if allowed(i, settings)]
 
 
+def _second_version():
+    """The launches of PAIRWISE a second TF version runs (PERSEUS_TEST_MATRIX=
+    second, `make test-old`): what differs between TF versions is Keras and
+    tf.distribute, not the runtime, so every item (model and entry point)
+    runs once there, and every value of the settings Keras takes part in
+    (compression, accumulation, mixed precision) and both rank counts appear;
+    the runtime's own pairs are covered by the first version. Greedy, so the
+    same launches every run."""
+    def needs(launch):
+        np_, settings, items = launch
+        out = {("item", it) for it in items} | {("np", np_)}
+        for key in ("compression", "accumulate", "mixed_precision"):
+            out.add((key, settings.get(key, "default")))
+        return out
+    uncovered = set().union(*(needs(l) for l in PAIRWISE))
+    chosen = []
+    while uncovered:
+        best = max(PAIRWISE, key=lambda l: len(needs(l) & uncovered))
+        chosen.append(best)
+        uncovered -= needs(best)
+    return [l for l in PAIRWISE if l in chosen]
+
+
 PAIRWISE = _pairwise()
+SECOND_VERSION = _second_version()

@@ -18,7 +18,8 @@ ENTRY_POINTS = ["perseus_cuda_to_half", "perseus_cuda_from_half", "perseus_cuda_
                 "perseus_cuda_plane_create", "perseus_cuda_device_count",
                 "perseus_cuda_error_string", "perseus_cuda_test_alloc", "perseus_cuda_test_free",
                 "perseus_cuda_test_produce", "perseus_cuda_test_fetch",
-                "perseus_cuda_event_destroy"]
+                "perseus_cuda_event_destroy", "perseus_cuda_record_event",
+                "perseus_cuda_event_synchronize"]
 
 
 def _built():
@@ -48,6 +49,48 @@ def test_the_kernels_match_numpy_on_a_gpu():
     if proc.returncode == 2:
         pytest.skip(proc.stdout.strip() or "no GPU here")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+TF_KERNELS_SCRIPT = """
+import json
+import perseus_tf.ops  # loads the op library
+from tensorflow.python.framework import kernels
+found = {}
+for op in ("PerseusAllreduce", "PerseusGroupedAllreduce", "PerseusBroadcast", "PerseusAllgather",
+           "PerseusAlltoall", "PerseusReducescatter", "PerseusBarrier", "PerseusJoin"):
+    found[op] = sorted([k.device_type, sorted(k.host_memory_arg)]
+                       for k in kernels.get_registered_kernels_for_op(op).kernel)
+# Where PerseusStrategy puts a collective of a tensor placed on each device.
+from perseus_tf.cross_device_ops import _collective_device
+class Placed:
+    def __init__(self, device):
+        self.device = device
+found["strategy"] = [_collective_device(Placed(d)) for d in
+                     ("/job:worker/replica:0/task:1/device:GPU:1", "/device:CPU:0", "")]
+print(json.dumps(found))
+"""
+
+
+def test_tf_kernels_are_registered_for_gpus_with_host_memory_where_needed():
+    """The op library registers every collective that takes a tensor for
+    TF's GPUs too (compiled here against the installed TF's stream
+    executor; nothing in it links CUDA), so TF keeps a GPU tensor on its GPU
+    instead of copying it to the host. Alltoall's split counts stay in host
+    memory; barrier and join, which have no tensor, run on the CPU."""
+    import json
+    proc = subprocess.run([sys.executable, "-c", TF_KERNELS_SCRIPT], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for op in ("PerseusAllreduce", "PerseusGroupedAllreduce", "PerseusBroadcast",
+               "PerseusAllgather", "PerseusReducescatter"):
+        assert found[op] == [["CPU", []], ["GPU", []]], (op, found[op])
+    assert found["PerseusAlltoall"] == [["CPU", []], ["GPU", ["received_splits", "splits"]]], \
+        found["PerseusAlltoall"]
+    assert found["PerseusBarrier"] == found["PerseusJoin"] == [["CPU", []]], found
+    # PerseusStrategy runs a GPU tensor's collective on that GPU.
+    assert found["strategy"] == ["/job:worker/replica:0/task:1/device:GPU:1", "/cpu:0",
+                                 "/cpu:0"], found["strategy"]
 
 
 NO_GPU_SCRIPT = """

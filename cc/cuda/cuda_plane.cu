@@ -488,4 +488,22 @@ int perseus_cuda_event_destroy(void* event) {
   return cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }
 
+int perseus_cuda_record_event(int device, void* stream, void** event) {
+  *event = nullptr;
+  cudaError_t e = cudaSetDevice(device);
+  cudaEvent_t ev = nullptr;
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventRecord(ev, static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) {
+    if (ev != nullptr) cudaEventDestroy(ev);
+    return e;
+  }
+  *event = ev;
+  return cudaSuccess;
+}
+
+int perseus_cuda_event_synchronize(void* event) {
+  return cudaEventSynchronize(static_cast<cudaEvent_t>(event));
+}
+
 }  // extern "C"

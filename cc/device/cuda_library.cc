@@ -50,6 +50,8 @@ const CudaLibrary* Open(std::string* why_not) {
   get(lib->test_produce, "perseus_cuda_test_produce");
   get(lib->test_fetch, "perseus_cuda_test_fetch");
   get(lib->event_destroy, "perseus_cuda_event_destroy");
+  get(lib->record_event, "perseus_cuda_record_event");
+  get(lib->event_synchronize, "perseus_cuda_event_synchronize");
   if (!ok) {
     delete lib;
     return nullptr;  // the handle stays open: a process loads it once

@@ -20,6 +20,8 @@ struct CudaLibrary {
   int (*test_produce)(int, void*, const void*, size_t, int, void**, void**) = nullptr;
   int (*test_fetch)(int, void*, const void*, size_t) = nullptr;
   int (*event_destroy)(void*) = nullptr;
+  int (*record_event)(int, void*, void**) = nullptr;
+  int (*event_synchronize)(void*) = nullptr;
   std::string path;
 
   // PERSEUS_CUDA_LIBRARY, else libperseus_cuda.so beside libperseus_core.so.

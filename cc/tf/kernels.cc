@@ -2,14 +2,24 @@
 // Requests (cc/runtime/runtime.h) and completes the op when the runtime
 // calls back. All kernels are asynchronous, so a waiting collective holds no
 // TF thread.
+//
+// The same kernels are registered for TF's GPUs. There a request's memory
+// is placed on the CUDA device with an event recorded on TF's compute stream
+// after the output was allocated (cc/device/data_plane.h): the runtime's own
+// streams wait for it, and the op completes once the runtime's device work
+// has finished, so TF's later kernels read finished results. The op library
+// links no CUDA: events go through libperseus_cuda.so (cuda_library.h).
 #include <algorithm>
 #include <atomic>
 #include <memory>
 #include <mutex>
 
+#include "cc/device/cuda_library.h"
 #include "cc/runtime/runtime.h"
+#include "tensorflow/core/framework/device_base.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "xla/stream_executor/stream.h"
 
 namespace tensorflow {
 namespace {
@@ -57,6 +67,60 @@ std::vector<int64_t> ShapeOf(const Tensor& t) {
 
 void* DataOf(const Tensor& t) { return const_cast<char*>(t.tensor_data().data()); }
 
+// A GPU kernel's TF device and compute stream, and its CUDA runtime calls.
+struct TfGpu {
+  const perseus::CudaLibrary* lib = nullptr;
+  int device = 0;
+  void* stream = nullptr;
+
+  Status Find(OpKernelContext* ctx) {
+    std::string why;
+    lib = perseus::CudaLibrary::Load(&why);
+    if (lib == nullptr) return errors::FailedPrecondition("Perseus collective on a GPU: ", why);
+    const DeviceBase::AcceleratorDeviceInfo* info =
+        ctx->device()->tensorflow_accelerator_device_info();
+    DeviceContext* dc = ctx->op_device_context();
+    if (info == nullptr || dc == nullptr || dc->stream() == nullptr) {
+      return errors::Internal("Perseus collective on ", ctx->device()->name(),
+                              ": TF gave the kernel no GPU stream");
+    }
+    device = info->gpu_id;
+    stream = dc->stream()->platform_specific_handle().stream;
+    return OkStatus();
+  }
+
+  Status Check(int code, const char* what) const {
+    if (code == 0) return OkStatus();
+    return errors::Internal("Perseus collective on GPU ", device, ": ", what, ": ",
+                            lib->error_string(code));
+  }
+
+  // Memory on this GPU, ready when what TF queued on its stream so far is.
+  Status Place(perseus::Placement* where) const {
+    void* event = nullptr;
+    TF_RETURN_IF_ERROR(
+        Check(lib->record_event(device, stream, &event), "recording an event on TF's stream"));
+    const perseus::CudaLibrary* l = lib;
+    where->kind = perseus::MemoryKind::kCuda;
+    where->device = device;
+    where->stream = stream;
+    where->ready = std::shared_ptr<void>(event, [l](void* e) { l->event_destroy(e); });
+    return OkStatus();
+  }
+
+  // Waits on the host until what TF queued so far has run: memory TF just
+  // allocated outside its stream's order (the runtime's `allocate`) may
+  // still be read by a kernel queued before, from a tensor freed since.
+  Status Drain() const {
+    void* event = nullptr;
+    TF_RETURN_IF_ERROR(
+        Check(lib->record_event(device, stream, &event), "recording an event on TF's stream"));
+    Status s = Check(lib->event_synchronize(event), "waiting for TF's stream");
+    lib->event_destroy(event);
+    return s;
+  }
+};
+
 // Reads the attributes every reducing op has (reduce_op, prescale, postscale).
 struct ReduceAttrs {
   perseus::ReduceOp op = perseus::ReduceOp::kSum;
@@ -94,6 +158,7 @@ class CollectiveKernel : public AsyncOpKernel {
     // Inside a graph the node name is the same on every rank; that is what
     // pairs up the requests when no explicit name was given.
     if (tensor_name_.empty()) tensor_name_ = name();
+    gpu_ = c->device_type() == DeviceType(DEVICE_GPU);
   }
 
  protected:
@@ -138,6 +203,7 @@ class CollectiveKernel : public AsyncOpKernel {
 
   std::string tensor_name_;
   int64 process_set_id_ = 0;
+  bool gpu_ = false;  // registered for DEVICE_GPU: tensors in TF's GPU memory
 };
 
 // Allreduce, broadcast: the output has the input's shape and may reuse its buffer.
@@ -160,6 +226,11 @@ class SameShapeKernel : public CollectiveKernel {
     OP_REQUIRES_OK_ASYNC(
         ctx, ctx->forward_input_or_allocate_output({0}, 0, ctx->input(0).shape(), &out), done);
     req->output = DataOf(*out);
+    if (gpu_) {
+      TfGpu gpu;
+      OP_REQUIRES_OK_ASYNC(ctx, gpu.Find(ctx), done);
+      OP_REQUIRES_OK_ASYNC(ctx, gpu.Place(&req->where), done);
+    }
     req->done = [ctx, done](const perseus::Status& s) {
       ctx->SetStatus(ToTf(s));
       done();
@@ -238,6 +309,12 @@ class GroupedAllreduceKernel : public CollectiveKernel {
     if (!unforwarded.empty()) {
       OP_REQUIRES_OK_ASYNC(ctx, AllocateShared(ctx, unforwarded, &reqs), done);
     }
+    if (gpu_ && n > 0) {  // one event, after every output is allocated
+      TfGpu gpu;
+      OP_REQUIRES_OK_ASYNC(ctx, gpu.Find(ctx), done);
+      OP_REQUIRES_OK_ASYNC(ctx, gpu.Place(&reqs[0]->where), done);
+      for (auto& req : reqs) req->where = reqs[0]->where;
+    }
     auto group = std::make_shared<Group>(ctx, std::move(done), n);
     for (auto& req : reqs) {
       req->done = [group](const perseus::Status& s) { group->Finish(s); };
@@ -307,11 +384,18 @@ class ShapeFromPeersKernel : public CollectiveKernel {
       auto flat = splits.flat<int32>();
       for (int i = 0; i < flat.size(); ++i) req->meta.splits.push_back(flat(i));
     }
-    req->allocate = [ctx](const std::vector<int64_t>& shape) -> void* {
+    std::shared_ptr<TfGpu> gpu;
+    if (gpu_) {
+      gpu = std::make_shared<TfGpu>();
+      OP_REQUIRES_OK_ASYNC(ctx, gpu->Find(ctx), done);
+      OP_REQUIRES_OK_ASYNC(ctx, gpu->Place(&req->where), done);
+    }
+    req->allocate = [ctx, gpu](const std::vector<int64_t>& shape) -> void* {
       TensorShape ts;
       for (int64_t d : shape) ts.AddDim(d);
       Tensor* out = nullptr;
       Status s = ctx->allocate_output(0, ts, &out);
+      if (s.ok() && gpu != nullptr) s = gpu->Drain();
       if (!s.ok()) return nullptr;
       return DataOf(*out);
     };
@@ -399,6 +483,16 @@ REGISTER_KERNEL_BUILDER(Name("PerseusAlltoall").Device(DEVICE_CPU), AlltoallKern
 REGISTER_KERNEL_BUILDER(Name("PerseusReducescatter").Device(DEVICE_CPU), ReducescatterKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusBarrier").Device(DEVICE_CPU), BarrierKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusJoin").Device(DEVICE_CPU), JoinKernel);
+
+// On TF's GPUs (barrier and join have no tensors: TF runs them on the CPU).
+REGISTER_KERNEL_BUILDER(Name("PerseusAllreduce").Device(DEVICE_GPU), AllreduceKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusGroupedAllreduce").Device(DEVICE_GPU), GroupedAllreduceKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusBroadcast").Device(DEVICE_GPU), BroadcastKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusAllgather").Device(DEVICE_GPU), AllgatherKernel);
+REGISTER_KERNEL_BUILDER(
+    Name("PerseusAlltoall").Device(DEVICE_GPU).HostMemory("splits").HostMemory("received_splits"),
+    AlltoallKernel);
+REGISTER_KERNEL_BUILDER(Name("PerseusReducescatter").Device(DEVICE_GPU), ReducescatterKernel);
 
 }  // namespace
 }  // namespace tensorflow
