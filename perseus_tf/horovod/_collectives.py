@@ -64,6 +64,29 @@ def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, process_set
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
+def _runtime_fp16(prescale, postscale):
+    """Compression.fp16 of float32 gradients, done by the runtime: each value
+    is converted to float16 as it is packed and back as it is unpacked (F16C),
+    instead of by two TF Cast ops per gradient, which on a CPU cost about four
+    times a memory pass. The runtime multiplies by PERSEUS_ALLREDUCE_GRADIENT_SCALE
+    before converting and divides after; Horovod's fp16 does not scale, so the
+    scale is cancelled through prescale and postscale, and the values that
+    travel are Horovod's: float16(x), summed in float16.
+    Returns (compression, prescale, postscale) for ops.allreduce and
+    ops.grouped_allreduce."""
+    from perseus_tf import _native
+
+    _native.ensure_initialized()
+    scale = float(_native._config_in_use.gradient_scale)
+    return "fp16", prescale / scale, postscale * scale
+
+
+def _runtime_converts(compression, op, dtype):
+    """Whether Compression.fp16 of a tensor of `dtype` under `op` is done by
+    the runtime (_runtime_fp16): float32 with Average or Sum."""
+    return compression is Compression.fp16 and op in (Average, Sum) and dtype == tf.float32
+
+
 def allreduce(tensor, average=None, device_dense='', device_sparse='',
               compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, name=None, process_set=global_process_set,
@@ -90,7 +113,13 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
         with _device(device_sparse):
             return _sparse_allreduce(tensor, op, prescale_factor, postscale_factor, process_set)
     with _device(device_dense):
-        compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+        tensor = tf.convert_to_tensor(tensor)
+        if _runtime_converts(compression, op, tensor.dtype):
+            native, prescale, postscale = _runtime_fp16(prescale_factor, postscale_factor)
+            return ops.allreduce(tensor, op=op, prescale_factor=prescale,
+                                 postscale_factor=postscale, name=name, compression=native,
+                                 **op_kwargs(process_set))
+        compressed, ctx = compression.compress(tensor)
         reduced = ops.allreduce(compressed, op=op, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, name=name,
                                 **op_kwargs(process_set))
@@ -118,13 +147,28 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='',
                                            process_set)
     if dense:
         with _device(device_dense):
-            compressed = [compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense]
-            reduced = ops.grouped_allreduce([c for c, _ in compressed], op=op,
-                                            prescale_factor=prescale_factor,
-                                            postscale_factor=postscale_factor, name=name,
-                                            **op_kwargs(process_set))
-            for i, r, (_, ctx) in zip(dense, reduced, compressed):
-                results[i] = compression.decompress(r, ctx)
+            values = {i: tf.convert_to_tensor(tensors[i]) for i in dense}
+            # float32 under Compression.fp16 goes to the runtime as itself,
+            # in a call of its own (the runtime converts it); the rest is
+            # compressed by TF, as Horovod does.
+            native = [i for i in dense if _runtime_converts(compression, op, values[i].dtype)]
+            if native:
+                kind, prescale, postscale = _runtime_fp16(prescale_factor, postscale_factor)
+                reduced = ops.grouped_allreduce(
+                    [values[i] for i in native], op=op, prescale_factor=prescale,
+                    postscale_factor=postscale, compression=kind,
+                    name=f"{name}.fp16" if name else None, **op_kwargs(process_set))
+                for i, r in zip(native, reduced):
+                    results[i] = r
+            rest = [i for i in dense if i not in native]
+            if rest:
+                compressed = [compression.compress(values[i]) for i in rest]
+                reduced = ops.grouped_allreduce([c for c, _ in compressed], op=op,
+                                                prescale_factor=prescale_factor,
+                                                postscale_factor=postscale_factor, name=name,
+                                                **op_kwargs(process_set))
+                for i, r, (_, ctx) in zip(rest, reduced, compressed):
+                    results[i] = compression.decompress(r, ctx)
     return results
 
 

@@ -12,8 +12,8 @@ import tensorflow as tf
 from perseus_tf import ops
 from perseus_tf._accumulator import GradientAccumulator
 from perseus_tf.horovod import _basics
-from perseus_tf.horovod._collectives import (Adasum, Average, Sum, _device, _sparse_allreduce,
-                                             check_op)
+from perseus_tf.horovod._collectives import (Adasum, Average, Sum, _device, _runtime_fp16,
+                                             _sparse_allreduce, check_op)
 from perseus_tf.horovod._process_sets import global_process_set, op_kwargs
 from perseus_tf.horovod.compression import Compression
 
@@ -181,22 +181,6 @@ class GradientReducer:
                     results[i] = _sparse_allreduce(g, self.op, self.prescale, self.postscale,
                                                    self.process_set)
         return results
-
-
-def _runtime_fp16(prescale, postscale):
-    """Compression.fp16 of float32 gradients, done by the runtime: each value
-    is converted to float16 as it is packed and back as it is unpacked (F16C),
-    instead of by two TF Cast ops per gradient, which on a CPU cost about four
-    times a memory pass. The runtime multiplies by PERSEUS_ALLREDUCE_GRADIENT_SCALE
-    before converting and divides after; Horovod's fp16 does not scale, so the
-    scale is cancelled through prescale and postscale, and the values that
-    travel are Horovod's: float16(x), summed in float16.
-    Returns (compression, prescale, postscale) for ops.grouped_allreduce."""
-    from perseus_tf import _native
-
-    _native.ensure_initialized()
-    scale = float(_native._config_in_use.gradient_scale)
-    return "fp16", prescale / scale, postscale * scale
 
 
 def _native_compression(compression):

@@ -492,6 +492,42 @@ def check_fp16_gradients_convert_in_the_runtime_with_horovods_values():
         np.testing.assert_allclose(gw.numpy(), total.astype(np.float32) / N, rtol=4e-3,
                                    atol=1e-6)
     np.testing.assert_allclose(g64.numpy(), np.full(4, (N + 1) / 2.0), rtol=1e-3)
+    # The collectives too: hvd.allreduce and hvd.grouped_allreduce with
+    # Compression.fp16 hand float32 to the runtime's fp16, eagerly and in a
+    # graph; float64 in the same grouped call is cast by TF.
+    single, group = ops.allreduce, ops.grouped_allreduce
+    calls = []
+
+    def spy_single(tensor, *args, **kwargs):
+        calls.append(("allreduce", tensor.dtype, kwargs.get("compression", "none")))
+        return single(tensor, *args, **kwargs)
+
+    def spy_group(tensors, *args, **kwargs):
+        tensors = list(tensors)
+        calls.append(("grouped", tuple(t.dtype for t in tensors),
+                      kwargs.get("compression", "none")))
+        return group(tensors, *args, **kwargs)
+
+    ops.allreduce, ops.grouped_allreduce = spy_single, spy_group
+    try:
+        fp16 = hvd.Compression.fp16
+        outs = [hvd.allreduce(coeff, op=hvd.Sum, compression=fp16, name="fp16.single"),
+                hvd.grouped_allreduce([coeff, tf.constant([R + 1.0], tf.float64)], op=hvd.Sum,
+                                      compression=fp16, name="fp16.group")[0],
+                tf.function(lambda: hvd.allreduce(coeff, op=hvd.Average,
+                                                  compression=fp16))() * N]
+    finally:
+        ops.allreduce, ops.grouped_allreduce = single, group
+    assert ("allreduce", tf.float32, "fp16") in calls, calls
+    assert ("grouped", (tf.float32,), "fp16") in calls and \
+        ("grouped", (tf.float16,), "none") in calls, calls
+    for out in outs:
+        assert out.dtype == tf.float32 and np.all(np.isfinite(out.numpy()))
+        if N == 2:
+            np.testing.assert_array_equal(out.numpy(), total.astype(np.float32))
+        else:
+            np.testing.assert_allclose(out.numpy(), total.astype(np.float32), rtol=4e-3,
+                                       atol=1e-6)
 
 
 def check_gradient_tape_average_sum_predivide_and_fp16():
