@@ -70,3 +70,27 @@ def test_a_call_caught_by_shutdown_between_check_and_queue_is_refused(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert "refused" in last and "shut down" in last, proc.stdout + proc.stderr[-2000:]
     assert os.path.exists(tmp_path / "paused")
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_a_new_process_joins_the_survivors_next_round(np_):
+    """Rounds are the job's, not a process's: after a round shut down, the
+    ranks that ran it and new processes taking the place of those that left
+    (which have run no round) all init() into the same next round, read from
+    the store. With a count kept per process, the survivors waited under
+    round 1's keys and the newcomers under round 0's until the deadline."""
+    import os
+    import re
+    import sys
+    from harness import WORKERS, launch
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "rounds_worker.py")],
+                  env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    first = re.findall(r"rank (\d+) first (\S+)", out)
+    second = re.findall(r"rank (\d+) second (\S+)( \(replacement\))?", out)
+    assert sorted(int(r) for r, _ in first) == list(range(np_)), out[-4000:]
+    assert {v for _, v in first} == {f"{np_ * (np_ + 1) // 2:g}"}, first
+    assert sorted(int(r) for r, _, _ in second) == list(range(np_)), out[-4000:]
+    assert {v for _, v, _ in second} == {f"{100 * np_ * (np_ + 1) // 2:g}"}, second
+    assert {int(r) for r, _, new in second if new} == set(range(1, np_, 2)), second

@@ -21,12 +21,13 @@ namespace perseus {
 namespace {
 
 // What the store sets when the connection that rank Own()ed closes.
-std::string ClosedKey(const std::string& job, int rank) {
-  return store_protocol::kClosedPrefix + job + "/rank" + std::to_string(rank);
+// (round: the world's round prefix, job_id + "/round<N>")
+std::string ClosedKey(const std::string& round, int rank) {
+  return store_protocol::kClosedPrefix + round + "/rank" + std::to_string(rank);
 }
 
-std::string LeftKey(const std::string& job, int generation, int rank) {
-  return job + "/gen" + std::to_string(generation) + "/left/rank" + std::to_string(rank);
+std::string LeftKey(const std::string& round, int rank) {
+  return round + "/left/rank" + std::to_string(rank);
 }
 
 }  // namespace
@@ -119,7 +120,7 @@ FirstFailure GetFirstFailure() {
 void Runtime::AnnounceLeaving() {
   if (options_.process_set_id == 0 && store_) {
     try {
-      store_->set(LeftKey(options_.job_id, generation_, WorldRank(options_.rank)), {'1'});
+      store_->set(LeftKey(world_prefix_, WorldRank(options_.rank)), {'1'});
     } catch (const std::exception&) {
       // the store is gone: the others still see the closed connections
     }
@@ -172,11 +173,8 @@ void Runtime::StopHeartbeat() {
 std::string Runtime::IdentifyFailedRanks(std::vector<int>* culprits) {
   if (!store_) return "";
   try {
-    const std::string& job = options_.job_id;
-    const std::string group =
-        options_.process_set_id ? "/ps" + std::to_string(options_.process_set_id) : "";
-    const std::string census =
-        job + group + "/gen" + std::to_string(generation_) + "/census/rank";
+    const std::string& round = world_prefix_;
+    const std::string census = key_prefix_ + "/census/rank";
     store_->set(census + std::to_string(options_.rank), {'1'});
     std::vector<char> ignored;
     // Every live process beats every 250 ms, even while blocked in a
@@ -195,7 +193,7 @@ std::string Runtime::IdentifyFailedRanks(std::vector<int>* culprits) {
     std::vector<int> left;
     for (int r = 0; r < options_.size; ++r) {
       if (r != options_.rank &&
-          store_->TryGet(LeftKey(job, generation_, WorldRank(r)), std::chrono::milliseconds(0),
+          store_->TryGet(LeftKey(round, WorldRank(r)), std::chrono::milliseconds(0),
                          &ignored)) {
         left.push_back(WorldRank(r));
       }
@@ -214,7 +212,7 @@ std::string Runtime::IdentifyFailedRanks(std::vector<int>* culprits) {
         // A rank that noticed the failure itself (census key written) and
         // then exited is a survivor, not the cause.
         if (r != options_.rank &&
-            store_->TryGet(ClosedKey(job, WorldRank(r)), std::chrono::milliseconds(0), &ignored) &&
+            store_->TryGet(ClosedKey(round, WorldRank(r)), std::chrono::milliseconds(0), &ignored) &&
             !store_->TryGet(census + std::to_string(r), std::chrono::milliseconds(0), &ignored)) {
           dead.push_back(WorldRank(r));
         }

@@ -57,10 +57,6 @@ Status Runtime::Init(const InitOptions& options) {
   bo.host_addr = options.host_addr;
   bo.iface = options.gloo_iface;
   bo.timeout = std::chrono::milliseconds(static_cast<int64_t>(options.timeout_seconds * 1000));
-  // A process set connects its own contexts under its own keys.
-  const std::string group =
-      options.process_set_id ? "/ps" + std::to_string(options.process_set_id) : "";
-  bo.key_prefix = options.job_id + group + "/gen" + std::to_string(generation_);
   bo.local_rank = options.local_rank;
   bo.local_size = options.local_size;
   bo.cross_rank = options.cross_rank;
@@ -72,15 +68,39 @@ Status Runtime::Init(const InitOptions& options) {
     if (options.size > 1) {
       auto wait = StartupStoreWait(bo.timeout);
       store_.reset(new StoreClient(options.store_addr, options.store_port, options.secret, wait));
+    }
+    // The round's keys. The world's round is the job's, read from the store:
+    // every process that init()s joins the round after the last one whose
+    // roll call completed, whether it ran the earlier rounds or started
+    // since (a replacement). No member can miss it: rank 0 records a round
+    // only once every member's roll call entry is in. A process set
+    // connects under the world's round, with a count of its own.
+    if (options.process_set_id == 0) {
+      round_ = 0;
+      std::vector<char> last;
+      if (store_ && store_->TryGet(options.job_id + "/round", std::chrono::milliseconds(0), &last)) {
+        round_ = std::stoll(std::string(last.begin(), last.end())) + 1;
+      }
+      world_prefix_ = options.job_id + "/round" + std::to_string(round_);
+      bo.key_prefix = world_prefix_;
+    } else {
+      world_prefix_ = Get().world_prefix_;
+      bo.key_prefix = world_prefix_ + "/ps" + std::to_string(options.process_set_id) + "/gen" +
+                      std::to_string(generation_);
+    }
+    key_prefix_ = bo.key_prefix;
+    if (store_ && options.process_set_id == 0) {
       // The world's connection stands for this process: when it closes,
       // the store marks the rank gone (see IdentifyFailedRanks).
-      if (options.process_set_id == 0) {
-        store_->Own(options.job_id + "/rank" + std::to_string(options.rank));
-        Status called = RollCall(options, bo.key_prefix + "/rollcall", wait);
-        if (!called.ok()) {
-          store_.reset();
-          return called;
-        }
+      store_->Own(world_prefix_ + "/rank" + std::to_string(options.rank));
+      Status called = RollCall(options, bo.key_prefix + "/rollcall", StartupStoreWait(bo.timeout));
+      if (!called.ok()) {
+        store_.reset();
+        return called;
+      }
+      if (options.rank == 0) {
+        const std::string round = std::to_string(round_);
+        store_->set(options.job_id + "/round", std::vector<char>(round.begin(), round.end()));
       }
     }
     transports_.reset();

@@ -171,7 +171,13 @@ class Runtime {
   InitOptions options_;
   std::atomic<State> state_{State::kUninitialized};
   Status failure_;
+  // How many times this runtime was shut down (a process set's keys).
   std::atomic<int> generation_{0};
+  // The job-wide round of the world's runtime (Init reads it from the
+  // store), and the prefix of its store keys: job_id + "/round<N>".
+  int64_t round_ = 0;
+  std::string world_prefix_;
+  std::string key_prefix_;  // this runtime's keys in its round (a set's are under the world's)
 
   std::unique_ptr<StoreClient> store_;
   // The world's liveness beat: a thread adds to this rank's counter in the
