@@ -78,7 +78,8 @@ def test_a_new_process_joins_the_survivors_next_round(np_):
     ranks that ran it and new processes taking the place of those that left
     (which have run no round) all init() into the same next round, read from
     the store. With a count kept per process, the survivors waited under
-    round 1's keys and the newcomers under round 0's until the deadline."""
+    round 1's keys and the newcomers under round 0's until the deadline.
+    stats()["round"] says which round each ran: 0, then 1 for all."""
     import os
     import re
     import sys
@@ -87,8 +88,8 @@ def test_a_new_process_joins_the_survivors_next_round(np_):
                   env={"GLOO_TIMEOUT_SECONDS": "20"}, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    first = re.findall(r"rank (\d+) first (\S+)", out)
-    second = re.findall(r"rank (\d+) second (\S+)( \(replacement\))?", out)
+    first = re.findall(r"rank (\d+) first (\S+) round 0", out)
+    second = re.findall(r"rank (\d+) second (\S+) round 1( \(replacement\))?", out)
     assert sorted(int(r) for r, _ in first) == list(range(np_)), out[-4000:]
     assert {v for _, v in first} == {f"{np_ * (np_ + 1) // 2:g}"}, first
     assert sorted(int(r) for r, _, _ in second) == list(range(np_)), out[-4000:]

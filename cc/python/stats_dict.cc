@@ -20,6 +20,7 @@ pybind11::dict StatsToDict(const Stats& st) {
   d["plan_timeouts"] = st.plan_timeouts;
   d["hierarchical"] = st.hierarchical;
   d["shm"] = st.shm;
+  d["round"] = st.round;
   auto stream_dict = [](const StreamStats& s) {
     pybind11::dict sd;
     sd["responses"] = s.responses;

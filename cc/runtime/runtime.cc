@@ -153,6 +153,7 @@ Status Runtime::Init(const InitOptions& options) {
     stats_.streams.resize(options.streams + 1);
     stats_.hierarchical = transport_->hierarchical() && options.allreduce_mode != 0;
     stats_.shm = transports_->shm();
+    stats_.round = round_;
   }
   dispatched_ = 0;
   state_ = State::kRunning;

@@ -27,6 +27,7 @@ struct Stats {
   std::vector<int> slow_ranks;   // flagged by the latest check (world ranks)
   bool hierarchical = false;  // two-level allreduce is available (and not turned off)
   bool shm = false;           // ranks of a host allreduce through shared memory
+  int64_t round = 0;          // the job's round this runtime runs (0, then one per init)
   int64_t plans = 0;          // offline plans entered
   int64_t plan_exits = 0;     // plans left (a step changed, or shutdown)
   int64_t offline_steps = 0;  // steps run from a plan, without control messages

@@ -19,8 +19,10 @@ def one_round(label, value):
     _native.init()
     out, _ = _core.submit(_native.OP_ALLREDUCE, np.full(3, value, np.float32), label,
                           _native.DTYPE_CODES["float32"]).wait()
+    round_ = _core.stats()["round"]
     _native.shutdown()
-    print(f"rank {R} {label} {out[0]:g}" + (" (replacement)" if REPLACEMENT else ""), flush=True)
+    print(f"rank {R} {label} {out[0]:g} round {round_}" +
+          (" (replacement)" if REPLACEMENT else ""), flush=True)
 
 
 if REPLACEMENT:
