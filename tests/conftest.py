@@ -10,6 +10,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # tmp_path) goes under one folder of this run, removed when the run ends,
 # failed or not. Ranks inherit it through TMPDIR.
 SCRATCH = tempfile.mkdtemp(prefix="ptest-")
+# Searchable by all, as /tmp is: daemons a test starts (munged) refuse a
+# socket below a directory others cannot search.
+os.chmod(SCRATCH, 0o711)
 os.environ["TMPDIR"] = SCRATCH
 tempfile.tempdir = SCRATCH
 

@@ -166,8 +166,10 @@ def test_the_native_client_sends_only_frames_of_the_definition():
         for record in proxy.sent_by_clients:
             seen.update(_commands(bytes(record)))
         assert seen == {protocol.CMD_SET, protocol.CMD_GET, protocol.CMD_ADD, protocol.CMD_OWN}
-        # Each rank's OWN marked its connection: the store says it closed.
+        # Each rank's OWN (of its rank in the job's round 0) marked its
+        # connection: the store says it closed.
         with StoreClient("127.0.0.1", server.port, SECRET) as client:
             job = f"security{os.getpid()}"
             for rank in range(2):
-                assert client.get(f"{protocol.CLOSED_PREFIX.decode()}{job}/rank{rank}", 10) == b"1"
+                key = f"{protocol.CLOSED_PREFIX.decode()}{job}/round0/rank{rank}"
+                assert client.get(key, 10) == b"1"
