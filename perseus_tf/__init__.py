@@ -3,7 +3,7 @@
 Public names (TensorFlow is imported on first use, so that the launcher,
 `perseus_tf.runner`, starts without it):
 
-  init, shutdown, is_initialized, rank, size, local_rank, local_size,
+  init, shutdown, abort, is_initialized, rank, size, local_rank, local_size,
   cross_rank, cross_size, stats
   allreduce, grouped_allreduce, broadcast, allgather, alltoall,
   reducescatter, barrier, join, add_process_set, remove_process_set,
@@ -29,7 +29,7 @@ _failure_record.install()
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 _FROM_OPS = (
-    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "init", "shutdown", "abort", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "stats", "allreduce", "grouped_allreduce", "broadcast",
     "allgather", "alltoall", "reducescatter", "barrier", "join", "add_process_set",
     "remove_process_set", "process_set_ranks", "Average", "Sum", "Min", "Max", "Product",

@@ -246,6 +246,13 @@ def shutdown():
         _shutdown_all()
 
 
+def abort(reason=""):
+    """Stops this rank's runtime at once (not collective). Takes no lock: the
+    thread that holds it may be the one waiting in a collective."""
+    _core.abort(str(reason))
+    _process_sets.clear()
+
+
 def _shutdown_all():
     # Process sets first: each is a collective among its members, who are
     # all on their way out too.

@@ -115,6 +115,13 @@ def shutdown():
     _native.shutdown()
 
 
+def abort(reason=""):
+    """Stops this rank's runtime at once, without the other ranks (not a
+    collective; any thread): its pending collectives fail, the others' fail
+    naming this rank, and init() may then start the job's next round."""
+    _native.abort(reason)
+
+
 def is_initialized():
     return _native.is_initialized()
 

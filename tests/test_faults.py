@@ -95,3 +95,32 @@ def test_a_new_process_joins_the_survivors_next_round(np_):
     assert sorted(int(r) for r, _, _ in second) == list(range(np_)), out[-4000:]
     assert {v for _, v, _ in second} == {f"{100 * np_ * (np_ + 1) // 2:g}"}, second
     assert {int(r) for r, _, new in second if new} == set(range(1, np_, 2)), second
+
+
+@pytest.mark.parametrize("np_,env", [
+    (2, {}),
+    (4, {"PERSEUS_SHM_ALLREDUCE": "0"}),
+], ids=["2ranks", "4ranks-tcp"])
+def test_abort_is_local_wakes_every_wait_and_the_job_goes_on_next_round(np_, env):
+    """perseus_tf.abort() on rank 0 while every rank waits in Gloo for a
+    stopped rank: rank 0's pending collective fails and abort() returns
+    within seconds, not GLOO_TIMEOUT_SECONDS (120 here; without the closed
+    connections its threads would wait that long); the other ranks' pending
+    collectives fail too; then all init() into round 1 and sum right."""
+    import os
+    import re
+    import sys
+    from harness import WORKERS, launch
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "abort_worker.py")],
+                  env=dict(env, GLOO_TIMEOUT_SECONDS="120", PERSEUS_STALL_CHECK_TIME_SECONDS="0"),
+                  timeout=400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    failed = dict((int(r), m) for r, m in re.findall(r"rank (\d+) held failed: (.*)", out))
+    assert sorted(failed) == list(range(np_)), out[-4000:]
+    assert "called abort()" in failed[0] and "rank 0 gives up" in failed[0], failed[0]
+    took = re.search(r"rank 0 abort took (\S+) s; the wait failed (\S+) s", out)
+    assert took and float(took.group(1)) < 30 and float(took.group(2)) < 30, out[-4000:]
+    again = re.findall(r"rank (\d+) next round 1 sum (\S+)", out)
+    assert sorted(int(r) for r, _ in again) == list(range(np_)), out[-4000:]
+    assert {s for _, s in again} == {f"{np_ * (np_ + 1) // 2:g}"}, again

@@ -5,6 +5,8 @@ through perseus_tf._core (submit_device), checked against numpy, and timed.
     python tools/gpu_runtime_check.py lone            # NCCL communicators nobody joins
     perseusrun -np N -- python tools/gpu_runtime_check.py staged
                                                        # N ranks on one GPU, host-staged
+    perseusrun -np N [-H 127.0.0.1:2,127.0.0.2:2] -- python tools/gpu_runtime_check.py nccl
+                                                       # N ranks on one GPU through NCCL
 
 `nccl` (PERSEUS_GPU_TRANSPORT=nccl): fused buckets, every NCCL dtype, every
 reduction, prescale/postscale, Average, fp16 compression, broadcast, int16
@@ -12,9 +14,18 @@ reduction, prescale/postscale, Average, fp16 compression, broadcast, int16
 then NCCL's allreduce at world size 1 against a plain device-to-device copy.
 `lone`: a NCCL communicator nobody else joins is aborted at its deadline.
 
-`staged` (PERSEUS_GPU_TRANSPORT=host; NCCL refuses two ranks on one GPU):
-the same sums at N ranks, then the host-staged allreduce's bandwidth against
-the device <-> pinned host copy ceiling measured with CuPy.
+`nccl` at N ranks: NCCL refuses two ranks of one host on one GPU, so each
+rank gets an NCCL_HOSTID of its own (NCCL then takes every rank for a host
+of its own and connects them through sockets, still all on the one GPU). With
+-H 127.0.0.1:2,127.0.0.2:2 the runtime sees two hosts of two ranks: mixed
+compression then takes kNcclTwoLevel (NCCL reduces inside each host, the
+leaders allreduce float16 times the gradient scale, cast on the GPU, over
+Gloo, NCCL broadcasts inside each host), checked bitwise against numpy's
+emulation of those steps and in the timeline.
+
+`staged` (PERSEUS_GPU_TRANSPORT=host): the same sums at N ranks, then the
+host-staged allreduce's bandwidth against the device <-> pinned host copy
+ceiling measured with CuPy.
 
 Prints "ok"/"FAIL" lines and tables; exits non-zero when a check failed.
 """
@@ -44,13 +55,16 @@ def main():
     if mode == "lone":
         return lone()
     os.environ["PERSEUS_GPU_TRANSPORT"] = "nccl" if mode == "nccl" else "host"
+    # One GPU for all ranks: a host id per rank keeps NCCL from refusing them.
+    os.environ.setdefault("NCCL_HOSTID", "perseus-check-" + os.environ.get("PERSEUS_RANK", "0"))
     timeline = os.path.join(tempfile.mkdtemp(), "timeline.json")
     if mode == "nccl":
         os.environ["PERSEUS_TIMELINE"] = timeline
     import cupy as cp
     from perseus_tf import _core, _native
     _native.init()
-    rank, size = _native.topology()["rank"], _native.topology()["size"]
+    topo = _native.topology()
+    rank, size = topo["rank"], topo["size"]
     codes = _native.DTYPE_CODES
     stream = cp.cuda.Stream(non_blocking=True)
     stream.use()  # every CuPy copy and kernel below runs on it: the events cover them
@@ -113,16 +127,57 @@ def main():
     h.wait()
     report("broadcast from the last rank", np.array_equal(cp.asnumpy(out), np.full(1001, size + 6.0)))
 
-    if mode == "nccl":
-        bandwidth_nccl(cp, submit, stream)
+    # Mixed compression: float16 times the gradient scale between hosts only.
+    shape = (3001,)
+
+    def grad(r):
+        return np.random.default_rng(7000 + r).standard_normal(shape).astype(np.float32)
+
+    g = cp.asarray(grad(rank))
+    h, out, _ = submit(g, "mixed", compression=_core.COMPRESSION["mixed"])
+    h.wait()
+    got = cp.asnumpy(out)
+    local, cross = topo["local_size"], topo["cross_size"]
+    two_level = mode == "nccl" and cross > 1 and local > 1
+    if two_level:
+        # What kNcclTwoLevel does: a float32 sum inside each host (ranks
+        # c*local .. c*local+local-1), float16(sum * scale) summed across the
+        # hosts in float16, then times 1/scale in float32.
+        scale = np.float32(10.0)  # PERSEUS_ALLREDUCE_GRADIENT_SCALE's default
+        halves = []
+        for c in range(cross):
+            s = grad(c * local)
+            for r in range(c * local + 1, (c + 1) * local):
+                s = s + grad(r)
+            halves.append((s * scale).astype(np.float16))
+        across = halves[0]
+        for x in halves[1:]:
+            across = (across.astype(np.float32) + x.astype(np.float32)).astype(np.float16)
+        want = across.astype(np.float32) * (np.float32(1) / scale)
+        report(f"mixed compression in two levels ({cross} hosts x {local}), bitwise numpy's "
+               "emulation", np.array_equal(got, want),
+               f"max |diff| {float(np.max(np.abs(got - want))):.3g}")
     else:
+        want = sum(grad(r) for r in range(size))
+        report("mixed compression", np.allclose(got, want, rtol=2e-3, atol=2e-3),
+               f"max |diff| {float(np.max(np.abs(got - want))):.3g}")
+
+    if mode == "nccl" and size == 1:
+        bandwidth_nccl(cp, submit, stream)
+    elif mode != "nccl":
         bandwidth_staged(cp, submit, stream, rank, size)
     _native.shutdown()  # writes the timeline
     if mode == "nccl":
-        import glob  # the runtime names it timeline.rank0.json
+        import glob  # the runtime names it timeline.rank<N>.json
         text = "".join(open(p).read() for p in glob.glob(timeline[:-len(".json")] + "*.json"))
-        report("the timeline shows NCCL allreduces", '"nccl allreduce"' in text,
+        report(f"rank {rank}: the timeline shows NCCL allreduces", '"nccl allreduce"' in text,
                f"{text.count('nccl allreduce')} spans")
+        if two_level:
+            spans = ['"nccl host reduce"', '"nccl host broadcast"']
+            if topo["local_rank"] == 0:
+                spans.append('"cross-host allreduce (fp16)"')
+            report(f"rank {rank}: the timeline shows the two levels",
+                   all(s in text for s in spans), ", ".join(f"{s} x{text.count(s)}" for s in spans))
     if rank == 0:
         print(f"{len(FAILED)} failed" + (": " + ", ".join(FAILED) if FAILED else ""), flush=True)
     return 1 if FAILED else 0

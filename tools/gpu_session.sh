@@ -11,8 +11,12 @@
 # own Python, then runs each step with a time limit. Logs go to $OUT.
 #
 #   bash tools/gpu_session.sh [steps...]
-#       (default: build kernels nccl lone staged core soak; CORE_RANKS="2 4",
-#       SOAK_STEPS=400)
+#       (default: build kernels nccl lone staged ranks hier core corenccl soak;
+#       CORE_RANKS="2 4", SOAK_STEPS=400)
+#
+# NCCL refuses two ranks of one host on one GPU; the multi-rank NCCL steps
+# give each rank an NCCL_HOSTID of its own, so NCCL takes each for a host of
+# its own (sockets over loopback, all on the one GPU).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/perseus-gpu}
@@ -20,7 +24,14 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH="$PWD"
 PY=${PYTHON:-python3}
-steps=${*:-build kernels nccl lone staged core soak}
+steps=${*:-build kernels nccl lone staged ranks hier core corenccl soak}
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1
+# Runs the rest of the line with NCCL_HOSTID set to the rank's own.
+# A submission through PERSEUS_TEST_DEVICE=cuda allocates, fills and waits
+# on the GPU (about a negotiation cycle): check_fusion_counters needs its 40
+# separate submissions to meet in one cycle now and then.
+slow_submit="PERSEUS_CYCLE_TIME_MS=10"
+per_rank_host='export NCCL_HOSTID=perseus-rank$PERSEUS_RANK; exec "$0" "$@"'
 status=0
 
 step() {  # name, limit in seconds, command...
@@ -32,6 +43,33 @@ step() {  # name, limit in seconds, command...
   tail -n 60 "$OUT/$name.log"
   echo "=== $name: exit $rc"
   [ $rc -eq 0 ] || status=1
+}
+
+results() {  # folder of run_checks.py's rank*.json, name
+  $PY -c 'import json, sys, glob
+for p in sorted(glob.glob(sys.argv[1] + "/rank*.json")):
+    r = json.load(open(p))
+    bad = {k: v for k, v in r.items() if v != "ok"}
+    print(p.split("/")[-1], len(r) - len(bad), "ok,", len(bad), "failed")
+    for k, v in list(bad.items())[:8]:
+        print("  FAIL", k, v.strip().splitlines()[-1][:400])' "$1" | tee "$OUT/$2.results"
+}
+
+# tests/workers/checks_core.py with every array on the GPU at CORE_RANKS
+# ranks, launched directly so that its per-check results survive a failure:
+#   core_checks NAME TRANSPORT [WRAPPER...]   (PERSEUS_GPU_TRANSPORT=TRANSPORT)
+core_checks() {
+  local name=$1 transport=$2
+  shift 2
+  for n in ${CORE_RANKS:-2 4}; do
+    local dir extra=""
+    dir=$(mktemp -d)
+    [ $n = 4 ] && extra="PERSEUS_SHM_ALLREDUCE=0 PERSEUS_ALLREDUCE_STREAMS=2"
+    step "$name$n" 200 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=$transport $slow_submit \
+      GLOO_TIMEOUT_SECONDS=20 PERSEUS_STALL_TIMEOUT_SECONDS=20 $extra \
+      $PY -m perseus_tf.runner -np $n -- "$@" $PY tests/workers/run_checks.py checks_core "$dir"
+    results "$dir" "$name$n"
+  done
 }
 
 for s in $steps; do
@@ -52,25 +90,17 @@ for s in $steps; do
         step "staged$n" 300 $PY -m perseus_tf.runner -np $n -- $PY tools/gpu_runtime_check.py staged
       done
       ;;
-    core)
-      # tests/workers/checks_core.py with every array on the GPU, launched
-      # directly so that its per-check results survive a failure.
-      for n in ${CORE_RANKS:-2 4}; do
-        dir=$(mktemp -d)
-        extra=""
-        [ $n = 4 ] && extra="PERSEUS_SHM_ALLREDUCE=0 PERSEUS_ALLREDUCE_STREAMS=2"
-        step "core$n" 150 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=host \
-          GLOO_TIMEOUT_SECONDS=20 PERSEUS_STALL_TIMEOUT_SECONDS=20 $extra \
-          $PY -m perseus_tf.runner -np $n -- $PY tests/workers/run_checks.py checks_core "$dir"
-        $PY -c 'import json, sys, glob
-for p in sorted(glob.glob(sys.argv[1] + "/rank*.json")):
-    r = json.load(open(p))
-    bad = {k: v for k, v in r.items() if v != "ok"}
-    print(p.split("/")[-1], len(r) - len(bad), "ok,", len(bad), "failed")
-    for k, v in list(bad.items())[:6]:
-        print("  FAIL", k, v.strip().splitlines()[-1][:400])' "$dir" | tee "$OUT/core$n.results"
+    ranks)  # NCCL among N ranks of the world
+      for n in 2 4; do
+        step "nccl$n" 300 $PY -m perseus_tf.runner -np $n -- $PY tools/gpu_runtime_check.py nccl
       done
       ;;
+    hier)  # two hosts of two: mixed compression in two levels
+      step hier 300 $PY -m perseus_tf.runner -np 4 -H 127.0.0.1:2,127.0.0.2:2 -- \
+        $PY tools/gpu_runtime_check.py nccl
+      ;;
+    core) core_checks core host ;;
+    corenccl) core_checks corenccl nccl sh -c "$per_rank_host" ;;  # a host id per rank
     soak)  # tools/soak.py briefly, every array on the GPU
       step soak 150 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=host \
         $PY tools/soak.py --np 2 --steps ${SOAK_STEPS:-400} --seed 41

@@ -157,10 +157,12 @@ class CudaPlane : public DataPlane {
     for (auto& st : streams_) {
       cudaStreamSynchronize(st->stream);
       st->finisher.reset();  // runs what is left to complete
-      for (auto& b : st->device) cudaFree(b.ptr);
-      cudaFree(st->table.ptr);
+      for (auto& b : st->device) cudaFreeAsync(b.ptr, st->stream);
+      cudaFreeAsync(st->table.ptr, st->stream);
+      cudaStreamSynchronize(st->stream);
       cudaFreeHost(st->staging.ptr);
       cudaFreeHost(st->table_host.ptr);
+      for (void* p : st->retired_host) cudaFreeHost(p);
       cudaEventDestroy(st->staging_free);
       cudaEventDestroy(st->table_free);
       cudaStreamDestroy(st->stream);
@@ -347,6 +349,7 @@ class CudaPlane : public DataPlane {
     Block staging;     // pinned host memory
     Block table;       // the batched copy's table, on the device
     Block table_host;  // and where it is written, pinned
+    std::vector<void*> retired_host;  // pinned blocks outgrown (Grow)
     cudaEvent_t staging_free = nullptr;
     cudaEvent_t table_free = nullptr;
     std::unique_ptr<Finisher> finisher;
@@ -355,23 +358,27 @@ class CudaPlane : public DataPlane {
   PerStream& at(int stream) { return *streams_.at(static_cast<size_t>(stream)); }
   void Use() { Check(cudaSetDevice(device_), "cudaSetDevice", device_); }
 
-  // Grows b to at least `bytes`; queued work may still use the old memory,
-  // so the stream finishes first (growing is rare: buffers only grow).
+  // Grows b to at least `bytes` (growing is rare: buffers only grow) without
+  // a device-wide synchronisation: cudaFree and cudaFreeHost wait for the
+  // whole device, and a NCCL kernel of another stream may be waiting there
+  // for a peer that is itself waiting for this rank, a deadlock. Device
+  // memory is freed and allocated in the stream's order (work queued there
+  // may still use the old block); pinned host memory is kept until the plane
+  // goes, as transports and queued copies may still read the old block.
   void Grow(PerStream& st, Block& b, size_t bytes, bool host) {
     if (b.size >= bytes && b.ptr != nullptr) return;
-    Check(cudaStreamSynchronize(st.stream), "cudaStreamSynchronize", device_);
     size_t want = bytes < 256 ? 256 : bytes;
     if (want < b.size * 5 / 4) want = b.size * 5 / 4;
     if (host) {
-      if (b.ptr) Check(cudaFreeHost(b.ptr), "cudaFreeHost", device_);
+      if (b.ptr) st.retired_host.push_back(b.ptr);
       b.ptr = nullptr;
       b.size = 0;
       Check(cudaHostAlloc(&b.ptr, want, cudaHostAllocPortable), "cudaHostAlloc", device_);
     } else {
-      if (b.ptr) Check(cudaFree(b.ptr), "cudaFree", device_);
+      if (b.ptr) Check(cudaFreeAsync(b.ptr, st.stream), "cudaFreeAsync", device_);
       b.ptr = nullptr;
       b.size = 0;
-      Check(cudaMalloc(&b.ptr, want), "cudaMalloc", device_);
+      Check(cudaMallocAsync(&b.ptr, want, st.stream), "cudaMallocAsync", device_);
     }
     b.size = want;
   }
@@ -420,39 +427,51 @@ const char* perseus_cuda_error_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
+// The test producer's stream of `device` (one per device, non-blocking).
+static cudaError_t TestProducerStream(int device, cudaStream_t* out) {
+  static std::mutex mu;
+  static std::map<int, cudaStream_t> producers;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = producers.find(device);
+  if (it != producers.end()) {
+    *out = it->second;
+    return cudaSuccess;
+  }
+  cudaError_t e = cudaStreamCreateWithFlags(out, cudaStreamNonBlocking);
+  if (e == cudaSuccess) producers[device] = *out;
+  return e;
+}
+
+// The test's memory comes and goes in the producer stream's order: cudaMalloc
+// and cudaFree could wait for the whole device, NCCL kernels included, which
+// deadlocks ranks whose NCCL kernels wait for each other (as TF's allocator,
+// which never frees to CUDA while it runs, never does).
 int perseus_cuda_test_alloc(int device, size_t bytes, void** out) {
+  cudaStream_t ps = nullptr;
   cudaError_t e = cudaSetDevice(device);
-  if (e == cudaSuccess) e = cudaMalloc(out, bytes ? bytes : 1);
-  if (e == cudaSuccess) e = cudaMemset(*out, 0xff, bytes ? bytes : 1);
-  // The fill runs on the legacy stream, which the runtime's non-blocking
-  // streams do not wait for: done before the memory is handed over.
-  if (e == cudaSuccess) e = cudaStreamSynchronize(cudaStreamLegacy);
+  if (e == cudaSuccess) e = TestProducerStream(device, &ps);
+  if (e == cudaSuccess) e = cudaMallocAsync(out, bytes ? bytes : 1, ps);
+  if (e == cudaSuccess) e = cudaMemsetAsync(*out, 0xff, bytes ? bytes : 1, ps);
+  // Filled before the memory is handed over.
+  if (e == cudaSuccess) e = cudaStreamSynchronize(ps);
   return e;
 }
 
 int perseus_cuda_test_free(int device, void* ptr) {
+  cudaStream_t ps = nullptr;
   cudaError_t e = cudaSetDevice(device);
-  return e == cudaSuccess ? cudaFree(ptr) : e;
+  if (e == cudaSuccess) e = TestProducerStream(device, &ps);
+  // Called once the runtime's device work on it has finished.
+  return e == cudaSuccess ? cudaFreeAsync(ptr, ps) : e;
 }
 
 int perseus_cuda_test_produce(int device, void* dst, const void* host, size_t bytes,
                               int delay_us, void** stream, void** event) {
-  static std::mutex mu;
-  static std::map<int, cudaStream_t> producers;
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) return e;
   cudaStream_t ps;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = producers.find(device);
-    if (it == producers.end()) {
-      e = cudaStreamCreateWithFlags(&ps, cudaStreamNonBlocking);
-      if (e != cudaSuccess) return e;
-      producers[device] = ps;
-    } else {
-      ps = it->second;
-    }
-  }
+  e = TestProducerStream(device, &ps);
+  if (e != cudaSuccess) return e;
   int khz = 0;
   if (cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device) != cudaSuccess) {
     cudaGetLastError();  // not fatal: assume 1 GHz

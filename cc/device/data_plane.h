@@ -55,7 +55,8 @@ struct CopySpan {
 };
 
 // The buffers a plane keeps per stream, reused from call to call.
-enum class PlaneBuffer : int { kFusion = 0, kHalf = 1, kStaging = 2, kCount = 3 };
+// kLift holds a bucket's host requests on the device (Executor::Lifted).
+enum class PlaneBuffer : int { kFusion = 0, kHalf = 1, kStaging = 2, kLift = 3, kCount = 4 };
 
 class DataPlane {
  public:

@@ -456,6 +456,10 @@ PYBIND11_MODULE(_core, m) {
     py::gil_scoped_release release;
     Runtime::Get().Shutdown();
   });
+  m.def("abort", [](const std::string& why) {
+    py::gil_scoped_release release;
+    Runtime::AbortAll(why);
+  });
   m.def("is_initialized", [] { return Runtime::Get().initialized(); });
   m.def("state", [] { return std::string(Runtime::Get().state_name()); });
   m.def("first_failure", []() -> py::object {

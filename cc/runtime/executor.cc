@@ -51,6 +51,7 @@ Executor::Executor(const ExecutorContext& context)
   downsample_ = MakeDownsampleCompressor(compression);
   stats_.resize(options_.streams + 1);
   nccl_.resize(options_.streams + 1);
+  nccl_host_.resize(options_.streams + 1);
   for (int s = 0; s <= options_.streams; ++s) streams_.emplace_back(new Stream());
   for (int s = 0; s <= options_.streams; ++s) {
     streams_[s]->thread = std::thread(&Executor::StreamLoop, this, s);
@@ -77,6 +78,7 @@ void Executor::Stop() {
 
 void Executor::ReleaseDevices() {
   for (auto& comm : nccl_) comm.reset();
+  for (auto& comm : nccl_host_) comm.reset();
   std::lock_guard<std::mutex> lock(planes_mu_);
   device_planes_.clear();
 }
@@ -164,7 +166,7 @@ void Executor::Run(int index, Response& response, Requests& requests) {
   bool complete = true;
   DataPlane* plane = host_plane_.get();
   try {
-    if (!response.control) plane = &PlaneOf(requests);
+    if (!response.control) plane = &PlaneOf(response, requests);
     complete = Execute(index, *plane, response, requests);
   } catch (const std::exception& e) {
     status = c_.fail(response.control ? std::string(e.what())
@@ -213,6 +215,7 @@ DataPlane& Executor::PlaneFor(const Placement& where) {
       break;
     case MemoryKind::kCuda:
       plane = MakeCudaPlane(where.device, options_.streams + 1);
+      cuda_device_ = where.device;
       break;
     default:
       throw std::runtime_error(std::string("this build of Perseus has no data plane for ") +
@@ -223,11 +226,72 @@ DataPlane& Executor::PlaneFor(const Placement& where) {
   return out;
 }
 
-DataPlane& Executor::PlaneOf(const Requests& requests) {
+namespace {
+
+bool OnDeviceEverywhere(const Response& r) {
+  if (r.control || r.metas.empty()) return false;
+  for (const TensorMeta& m : r.metas) {
+    if (!(m.flags & kMetaOnDevice)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+DataPlane& Executor::PlaneOf(const Response& response, const Requests& requests) {
+  const bool cuda = options_.nccl && OnDeviceEverywhere(response);
   for (const auto& q : requests) {
-    if (q->where.kind != MemoryKind::kHost) return PlaneFor(q->where);
+    if (q->where.kind == MemoryKind::kCuda || (!cuda && q->where.kind != MemoryKind::kHost)) {
+      return PlaneFor(q->where);
+    }
+  }
+  if (cuda) {
+    Placement where;
+    where.kind = MemoryKind::kCuda;
+    {
+      std::lock_guard<std::mutex> lock(planes_mu_);
+      where.device = cuda_device_;
+    }
+    return PlaneFor(where);
   }
   return *host_plane_;
+}
+
+bool Executor::Lifted(int stream, DataPlane& plane, Requests& requests,
+                      const std::function<bool(Requests&)>& body) {
+  auto bytes_of = [](const Request& q) {
+    return static_cast<size_t>(NumElements(q.meta.shape)) * DataTypeSize(q.meta.dtype);
+  };
+  size_t total = 0;
+  for (const auto& q : requests) {
+    if (q->where.kind == MemoryKind::kHost) total += bytes_of(*q);
+  }
+  char* lift = static_cast<char*>(plane.Buffer(stream, PlaneBuffer::kLift, total));
+  Requests lifted;
+  std::vector<std::pair<Request*, char*>> back;  // host request, its bytes on the device
+  size_t offset = 0;
+  for (auto& q : requests) {
+    if (q->where.kind != MemoryKind::kHost) {
+      lifted.push_back(q);
+      continue;
+    }
+    char* at = lift + offset;
+    offset += bytes_of(*q);
+    if (q->input != nullptr && bytes_of(*q)) plane.FromHost(stream, at, q->input, bytes_of(*q));
+    auto d = std::make_shared<Request>();
+    d->meta = q->meta;
+    d->input = at;
+    d->output = q->output != nullptr ? at : nullptr;
+    d->where.kind = plane.kind();
+    d->where.device = plane.device();
+    lifted.push_back(std::move(d));
+    if (q->output != nullptr) back.emplace_back(q.get(), at);
+  }
+  if (!body(lifted)) return false;
+  for (const auto& b : back) {
+    if (bytes_of(*b.first)) plane.ToHost(stream, b.first->output, b.second, bytes_of(*b.first));
+  }
+  return true;
 }
 
 bool Executor::Staged(int stream, DataPlane& plane, Requests& requests,
@@ -293,6 +357,7 @@ bool Executor::Staged(int stream, DataPlane& plane, Requests& requests,
 }
 
 bool Executor::Execute(int stream, DataPlane& plane, const Response& r, Requests& requests) {
+  streams_[stream]->on_device_everywhere = OnDeviceEverywhere(r);
   if (r.control) {
     r.control([this, stream](void* data, size_t count, DataType dtype, ReduceOp op) {
       AllreduceBuffer(stream, *host_plane_, data, count, dtype, op);
@@ -304,7 +369,26 @@ bool Executor::Execute(int stream, DataPlane& plane, const Response& r, Requests
   }
   if (plane.host()) return ExecuteOnHost(stream, r, requests);
   for (auto& q : requests) plane.WaitReady(stream, q->where);
-  if (r.op == OpType::kBroadcast && requests.size() == 1) {
+  const int compression = r.op == OpType::kAllreduce ? r.metas[0].compression : 0;
+  const bool on_device = (r.op == OpType::kAllreduce && compression != kCompressTopk &&
+                          compression != kCompressDownsample) ||
+                         (r.op == OpType::kBroadcast && requests.size() == 1);
+  if (!on_device) {
+    return Staged(stream, plane, requests,
+                  [&](Requests& host) { return ExecuteOnHost(stream, r, host); });
+  }
+  for (const auto& q : requests) {
+    if (q->where.kind == MemoryKind::kHost) {
+      return Lifted(stream, plane, requests,
+                    [&](Requests& lifted) { return ExecuteOnDevice(stream, plane, r, lifted); });
+    }
+  }
+  return ExecuteOnDevice(stream, plane, r, requests);
+}
+
+bool Executor::ExecuteOnDevice(int stream, DataPlane& plane, const Response& r,
+                               Requests& requests) {
+  if (r.op == OpType::kBroadcast) {
     Request& q = *requests[0];
     if (NcclComm* comm = NcclFor(stream, plane, DataType::kUint8)) {
       const size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
@@ -314,14 +398,10 @@ bool Executor::Execute(int stream, DataPlane& plane, const Response& r, Requests
       }
       return true;
     }
+    return Staged(stream, plane, requests,
+                  [&](Requests& host) { return ExecuteOnHost(stream, r, host); });
   }
-  const int compression = r.op == OpType::kAllreduce ? r.metas[0].compression : 0;
-  if (r.op == OpType::kAllreduce && compression != kCompressTopk &&
-      compression != kCompressDownsample) {
-    return Allreduce(stream, plane, r, requests);
-  }
-  return Staged(stream, plane, requests,
-                [&](Requests& host) { return ExecuteOnHost(stream, r, host); });
+  return Allreduce(stream, plane, r, requests);
 }
 
 bool Executor::ExecuteOnHost(int stream, const Response& r, Requests& requests) {
@@ -422,13 +502,18 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
 void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count,
                                DataType dtype, ReduceOp op, size_t half_across) {
   const size_t bytes = count * DataTypeSize(dtype);
-  if (half_across == 0 && count > 0) {
-    if (NcclComm* comm = NcclFor(stream, plane, dtype)) {
-      TimelineSpan span(timeline_, 1 + stream, "nccl allreduce", "transport");
-      comm->Allreduce(buf, buf, count, dtype, op, plane.NativeStream(stream));
-      AwaitNccl(*comm, stream, plane, "allreduce");
+  if (count > 0 && NcclTakes(stream, plane, dtype)) {
+    const AllreduceAlgorithm algorithm =
+        ChooseAllreduce(bytes, half_across > 0, c_.topology, AllreduceMemory::kNcclDevice);
+    if (algorithm == AllreduceAlgorithm::kNcclTwoLevel) {
+      NcclTwoLevel(stream, plane, buf, count, dtype, op, half_across);
       return;
     }
+    NcclComm* comm = NcclFor(stream, plane, dtype);
+    TimelineSpan span(timeline_, 1 + stream, "nccl allreduce", "transport");
+    comm->Allreduce(buf, buf, count, dtype, op, plane.NativeStream(stream));
+    AwaitNccl(*comm, stream, plane, "allreduce");
+    return;
   }
   void* data = buf;
   if (!plane.host()) {
@@ -446,34 +531,6 @@ void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t c
   call.half = &streams_[stream]->scratch.half;
   RunAllreduce(ChooseAllreduce(bytes, half_across > 0, c_.topology), c_.groups, call, timeline_);
   if (!plane.host()) plane.FromHost(stream, buf, data, bytes);
-}
-
-NcclComm* Executor::NcclFor(int stream, const DataPlane& plane, DataType dtype) {
-  if (plane.kind() != MemoryKind::kCuda || !options_.nccl) return nullptr;
-  if (dtype == DataType::kUint16 || dtype == DataType::kInt16) return nullptr;  // no NCCL type
-  std::unique_ptr<NcclComm>& comm = nccl_.at(static_cast<size_t>(stream));
-  if (!comm) {
-    std::string why;
-    const NcclLibrary* lib = NcclLibrary::Load(options_.nccl_dirs, &why);
-    if (lib == nullptr) {
-      throw std::runtime_error("PERSEUS_GPU_TRANSPORT=nccl, but NCCL cannot be loaded: " + why +
-                               "; or set PERSEUS_GPU_TRANSPORT=host on every rank");
-    }
-    const std::string name = "stream" + std::to_string(stream);
-    // The plane's calls on this thread made its device the current one, which
-    // is the device NCCL binds the communicator to.
-    comm.reset(new NcclComm(
-        *lib, options_.rank, options_.size, c_.nccl_bootstrap(name),
-        std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000)),
-        "stream " + std::to_string(stream) + " of " +
-            (options_.process_set_id ? "process set " + std::to_string(options_.process_set_id)
-                                     : std::string("the world"))));
-  }
-  return comm.get();
-}
-
-void Executor::AwaitNccl(NcclComm& comm, int stream, DataPlane& plane, const std::string& what) {
-  comm.WaitUntil(plane.Marker(stream), what);
 }
 
 int64_t Executor::PayloadBytes(const TensorMeta& m) const {

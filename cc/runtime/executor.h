@@ -87,14 +87,26 @@ class Executor {
     std::deque<Requests> work;
     bool stop = false;
     bool busy = false;  // a response of this stream is running (here or inline)
+    // The running response's tensors are on a CUDA device on every rank
+    // (kMetaOnDevice), so NCCL may carry them.
+    bool on_device_everywhere = false;
     StreamScratch scratch;
   };
 
   void StreamLoop(int stream);
   void Run(int stream, Response& response, Requests& requests);
-  // The plane a response's requests run on: the first device placement
+  // The plane a response's requests run on: with NCCL, a CUDA plane when the
+  // response's tensors are on a device on every rank (this rank's too, were
+  // its requests stand-ins or host memory); else the first device placement
   // among them (host requests beside it are copied in and out), else host.
-  DataPlane& PlaneOf(const Requests& requests);
+  DataPlane& PlaneOf(const Response& response, const Requests& requests);
+  // Runs `body` with the host requests of a device bucket (a rank's
+  // stand-ins for tensors it has not submitted, host tensors fused with
+  // device ones) copied onto the device, and their results copied back, so
+  // that device kernels and NCCL only ever see device memory.
+  bool Lifted(int stream, DataPlane& plane, Requests& requests,
+              const std::function<bool(Requests&)>& body);
+  bool ExecuteOnDevice(int stream, DataPlane& plane, const Response& r, Requests& requests);
   // Runs `body` on host copies of requests that live on a device plane, then
   // copies the results back: collectives with no device path of their own.
   bool Staged(int stream, DataPlane& plane, Requests& requests,
@@ -108,10 +120,16 @@ class Executor {
   // a device's: the transports move host memory).
   void AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,
                        ReduceOp op, size_t half_across = 0);
-  // NCCL's communicator of `stream` when a buffer of `plane` in `dtype`
-  // goes through NCCL (nccl.h), else null (host staging). Made on first use:
-  // every rank reaches the same stream's buckets in the same order.
-  NcclComm* NcclFor(int stream, const DataPlane& plane, DataType dtype);
+  // Whether a buffer of `plane` in `dtype` goes through NCCL (nccl.h), not
+  // host staging.
+  bool NcclTakes(int stream, const DataPlane& plane, DataType dtype) const;
+  // NCCL's communicator of `stream` among all ranks, or (host_group) among
+  // this host's ranks, when NcclTakes, else null. Made on first use: every
+  // rank reaches the same stream's buckets in the same order.
+  NcclComm* NcclFor(int stream, const DataPlane& plane, DataType dtype, bool host_group = false);
+  // kNcclTwoLevel (allreduce_algorithms.h) of a device buffer.
+  void NcclTwoLevel(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,
+                    ReduceOp op, size_t half_across);
   // Waits, with the communicator's deadline, for `plane`'s queued work.
   void AwaitNccl(NcclComm& comm, int stream, DataPlane& plane, const std::string& what);
   void Allgather(int stream, const Response& r, Request& q);
@@ -129,7 +147,8 @@ class Executor {
   std::mutex planes_mu_;
   std::unique_ptr<DataPlane> host_plane_;
   std::map<std::pair<int, int>, std::unique_ptr<DataPlane>> device_planes_;  // (kind, device)
-  std::vector<std::unique_ptr<NcclComm>> nccl_;  // by stream
+  int cuda_device_ = 0;  // the last CUDA device a plane was made for (planes_mu_)
+  std::vector<std::unique_ptr<NcclComm>> nccl_, nccl_host_;  // by stream
   std::mutex stats_mu_;
   std::vector<StreamStats> stats_;
 };

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "cc/core/reduce.h"
+#include "cc/transport/gloo_transport.h"
 #include "cc/rendezvous/store_client.h"
 #include "cc/rendezvous/store_protocol.h"
 #include "cc/runtime/runtime_internal.h"
@@ -115,6 +116,31 @@ void RecordFirstFailure(const std::vector<int>& culprits, const std::string& mes
 FirstFailure GetFirstFailure() {
   std::lock_guard<std::mutex> lock(first_failure_mu);
   return first_failure;
+}
+
+void Runtime::Abort(const std::string& why) {
+  const std::string message = "Perseus rank " + std::to_string(options_.rank) +
+                              ": this rank called abort()" + (why.empty() ? "" : " (" + why + ")") +
+                              "; its collectives stopped. init() starts the job's next round";
+  bool was_running;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const State state = state_.load();
+    if (state == State::kUninitialized || state == State::kShutdown) return;
+    was_running = state == State::kRunning;
+    if (was_running) {
+      failure_ = Status::Error(StatusCode::kUnavailable, message);
+      state_ = State::kFailed;
+    }
+  }
+  if (was_running) {
+    RecordFirstFailure({WorldRank(options_.rank)}, message);
+    AnnounceLeaving();  // the store's mark, shared memory's waits
+    if (transport_) transport_->CloseAll(message);
+    queue_cv_.notify_all();
+    FailAllPending(Status::Error(StatusCode::kUnavailable, message));
+  }
+  Shutdown();  // the background thread sees the failed state and stops at once
 }
 
 void Runtime::AnnounceLeaving() {

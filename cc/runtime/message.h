@@ -45,6 +45,10 @@ constexpr int32_t kMetaPlannable = 2;
 // which): the other ranks' requests of this name fail at once instead of
 // waiting for it. On the wire only with this flag set.
 constexpr int32_t kMetaRejected = 4;
+// The request's memory is on a CUDA device. In a response: every rank that
+// submitted it has it there, so NCCL may carry it on every rank alike (the
+// choice of transport must not depend on one rank's placement).
+constexpr int32_t kMetaOnDevice = 8;
 
 // One rank's message for one negotiation cycle.
 struct CycleMessage {

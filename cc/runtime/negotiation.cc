@@ -307,7 +307,17 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
       }
     }
   }
+  // On a device only where every rank that submitted it has it there.
+  bool on_device = true;
+  for (int r = 0; r < size_; ++r) {
+    if (e.have[r] && !(e.metas[r].flags & kMetaOnDevice)) on_device = false;
+  }
   resp.metas.push_back(std::move(e.metas[first]));
+  if (on_device) {
+    resp.metas.back().flags |= kMetaOnDevice;
+  } else {
+    resp.metas.back().flags &= ~kMetaOnDevice;
+  }
   return resp;
 }
 

@@ -247,3 +247,21 @@ TEST(ACallHeldBackByARefusalNobodyAnswersStallsNamingTheRank) {
   CHECK(stalled[0].error.message.find("rank 0 has not made that call") != std::string::npos);
   CHECK(stalled[0].error.message.find("'g'") != std::string::npos);
 }
+
+TEST(AResponseIsOnADeviceOnlyWhereEveryRankHasItThere) {
+  Negotiator n(3, 0);  // no fusion
+  n.BeginCycle(0, false);
+  for (int r = 0; r < 3; ++r) {
+    n.Add(r, Meta("device", {4}, DataType::kFloat32, kMetaOnDevice));
+    // Rank 1 has this one in host memory: NCCL must carry it on no rank.
+    n.Add(r, Meta("mixed", {4}, DataType::kFloat32, r == 1 ? 0 : kMetaOnDevice));
+    n.Add(r, Meta("host", {4}));
+  }
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 3u);
+  for (const Response& r : ready) {
+    CHECK(r.error.ok());
+    const bool on_device = (r.metas[0].flags & kMetaOnDevice) != 0;
+    CHECK(on_device == (r.names[0] == "device"));
+  }
+}

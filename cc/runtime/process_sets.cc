@@ -94,4 +94,15 @@ Status Runtime::RemoveProcessSet(int id) {
   return Status::OK();
 }
 
+void Runtime::AbortAll(const std::string& why) {
+  std::vector<Runtime*> sets;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    for (const auto& kv : Registry()) sets.push_back(kv.second);
+    Registry().clear();  // their ids no longer resolve; the objects stay (see above)
+  }
+  for (Runtime* rt : sets) rt->Abort(why);
+  Get().Abort(why);
+}
+
 }  // namespace perseus

@@ -71,6 +71,11 @@ Status Runtime::Check(Request& request) {
       if (bad) request.meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)
     }
   }
+  if (request.where.kind == MemoryKind::kCuda) {
+    request.meta.flags |= kMetaOnDevice;
+  } else {
+    request.meta.flags &= ~kMetaOnDevice;
+  }
   // Compression applies to float32 sums and averages; anything else travels
   // as it is.
   if (m.op != OpType::kAllreduce || m.dtype != DataType::kFloat32 ||

@@ -87,6 +87,15 @@ class Runtime {
   Status Init(const InitOptions& options);
   // Collective: asks every rank to stop, drains, closes connections.
   void Shutdown();
+  // Local, not collective; any thread, at any time, any number of times:
+  // fails every pending collective of this rank at once, wakes every wait of
+  // its transports, marks it as gone in the store and closes its
+  // connections (so the others fail at once, naming it), then tears down as
+  // Shutdown does without asking anyone. Init may follow (the job's next
+  // round). `why` goes into the error of the pending collectives.
+  void Abort(const std::string& why);
+  // Abort of every process set's runtime, then the world's.
+  static void AbortAll(const std::string& why);
   bool initialized() const { return state_.load() == State::kRunning; }
   // "uninitialized", "running", "failed" or "shutdown".
   const char* state_name() const;

@@ -162,8 +162,13 @@ int ncclCommUserRank(void* comm, int* rank) {
   return kSuccess;
 }
 
-int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op, void* comm,
-                  void*) {
+}  // extern "C"
+
+namespace {
+
+// A float32 sum over the ranks of `comm`'s id, into every rank's recv
+// (root < 0) or root's alone; the last rank to arrive computes it.
+int Meet(const void* send, void* recv, size_t count, int dtype, int op, int root, void* comm) {
   Comm* c = static_cast<Comm*>(comm);
   const std::string script = Script();
   std::lock_guard<std::mutex> lock(mu);
@@ -183,11 +188,27 @@ int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op,
     for (int r = 0; r < m.nranks; ++r) {
       for (size_t i = 0; i < count; ++i) sum[i] += m.send[r][i];
     }
-    for (int r = 0; r < m.nranks; ++r) std::memcpy(m.recv[r], sum.data(), count * sizeof(float));
+    for (int r = 0; r < m.nranks; ++r) {
+      if (root < 0 || r == root) std::memcpy(m.recv[r], sum.data(), count * sizeof(float));
+    }
     m.arrived = 0;
     ++m.generation;
   }
   return kInProgress;
+}
+
+}  // namespace
+
+extern "C" {
+
+int ncclAllReduce(const void* send, void* recv, size_t count, int dtype, int op, void* comm,
+                  void*) {
+  return Meet(send, recv, count, dtype, op, -1, comm);
+}
+
+int ncclReduce(const void* send, void* recv, size_t count, int dtype, int op, int root, void* comm,
+               void*) {
+  return Meet(send, recv, count, dtype, op, root, comm);
 }
 
 int ncclBroadcast(const void* send, void* recv, size_t bytes, int, int root, void* comm, void*) {

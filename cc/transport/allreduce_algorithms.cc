@@ -9,7 +9,15 @@
 
 namespace perseus {
 
-AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopology& t) {
+AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopology& t,
+                                   AllreduceMemory memory) {
+  if (memory == AllreduceMemory::kNcclDevice) {
+    // NCCL's own rings and trees already follow the hosts; two levels only
+    // where something must cross hosts differently: float16 for mixed
+    // compression, or the user's PERSEUS_ALLREDUCE_MODE=1.
+    return t.two_level && (mixed || t.mode == 1) ? AllreduceAlgorithm::kNcclTwoLevel
+                                                 : AllreduceAlgorithm::kNccl;
+  }
   if (t.one_host_shm) return AllreduceAlgorithm::kShm;
   // Two levels for buckets large enough that bandwidth, not the latency of
   // three phases, decides; always for mixed compression and mode 1.
@@ -146,7 +154,11 @@ void RunAllreduce(AllreduceAlgorithm algorithm, const AllreduceGroups& g,
     case AllreduceAlgorithm::kTwoLevel:
       TwoLevel(g, call, timeline);
       return;
+    case AllreduceAlgorithm::kNccl:
+    case AllreduceAlgorithm::kNcclTwoLevel:
+      break;
   }
+  throw std::logic_error("internal error: NCCL's allreduce algorithms run in the executor");
 }
 
 }  // namespace perseus

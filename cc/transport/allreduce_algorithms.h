@@ -5,6 +5,13 @@
 //   kTwoLevel  reduce inside each host (shared memory or TCP), allreduce
 //              among the hosts' leaders, broadcast inside each host,
 //              pipelined in 4 MiB chunks.
+//   kNccl          device memory: NCCL among all ranks, where the buffer is;
+//   kNcclTwoLevel  device memory: NCCL reduces inside each host to its
+//              leader's device, the leaders allreduce host-staged copies (as
+//              float16 times the gradient scale, cast on the device, for
+//              mixed compression) over the CPU transport, and NCCL
+//              broadcasts the result inside each host (the executor runs both
+//              NCCL algorithms: they need the data plane and communicators).
 #pragma once
 
 #include <cstddef>
@@ -16,7 +23,12 @@
 
 namespace perseus {
 
-enum class AllreduceAlgorithm { kShm, kFlatRing, kTwoLevel };
+enum class AllreduceAlgorithm { kShm, kFlatRing, kTwoLevel, kNccl, kNcclTwoLevel };
+
+// Where the buffer lives, as far as the choice goes: host memory (device
+// memory staged through the host counts as host), or device memory that NCCL
+// reduces where it is.
+enum class AllreduceMemory { kHost, kNcclDevice };
 
 // What the choice depends on besides the size.
 struct AllreduceTopology {
@@ -26,7 +38,8 @@ struct AllreduceTopology {
 };
 
 // mixed: part of the buffer crosses hosts as float16 (needs two levels).
-AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopology& topology);
+AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopology& topology,
+                                   AllreduceMemory memory = AllreduceMemory::kHost);
 
 // The groups an algorithm may use; null where absent.
 struct AllreduceGroups {
@@ -49,7 +62,7 @@ struct AllreduceCall {
   std::vector<uint16_t>* half = nullptr;
 };
 
-// Runs the call on the calling thread (kTwoLevel adds a helper thread on
+// Runs a host algorithm's call on the calling thread (kTwoLevel adds a helper thread on
 // leaders). Throws like the transports do. Spans go to `timeline` on
 // thread 1 + channel.
 void RunAllreduce(AllreduceAlgorithm algorithm, const AllreduceGroups& groups,

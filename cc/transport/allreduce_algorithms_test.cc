@@ -1,5 +1,6 @@
 #include "cc/transport/allreduce_algorithms.h"
 
+#include <stdexcept>
 #include <vector>
 
 #include "cc/testing/check.h"
@@ -45,6 +46,34 @@ TEST(ChooseAllreduce) {
   CHECK(ChooseAllreduce(1 << 30, false, hosts) == AllreduceAlgorithm::kFlatRing);
   hosts.mode = 1;
   CHECK(ChooseAllreduce(1, false, hosts) == AllreduceAlgorithm::kTwoLevel);
+}
+
+TEST(ChooseAllreduceForDeviceMemoryThatNcclReduces) {
+  const AllreduceMemory device = AllreduceMemory::kNcclDevice;
+  AllreduceTopology one_host;
+  one_host.one_host_shm = true;  // shared memory is for host buffers only
+  CHECK(ChooseAllreduce(1 << 30, false, one_host, device) == AllreduceAlgorithm::kNccl);
+  CHECK(ChooseAllreduce(1 << 30, true, one_host, device) == AllreduceAlgorithm::kNccl);
+  AllreduceTopology hosts;
+  hosts.two_level = true;
+  CHECK(ChooseAllreduce(1 << 30, false, hosts, device) == AllreduceAlgorithm::kNccl);
+  CHECK(ChooseAllreduce(1 << 10, true, hosts, device) == AllreduceAlgorithm::kNcclTwoLevel);
+  hosts.mode = 1;
+  CHECK(ChooseAllreduce(1, false, hosts, device) == AllreduceAlgorithm::kNcclTwoLevel);
+  hosts.mode = 0;
+  CHECK(ChooseAllreduce(1 << 30, false, hosts, device) == AllreduceAlgorithm::kNccl);
+  AllreduceTopology flat;  // no host groups: nothing to reduce in two levels
+  flat.mode = 1;
+  CHECK(ChooseAllreduce(1 << 10, true, flat, device) == AllreduceAlgorithm::kNccl);
+  Timeline timeline;
+  AllreduceCall call;
+  bool refused = false;
+  try {
+    RunAllreduce(AllreduceAlgorithm::kNccl, AllreduceGroups(), call, timeline);
+  } catch (const std::logic_error&) {
+    refused = true;
+  }
+  CHECK(refused);
 }
 
 TEST(TwoLevelPipelinesChunksThroughHostAndLeaders) {

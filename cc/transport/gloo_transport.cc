@@ -12,6 +12,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+#include <gloo/transport/pair.h>
 #include <gloo/transport/unbound_buffer.h>
 #include <gloo/types.h>
 
@@ -128,6 +129,26 @@ GlooTransport::GlooTransport(const TransportOptions& options,
 }
 
 GlooTransport::~GlooTransport() = default;
+
+namespace {
+
+void CloseContext(const std::shared_ptr<gloo::Context>& context, const std::string& why) {
+  if (!context) return;
+  for (int peer = 0; peer < context->size; ++peer) {
+    if (peer == context->rank) continue;
+    if (gloo::transport::Pair* pair = context->getPair(peer).get()) FailGlooPair(pair, why);
+  }
+}
+
+}  // namespace
+
+void GlooTransport::CloseAll(const std::string& why) {
+  CloseContext(control_, why);
+  for (const auto& c : streams_) CloseContext(c, why);
+  for (const auto& c : local_) CloseContext(c, why);
+  for (const auto& c : cross_) CloseContext(c, why);
+  CloseContext(raw_, why);
+}
 
 std::shared_ptr<gloo::Context> GlooTransport::Connect(gloo::rendezvous::Store& store,
                                                       const std::string& name, int rank,

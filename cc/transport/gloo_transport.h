@@ -23,7 +23,18 @@ class Store;
 }
 }  // namespace gloo
 
+namespace gloo {
+namespace transport {
+class Pair;
+}  // namespace transport
+}  // namespace gloo
+
 namespace perseus {
+
+// Fails one of Gloo's TCP connections as its own timeout would: every wait
+// of this process on it throws now, later operations throw, and its socket
+// closes (gloo_abort.cc).
+void FailGlooPair(gloo::transport::Pair* pair, const std::string& why);
 
 class GlooTransport : public Transport {
  public:
@@ -63,6 +74,11 @@ class GlooTransport : public Transport {
   // leaders (null unless hierarchical() on a leader).
   GroupCollectives* host() { return host_.get(); }
   GroupCollectives* leaders() { return leaders_.get(); }
+  // Fails every connection of every context at once: each wait of this
+  // process on one of them throws now (not at GLOO_TIMEOUT_SECONDS), later
+  // calls throw, and the sockets close, so the peers' waits fail as well.
+  // Any thread, any number of times; the transport is then only destroyed.
+  void CloseAll(const std::string& why);
 
  private:
   std::shared_ptr<gloo::Context> Connect(gloo::rendezvous::Store& store,

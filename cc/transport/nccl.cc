@@ -47,6 +47,7 @@ const NcclLibrary* NcclLibrary::LoadFrom(const std::string& path, std::string* w
   Resolve(handle, "ncclCommUserRank", &lib->CommUserRank, &missing);
   Resolve(handle, "ncclAllReduce", &lib->AllReduce, &missing);
   Resolve(handle, "ncclBroadcast", &lib->Broadcast, &missing);
+  Resolve(handle, "ncclReduce", &lib->Reduce, &missing);
   Resolve(handle, "ncclGroupStart", &lib->GroupStart, &missing);
   Resolve(handle, "ncclGroupEnd", &lib->GroupEnd, &missing);
   Resolve(handle, "ncclGetErrorString", &lib->GetErrorString, &missing);
@@ -216,6 +217,13 @@ void NcclComm::Broadcast(const void* send, void* recv, size_t bytes, int root, v
   if (aborted_) Fail("broadcast", "cannot run: an earlier error");
   Settle(lib_.Broadcast(send, recv, bytes, NcclDataType(DataType::kUint8), root, comm_, stream),
          "broadcast");
+}
+
+void NcclComm::Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
+                      int root, void* stream) {
+  if (aborted_) Fail("reduce", "cannot run: an earlier error");
+  const int type = NcclDataType(dtype), red = NcclReduceOp(op);
+  Settle(lib_.Reduce(send, recv, count, type, red, root, comm_, stream), "reduce");
 }
 
 void NcclComm::WaitUntil(const std::function<bool()>& finished, const std::string& operation) {

@@ -61,6 +61,7 @@ struct NcclLibrary {
   Result (*CommUserRank)(Comm, int*) = nullptr;
   Result (*AllReduce)(const void*, void*, size_t, int, int, Comm, void*) = nullptr;
   Result (*Broadcast)(const void*, void*, size_t, int, int, Comm, void*) = nullptr;
+  Result (*Reduce)(const void*, void*, size_t, int, int, int, Comm, void*) = nullptr;
   Result (*GroupStart)() = nullptr;
   Result (*GroupEnd)() = nullptr;
   const char* (*GetErrorString)(Result) = nullptr;
@@ -108,6 +109,9 @@ class NcclComm {
   void Allreduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                  void* stream);
   void Broadcast(const void* send, void* recv, size_t bytes, int root, void* stream);
+  // The reduction of every rank's `send` into `recv` on `root` alone.
+  void Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op, int root,
+              void* stream);
   // Waits until finished() (the stream's work is done), checking the
   // communicator's asynchronous error meanwhile; aborts and throws on an
   // error or when the timeout passes.

@@ -132,6 +132,30 @@ TEST(NcclTwoRanksShareRankZerosIdAndSum) {
   CHECK_EQ(FakeCounter("fake_nccl_last_blocking"), 0);  // created non-blocking
 }
 
+TEST(NcclReduceLeavesTheSumOnTheRootAlone) {
+  const NcclLibrary* lib = Fake();
+  CHECK(lib != nullptr);
+  if (lib == nullptr) return;
+  unsetenv("FAKE_NCCL_SCRIPT");
+  Board board;
+  float a[2] = {1, 2}, b[2] = {10, 20}, ra[2] = {-1, -1}, rb[2] = {-1, -1};
+  std::string err1;
+  std::thread other([&] {
+    err1 = ErrorOf([&] {
+      NcclComm comm(*lib, 1, 2, board.For(), milliseconds(5000), "test");
+      comm.Reduce(b, rb, 2, DataType::kFloat32, ReduceOp::kSum, 1, nullptr);
+    });
+  });
+  const std::string err0 = ErrorOf([&] {
+    NcclComm comm(*lib, 0, 2, board.For(), milliseconds(5000), "test");
+    comm.Reduce(a, ra, 2, DataType::kFloat32, ReduceOp::kSum, 1, nullptr);
+  });
+  other.join();
+  CHECK(err0.empty() && err1.empty());
+  CHECK(rb[0] == 11 && rb[1] == 22);
+  CHECK(ra[0] == -1 && ra[1] == -1);
+}
+
 TEST(NcclCommunicatorThatNeverBecomesReadyIsAbortedAtTheDeadline) {
   const NcclLibrary* lib = Fake();
   CHECK(lib != nullptr);
