@@ -27,10 +27,6 @@ PY=${PYTHON:-python3}
 steps=${*:-build kernels nccl lone staged ranks hier core corenccl soak}
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1
 # Runs the rest of the line with NCCL_HOSTID set to the rank's own.
-# A submission through PERSEUS_TEST_DEVICE=cuda allocates, fills and waits
-# on the GPU (about a negotiation cycle): check_fusion_counters needs its 40
-# separate submissions to meet in one cycle now and then.
-slow_submit="PERSEUS_CYCLE_TIME_MS=10"
 per_rank_host='export NCCL_HOSTID=perseus-rank$PERSEUS_RANK; exec "$0" "$@"'
 status=0
 
@@ -65,7 +61,7 @@ core_checks() {
     local dir extra=""
     dir=$(mktemp -d)
     [ $n = 4 ] && extra="PERSEUS_SHM_ALLREDUCE=0 PERSEUS_ALLREDUCE_STREAMS=2"
-    step "$name$n" 200 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=$transport $slow_submit \
+    step "$name$n" 200 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=$transport \
       GLOO_TIMEOUT_SECONDS=20 PERSEUS_STALL_TIMEOUT_SECONDS=20 $extra \
       $PY -m perseus_tf.runner -np $n -- "$@" $PY tests/workers/run_checks.py checks_core "$dir"
     results "$dir" "$name$n"

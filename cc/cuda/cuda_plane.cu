@@ -445,15 +445,16 @@ static cudaError_t TestProducerStream(int device, cudaStream_t* out) {
 // The test's memory comes and goes in the producer stream's order: cudaMalloc
 // and cudaFree could wait for the whole device, NCCL kernels included, which
 // deadlocks ranks whose NCCL kernels wait for each other (as TF's allocator,
-// which never frees to CUDA while it runs, never does).
+// which never frees to CUDA while it runs, never does). Nothing here waits:
+// the allocation and its fill are ordered before the producer's later work
+// and event (perseus_cuda_test_produce); memory handed over without such an
+// event needs the caller to wait for the stream itself.
 int perseus_cuda_test_alloc(int device, size_t bytes, void** out) {
   cudaStream_t ps = nullptr;
   cudaError_t e = cudaSetDevice(device);
   if (e == cudaSuccess) e = TestProducerStream(device, &ps);
   if (e == cudaSuccess) e = cudaMallocAsync(out, bytes ? bytes : 1, ps);
   if (e == cudaSuccess) e = cudaMemsetAsync(*out, 0xff, bytes ? bytes : 1, ps);
-  // Filled before the memory is handed over.
-  if (e == cudaSuccess) e = cudaStreamSynchronize(ps);
   return e;
 }
 

@@ -42,8 +42,18 @@ void PlaceOnCudaDevice(Request& req, void* host_out) {
   const size_t bytes = static_cast<size_t>(NumElements(req.meta.shape)) * esize;
   const void* host_in = req.input;
   void* din = nullptr;
-  lib->Check(lib->test_alloc(device, bytes, &din), "cudaMalloc");
+  lib->Check(lib->test_alloc(device, bytes, &din), "allocating device memory");
   held->ptrs.push_back(din);
+  // The output first, so that the producer's event below covers its fill.
+  void* dout = nullptr;
+  if (host_out != nullptr) {
+    if (host_out == host_in) {
+      dout = din;
+    } else {
+      lib->Check(lib->test_alloc(device, bytes, &dout), "allocating device memory");
+      held->ptrs.push_back(dout);
+    }
+  }
   void* stream = nullptr;
   void* event = nullptr;
   lib->Check(lib->test_produce(device, din, host_in, host_in ? bytes : 0,
@@ -54,24 +64,23 @@ void PlaceOnCudaDevice(Request& req, void* host_out) {
   req.where.stream = stream;
   req.where.ready = std::shared_ptr<void>(event, [lib](void* e) { lib->event_destroy(e); });
   req.input = din;
-  void* dout = nullptr;
-  if (host_out != nullptr) {
-    if (host_out == host_in) {
-      dout = din;
-    } else {
-      lib->Check(lib->test_alloc(device, bytes, &dout), "cudaMalloc");
-      held->ptrs.push_back(dout);
-    }
-    req.output = dout;
-  }
+  if (host_out != nullptr) req.output = dout;
   if (req.allocate) {
     auto host_allocate = req.allocate;
-    req.allocate = [held, host_allocate, esize](const std::vector<int64_t>& shape) -> void* {
+    req.allocate = [held, host_allocate, esize,
+                    stream](const std::vector<int64_t>& shape) -> void* {
+      const CudaLibrary& lib = *held->lib;
       held->result_bytes = static_cast<size_t>(NumElements(shape)) * esize;
       held->result_host = host_allocate(shape);
-      held->lib->Check(held->lib->test_alloc(held->device, held->result_bytes, &held->result),
-                       "cudaMalloc");
+      lib.Check(lib.test_alloc(held->device, held->result_bytes, &held->result),
+                "allocating device memory");
       held->ptrs.push_back(held->result);
+      // No producer event covers this one: its fill is waited for here.
+      void* filled = nullptr;
+      lib.Check(lib.record_event(held->device, stream, &filled), "recording an event");
+      const int e = lib.event_synchronize(filled);
+      lib.event_destroy(filled);
+      lib.Check(e, "waiting for the test's producer stream");
       return held->result;
     };
   }
