@@ -149,6 +149,9 @@ def _check_same_world(cluster):
 _LAUNCHER_GONE_GRACE_S = 5.0
 
 
+_launcher_watched = []
+
+
 def _watch_launcher():
     """Under perseusrun, a rank whose launcher is gone stops: perseusrun sets
     the kernel's parent-death signal (SIGTERM); if the script handles or
@@ -157,6 +160,9 @@ def _watch_launcher():
     text = os.environ.get("PERSEUS_LAUNCHER_PID", "")
     if not text.isdigit() or os.getppid() != int(text):
         return  # not started by a live perseusrun (or not its direct child)
+    if _launcher_watched:
+        return  # one thread for the process, whatever the number of init()s
+    _launcher_watched.append(True)
     launcher = int(text)
 
     def watch():
@@ -250,7 +256,7 @@ def abort(reason=""):
     """Stops this rank's runtime at once (not collective). Takes no lock: the
     thread that holds it may be the one waiting in a collective."""
     _core.abort(str(reason))
-    _process_sets.clear()
+    _forget_process_sets()
 
 
 def _shutdown_all():
@@ -258,8 +264,15 @@ def _shutdown_all():
     # all on their way out too.
     for set_id in _core.process_set_ids():
         _core.remove_process_set(set_id)
-    _process_sets.clear()
+    _forget_process_sets()
     _core.shutdown()
+
+
+def _forget_process_sets():
+    # Ids are the round's: every rank of the next round counts from 1 again,
+    # whichever rounds it sat out.
+    _process_sets.clear()
+    _next_set_id[0] = 1
 
 
 # ---- process sets (sub-groups with their own negotiation and contexts) ------

@@ -124,3 +124,37 @@ def test_abort_is_local_wakes_every_wait_and_the_job_goes_on_next_round(np_, env
     again = re.findall(r"rank (\d+) next round 1 sum (\S+)", out)
     assert sorted(int(r) for r, _ in again) == list(range(np_)), out[-4000:]
     assert {s for _, s in again} == {f"{np_ * (np_ + 1) // 2:g}"}, again
+
+
+def test_twenty_rounds_at_changing_sizes_leak_nothing(tmp_path):
+    """shutdown()/abort() then init() twenty times in each process, at sizes
+    4, 2, 3, 1, ... (rank and size read afresh from the environment at each
+    init), with a process set in each round: every round's sums are right,
+    its round number is the job's next, and each process ends with the
+    threads, file descriptors, shared-memory mappings and process sets it
+    had after its first round."""
+    import os
+    import re
+    import sys
+    from harness import WORKERS, launch
+    proc = launch(4, [sys.executable, os.path.join(WORKERS, "lifecycle_worker.py"), str(tmp_path)],
+                  env={"GLOO_TIMEOUT_SECONDS": "60"}, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    rounds = re.findall(r"process (\d+) round (\d+) size (\d+) (\S+)", out)
+    assert {r[3] for r in rounds} == {"ok"}, [r for r in rounds if r[3] != "ok"]
+    sizes = [4, 2, 3, 1, 4, 3, 2, 4, 1, 2, 4, 3, 2, 3, 4, 1, 3, 2, 4, 4]
+    assert len(rounds) == sum(sizes), out[-3000:]
+    # The job's rounds count those of several ranks; a runtime of one rank
+    # uses no store and reports round 0.
+    by_round = {}
+    for p, rnd, size, _ in rounds:
+        if size != "1":
+            by_round.setdefault(int(rnd), set()).add((int(p), int(size)))
+    several = [size for size in sizes if size > 1]
+    assert sorted(by_round) == list(range(len(several))), sorted(by_round)
+    for k, size in enumerate(several):
+        assert by_round[k] == {(p, size) for p in range(size)}, (k, by_round[k])
+    assert sorted(r[1] for r in rounds if r[2] == "1") == ["0"] * sizes.count(1), rounds
+    assert len(re.findall(r"counts after the first round (.*) after the last \1$", out, re.M)) == 4, \
+        out[-3000:]

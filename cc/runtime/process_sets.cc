@@ -41,9 +41,10 @@ Runtime* Runtime::Find(int process_set_id) {
 std::vector<int> Runtime::ProcessSetIds() {
   std::lock_guard<std::mutex> lock(registry_mu);
   std::vector<int> ids;
-  for (const auto& kv : Registry()) {
-    if (kv.second->initialized()) ids.push_back(kv.first);
-  }
+  // Stopped ones too: a set whose other members removed it first has seen
+  // their shutdown in its last cycle and stopped, but is still registered
+  // here until this rank removes it.
+  for (const auto& kv : Registry()) ids.push_back(kv.first);
   return ids;
 }
 

@@ -81,7 +81,8 @@ class Runtime {
   static Status AddProcessSet(int id, const std::vector<int>& world_ranks);
   // Collective over the members: shuts the set's runtime down.
   static Status RemoveProcessSet(int id);
-  // Ids of the process sets this process belongs to, besides the world.
+  // Ids of the process sets this process belongs to and has not removed,
+  // besides the world (running or stopped).
   static std::vector<int> ProcessSetIds();
 
   Status Init(const InitOptions& options);
