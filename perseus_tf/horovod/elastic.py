@@ -1,20 +1,257 @@
-"""`hvd.elastic`: elastic training (ranks joining and leaving a running job)
-is not supported yet. The module imports, so that a script fails where it
-uses elastic training, with an error that says so, not at import."""
+"""`hvd.elastic`: Horovod 0.28's elastic API (state objects, commit /
+restore / sync, the `run` wrapper) over Perseus's rounds.
 
-_MESSAGE = (
-    "perseus_tf.horovod.elastic.{name}: elastic training (Horovod's hvd.elastic, "
-    "horovodrun --min-np/--max-np) is not supported by Perseus-TF yet. Run the script "
-    "without the elastic wrapper: drop @hvd.elastic.run and the State/commit objects, "
-    "and start a fixed number of ranks with perseusrun -np N (BackupAndRestore or "
-    "checkpoints let a restarted job resume).")
+`run(func)(state, ...)` syncs the state from rank 0 and calls func. When a
+collective fails (any rank's runtime failed: a rank aborted, a connection
+closed, a peer timed out), the error is a HorovodInternalError: every rank
+restores its state to the last commit, resets (shutdown(), then init():
+the job's next round, with the rank and size read afresh) and calls func
+again after syncing. HostsUpdatedInterrupt does the same without restoring.
+
+What is not there yet (issue 26): an elastic launcher. perseusrun still
+starts a fixed number of ranks and ends the job when a process exits, so a
+reset happens at the same size; no host discovery reports updates, so
+check_host_updates never raises HostsUpdatedInterrupt by itself.
+"""
+
+import copy
+import functools
+
+_RESET_LIMIT = None  # resets allowed per run() call; None: unlimited (horovodrun's default)
 
 
-class ElasticNotSupportedError(NotImplementedError):
-    """Raised by every name of hvd.elastic."""
+class HorovodInternalError(RuntimeError):
+    """A collective failed on this rank: run() restores the last commit and
+    resets."""
 
 
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    raise ElasticNotSupportedError(_MESSAGE.format(name=name))
+class HostsUpdatedInterrupt(RuntimeError):
+    """The job's hosts changed: run() resets without restoring. skip_sync:
+    no rank's state needs rank 0's (only ranks were removed)."""
+
+    def __init__(self, skip_sync=False):
+        super().__init__("the job's hosts changed")
+        self.skip_sync = skip_sync
+
+
+class State:
+    """What run() saves, restores and syncs. Subclasses implement save,
+    restore and sync."""
+
+    def __init__(self, bcast_object, get_rank):
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._reset_callbacks = []
+        self._host_updates = []  # (timestamp, update) reported by host discovery
+        self._last_updated_timestamp = 0
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions called (no arguments) after each reset, before func runs
+        again: to rescale a learning rate to the new size, say."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        self._host_updates = []
+        for callback in self._reset_callbacks:
+            callback()
+
+    def on_hosts_updated(self, timestamp, update_res):
+        """Called when host discovery reports a change (no launcher does yet)."""
+        self._host_updates.append((timestamp, update_res))
+
+    def commit(self):
+        """Saves the state (the point a failure returns to), then checks for
+        host updates. Collective: every rank commits at the same points."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Collective: rank 0's view of host updates decides for every rank;
+        raises HostsUpdatedInterrupt when there is one."""
+        previous = self._last_updated_timestamp
+        timestamp, removed_only = previous, True
+        for stamp, update in self._host_updates:
+            if stamp > timestamp:
+                timestamp = stamp
+            removed_only = removed_only and update == "removed"
+        self._host_updates = []
+        previous, timestamp, removed_only = self._bcast_object((previous, timestamp, removed_only))
+        self._last_updated_timestamp = timestamp
+        if timestamp > previous:
+            raise HostsUpdatedInterrupt(skip_sync=removed_only)
+
+    def save(self):
+        raise NotImplementedError()
+
+    def restore(self):
+        raise NotImplementedError()
+
+    def sync(self):
+        raise NotImplementedError()
+
+    def reset(self):
+        """Horovod's hook for states that hold size-dependent values."""
+
+
+class ObjectState(State):
+    """Plain Python attributes (given as keyword arguments) saved by commit,
+    set back by restore, and broadcast from rank 0 by sync."""
+
+    def __init__(self, bcast_object, get_rank, **kwargs):
+        self._saved_state = kwargs
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self):
+        self._saved_state = {attr: copy.deepcopy(getattr(self, attr))
+                             for attr in self._saved_state}
+
+    def restore(self):
+        self._set_attrs()
+
+    def sync(self):
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self):
+        for attr, value in self._saved_state.items():
+            setattr(self, attr, copy.deepcopy(value))
+
+
+def _is_collective_failure(error):
+    """Whether an exception from func is a failed collective of this
+    runtime: Perseus's own errors, or TF's for the Perseus ops."""
+    from perseus_tf import _core
+    if isinstance(error, (_core.CommunicationError, _core.MismatchError)):
+        return True
+    try:
+        import tensorflow as tf
+    except ImportError:  # pragma: no cover - the shim needs TF anyway
+        return False
+    return (isinstance(error, (tf.errors.UnavailableError, tf.errors.FailedPreconditionError,
+                               tf.errors.InternalError))
+            and "Perseus" in str(error))
+
+
+def _reset():
+    from perseus_tf import _native
+    _native.shutdown()
+    _native.init()
+
+
+def run_fn(func, reset):
+    """Horovod's elastic loop around func, with `reset` between attempts."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        resets = 0
+        skip_sync = False
+        while True:
+            try:
+                if not skip_sync:
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as e:
+                skip_sync = e.skip_sync
+            except Exception as e:  # noqa: BLE001 - only collective failures are caught
+                if not isinstance(e, HorovodInternalError) and not _is_collective_failure(e):
+                    raise
+                state.restore()
+                skip_sync = False
+            resets += 1
+            if _RESET_LIMIT is not None and resets > _RESET_LIMIT:
+                raise HorovodInternalError(f"elastic run: more than {_RESET_LIMIT} resets")
+            reset()
+            state.on_reset()
+
+    return wrapper
+
+
+def run(func):
+    """Decorator: func(state, ...) runs again from the last commit after a
+    collective failure, on every rank (see the module docstring)."""
+    return run_fn(func, _reset)
+
+
+def _broadcast_object(obj):
+    from perseus_tf.horovod.functions import broadcast_object
+    return broadcast_object(obj, root_rank=0)
+
+
+def _rank():
+    from perseus_tf.horovod import rank
+    return rank()
+
+
+def _variables_of(optimizer):
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+class TensorFlowKerasState(ObjectState):
+    """A Keras model and its optimizer (their variables, kept in memory at
+    each commit) plus any keyword attributes (epoch, batch, ...)."""
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else model.optimizer
+        self.backend = backend
+        self._save_model()
+        super().__init__(bcast_object=_broadcast_object, get_rank=_rank, **kwargs)
+
+    def save(self):
+        self._save_model()
+        super().save()
+
+    def restore(self):
+        self._load_model()
+        super().restore()
+
+    def sync(self):
+        from perseus_tf.horovod.functions import broadcast_variables
+        broadcast_variables(self.model.variables, root_rank=0)
+        if self.optimizer is not None and _variables_of(self.optimizer):
+            broadcast_variables(_variables_of(self.optimizer), root_rank=0)
+        self._save_model()
+        super().sync()
+
+    def _save_model(self):
+        self._saved_model = [v.numpy() for v in self.model.variables]
+        self._saved_optimizer = ([v.numpy() for v in _variables_of(self.optimizer)]
+                                 if self.optimizer is not None else [])
+
+    def _load_model(self):
+        for v, value in zip(self.model.variables, self._saved_model):
+            v.assign(value)
+        if self.optimizer is not None:
+            for v, value in zip(_variables_of(self.optimizer), self._saved_optimizer):
+                v.assign(value)
+
+
+class TensorFlowState(ObjectState):
+    """A list of TF variables plus keyword attributes."""
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if variables is None:
+            raise ValueError("TensorFlowState needs `variables` (a list of tf.Variable): "
+                             "TF2 has no global variable collection")
+        self.variables = list(variables)
+        self.session = session
+        self._values = [v.numpy() for v in self.variables]
+        super().__init__(bcast_object=_broadcast_object, get_rank=_rank, **kwargs)
+
+    def save(self):
+        self._values = [v.numpy() for v in self.variables]
+        super().save()
+
+    def restore(self):
+        for v, value in zip(self.variables, self._values):
+            v.assign(value)
+        super().restore()
+
+    def sync(self):
+        from perseus_tf.horovod.functions import broadcast_variables
+        broadcast_variables(self.variables, root_rank=0)
+        self._values = [v.numpy() for v in self.variables]
+        super().sync()
