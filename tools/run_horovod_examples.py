@@ -3,7 +3,10 @@ the porting notes in README say (the import line, and the Keras 3 edits that
 Horovod itself needs on TF >= 2.16), and prints how long each took.
 
     python tools/run_horovod_examples.py HOROVOD_SRC/examples/tensorflow2 [-np 2]
-        [--mnist-steps 200] [--mnist-epochs 2]
+        [--mnist-steps 200] [--mnist-epochs 2] [--only NAME]
+
+It also runs Horovod's elastic TF2 examples, from HOROVOD_SRC/examples/elastic/
+tensorflow2 (hvd.elastic at a fixed size: there is no elastic launcher yet).
 
 The scripts are not part of this repository (they are Horovod's): point the
 tool at a Horovod checkout. The MNIST examples get synthetic data in MNIST's
@@ -34,6 +37,14 @@ EXAMPLES = {
                                                  "--num-iters", "3", "--no-cuda"],
     "tensorflow2_mnist.py": [],
     "tensorflow2_keras_mnist.py": [],
+    # Horovod's elastic examples (examples/elastic/tensorflow2, beside the
+    # examples_dir): hvd.elastic at a fixed size (no elastic launcher yet).
+    "../elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py": [
+        "--model", "MobileNetV2", "--batch-size", "8", "--num-warmup-batches", "2",
+        "--num-batches-per-iter", "2", "--num-iters", "3", "--num-batches-per-commit", "2",
+        "--no-cuda"],
+    "../elastic/tensorflow2/tensorflow2_mnist_elastic.py": [],
+    "../elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py": [],
 }
 
 # Runs before the example (python -c PRELUDE script args...): synthetic
@@ -98,10 +109,11 @@ def main():
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for name, extra in EXAMPLES.items():
-            if args.only and name not in args.only:
+            if args.only and os.path.basename(name) not in args.only:
                 continue
-            with open(os.path.join(args.examples_dir, name)) as f:
+            with open(os.path.normpath(os.path.join(args.examples_dir, name))) as f:
                 ported = port(f.read(), keras3)
+            name = os.path.basename(name)
             script = os.path.join(work, name)
             with open(script, "w") as f:
                 f.write(ported)
