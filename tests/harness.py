@@ -95,8 +95,9 @@ class CheckResults:
         if problems:
             raise AssertionError(
                 f"{check} at {self.np} ranks failed:\n" + "\n".join(problems) +
-                ("\n--- output tail ---\n" + self.proc.stdout[-3000:] + self.proc.stderr[-3000:]
-                 if any("did not report" in p for p in problems) else ""))
+                # The ranks' output too: the runtime says there why a plan
+                # was left, what stalled, which rank failed first.
+                "\n--- output tail ---\n" + self.proc.stdout[-3000:] + self.proc.stderr[-3000:])
 
 
 def run_checks(module, np_, env=None, timeout=600, hosts=None):

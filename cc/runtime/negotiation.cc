@@ -458,13 +458,18 @@ std::vector<Response> Negotiator::TakeReady() {
       }
     }
   }
-  // A step boundary is only "clean" if no later name completed after it in
-  // this same cycle; WatchForPlan leaves kReady set only then.
+  // A plan is taken only at a cycle that ends exactly where the recorded
+  // step does. A recorded step whose end shares a cycle with the next
+  // step's first tensors did not start at a training step's boundary (no
+  // training step's tensor can complete in the cycle that ends the one
+  // before: its caller waits for those results): recording began at a
+  // quiet cycle inside a step. Learning starts again at the next quiet
+  // cycle, rather than waiting for a cycle to end at that point by chance.
   for (const Response& r : ready) {
-    if (plan_state_ == PlanState::kReady && !seen_.empty()) plan_state_ = PlanState::kVerify;
+    if (plan_state_ == PlanState::kReady && !seen_.empty()) ResetPlanning();
     WatchForPlan(r);
   }
-  if (plan_state_ == PlanState::kReady && !seen_.empty()) plan_state_ = PlanState::kVerify;
+  if (plan_state_ == PlanState::kReady && !seen_.empty()) ResetPlanning();
   if (any_in_plan_) {
     ResetPlanning();  // learning starts again once every rank has left the plan
   } else if (plan_state_ == PlanState::kWait && !PlannableInTable()) {

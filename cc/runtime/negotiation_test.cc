@@ -130,6 +130,28 @@ TEST(PlanLearnedFromRepeatedStepsHoldsOnlyTensorsOfOneCycle) {
   CHECK_EQ(plan.bucket_of.at("b0"), 1u);
 }
 
+TEST(LearningThatBeganInsideAStepStartsAgainAndFindsABoundary) {
+  // Each step completes as {x, y} then {z}, but learning begins at {y}:
+  // the recorded step (y, z, x) never ends at a cycle's end.
+  Negotiator n(2, 1 << 20);
+  auto m = [](const char* name) { return Meta(name, {4}, DataType::kFloat32, kMetaPlannable); };
+  Cycle(n, 2, {m("y")});
+  Cycle(n, 2, {m("z")});
+  int steps = 0;
+  while (!n.PlanReady() && steps < 10) {
+    Cycle(n, 2, {m("x"), m("y")});
+    if (n.PlanReady()) break;
+    Cycle(n, 2, {m("z")});
+    ++steps;
+  }
+  CHECK(n.PlanReady());
+  CHECK(steps <= 4);
+  Plan plan = n.TakePlan();
+  CHECK_EQ(plan.buckets.size(), 2u);
+  CHECK_EQ(plan.bucket_of.at("x"), plan.bucket_of.at("y"));  // one cycle, one bucket
+  CHECK(plan.bucket_of.at("z") != plan.bucket_of.at("x"));
+}
+
 TEST(AChangedStepIsNotPlanned) {
   Negotiator n(2, 1 << 20);
   for (int step = 0; step < 6; ++step) {

@@ -34,8 +34,9 @@ namespace perseus {
 // Leaving is agreed in-band. Every plan bucket carries one extra element,
 // this rank's vote, summed with the data. A rank votes 1 when its data does
 // not fit the plan: a plannable request whose name, meta or grouped call
-// differs, or that arrives for a bucket already run this step, or when it
-// is shutting down. A voting rank runs the rest of the step's buckets at once
+// differs, or that arrives for a bucket already run this step while the
+// step's later buckets still lack tensors here (with them all present, it is
+// the next step's call, come early), or when it is shutting down. A voting rank runs the rest of the step's buckets at once
 // with zeros for what it lacks; a bucket with votes is delivered nowhere (its
 // requests go back to pending), and once the step's buckets are done every
 // rank leaves the plan and sends its pending requests online, where a real
@@ -116,6 +117,7 @@ bool Runtime::PlanBucketFinished(int64_t votes,
                                  const std::vector<std::shared_ptr<Request>>& requests,
                                  int plan_index) {
   bool deliver;
+  std::vector<std::shared_ptr<Request>> twice;
   {
     std::lock_guard<std::mutex> lock(mu_);
     deliver = plan_.Finished(votes);
@@ -124,9 +126,19 @@ bool Runtime::PlanBucketFinished(int64_t votes,
     }
     if (!deliver) {
       for (auto& q : requests) {
-        if (q->scratch.empty()) pending_.emplace(q->meta.name, q);  // real ones only
+        // Real ones only. A later call of the same name may have come in
+        // meanwhile (the caller did not wait for this one): this one fails
+        // rather than being lost.
+        if (q->scratch.empty() && !pending_.emplace(q->meta.name, q).second) twice.push_back(q);
       }
     }
+  }
+  for (auto& q : twice) {
+    q->done(Status::Error(StatusCode::kInvalidArgument,
+                          "Perseus allreduce of tensor '" + q->meta.name + "': rank " +
+                              std::to_string(WorldRank(options_.rank)) +
+                              " called it again before this call finished; concurrent "
+                              "collectives need distinct names"));
   }
   queue_cv_.notify_all();
   return deliver;

@@ -13,6 +13,7 @@ void OfflinePlan::Enter(Plan plan) {
   checked_ = -1;
   leave_vote_ = aborting_ = step_started_ = false;
   have_.assign(plan_.buckets.size(), 0);
+  next_have_.assign(plan_.buckets.size(), 0);
 }
 
 void OfflinePlan::Leave() {
@@ -23,8 +24,22 @@ void OfflinePlan::Leave() {
 bool OfflinePlan::Fits(const TensorMeta& m) const {
   auto it = plan_.metas.find(m.name);
   if (it == plan_.metas.end() || !MatchesPlan(m, it->second)) return false;
-  // A name of a bucket already run this step means the step changed.
-  return !(step_started_ && plan_.bucket_of.at(m.name) < pos_);
+  return !(step_started_ && plan_.bucket_of.at(m.name) < pos_) || EarlyForNextStep();
+}
+
+bool OfflinePlan::EarlyForNextStep() const {
+  // A name of a bucket already run in this step is the next step's call
+  // when this rank holds every tensor of the step's remaining buckets
+  // (they wait only to be dispatched). A plan learned from a step that
+  // began mid-way through a training step (learning restarts at the first
+  // quiet cycle, which may fall inside a backward pass) ends inside the
+  // next training step, whose later tensors then arrive before the plan's
+  // last bucket has gone. Otherwise the step changed: a vote.
+  if (!step_started_ || leave_vote_ || aborting_) return false;
+  for (size_t b = pos_; b < plan_.buckets.size(); ++b) {
+    if (have_[b] != plan_.buckets[b].names.size()) return false;
+  }
+  return true;
 }
 
 bool OfflinePlan::Arrive(const TensorMeta& m, bool* completes) {
@@ -34,6 +49,10 @@ bool OfflinePlan::Arrive(const TensorMeta& m, bool* completes) {
     return false;
   }
   const size_t b = plan_.bucket_of.at(m.name);
+  if (step_started_ && b < pos_) {
+    ++next_have_[b];  // counted once the step ends (Dispatched)
+    return true;
+  }
   *completes = ++have_[b] == plan_.buckets[b].names.size();
   return true;
 }
@@ -72,6 +91,8 @@ bool OfflinePlan::Dispatched() {
   pos_ = (pos_ + 1) % plan_.buckets.size();
   if (pos_ != 0) return false;
   step_started_ = false;
+  have_.swap(next_have_);  // the next step's early arrivals
+  next_have_.assign(plan_.buckets.size(), 0);
   ++steps_;
   return true;
 }

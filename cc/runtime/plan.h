@@ -31,7 +31,8 @@ class OfflinePlan {
   // *completes: it was the last missing tensor of its bucket.
   bool Arrive(const TensorMeta& m, bool* completes);
   // It fits: a planned name with a matching meta, of a bucket not yet run
-  // in this step.
+  // in this step, or the next step's call of an earlier bucket arriving
+  // while this step's remaining buckets are complete here.
   bool Fits(const TensorMeta& m) const;
   void VoteToLeave() { leave_vote_ = true; }
 
@@ -65,6 +66,8 @@ class OfflinePlan {
   bool Finished(int64_t votes);
 
  private:
+  bool EarlyForNextStep() const;
+
   bool active_ = false;
   Plan plan_;
   size_t pos_ = 0;
@@ -73,6 +76,7 @@ class OfflinePlan {
   bool step_started_ = false;  // a bucket of the current step was dispatched
   int in_flight_ = 0;          // buckets dispatched, not finished
   std::vector<size_t> have_;   // per bucket: fitting requests pending here
+  std::vector<size_t> next_have_;  // per bucket: the next step's, arrived early
   int64_t steps_ = 0;          // steps of this plan started
   int64_t checked_ = -1;       // the step whose plan check passed
 };

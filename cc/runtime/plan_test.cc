@@ -88,6 +88,38 @@ TEST(ANameOfABucketAlreadyRunThisStepDoesNotFit) {
   CHECK(plan.Fits(Meta("c", 4)));
 }
 
+TEST(TheNextStepsCallsMayArriveBeforeTheLastBucketIsDispatched) {
+  // A plan whose step ends inside a training step: the next step's "a"
+  // comes while bucket 1 is complete here but not yet dispatched.
+  OfflinePlan plan;
+  plan.Enter(TwoBuckets());
+  bool completes;
+  plan.Arrive(Meta("a", 2), &completes);
+  plan.Arrive(Meta("b", 3), &completes);
+  plan.Dispatched();
+  CHECK(plan.Arrive(Meta("c", 4), &completes) && completes);
+  CHECK(plan.Arrive(Meta("a", 2), &completes) && !completes);  // early, no vote
+  CHECK(!plan.Vote(false, false));
+  CHECK(plan.Dispatched());  // the step ended
+  CHECK(plan.Finished(0) && plan.Finished(0));
+  // The early call counts for the new step: "b" completes bucket 0.
+  CHECK(!plan.CanDispatch(false));
+  CHECK(plan.Arrive(Meta("b", 3), &completes) && completes);
+  CHECK(plan.CanDispatch(false));
+  CHECK(!plan.Vote(false, false));
+}
+
+TEST(AnEarlierBucketsNameWhileThisStepStillLacksTensorsVotes) {
+  OfflinePlan plan;
+  plan.Enter(TwoBuckets());
+  bool completes;
+  plan.Arrive(Meta("a", 2), &completes);
+  plan.Arrive(Meta("b", 3), &completes);
+  plan.Dispatched();
+  CHECK(!plan.Arrive(Meta("a", 2), &completes));  // "c" has not come: the step changed
+  CHECK(plan.Vote(false, false));
+}
+
 TEST(PlanCheckDueEveryNSteps) {
   OfflinePlan plan;
   plan.Enter(TwoBuckets());
