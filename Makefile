@@ -43,7 +43,7 @@ TF_INDEPENDENT_TESTS := test_cc_unit.py test_layout.py test_core.py test_soak.py
 # runtime do, which TF's version does not change: they too run once. The
 # second pass runs the smaller model matrix (tests/model_matrix.py:
 # every model and entry point once, and the settings Keras takes part in).
-LAUNCHER_TESTS := test_runner.py test_slurm.py test_launch_mistakes.py test_multihost.py \
+LAUNCHER_TESTS := test_runner.py test_slurm.py test_launch_mistakes.py test_multihost.py test_elastic.py \
     test_bench.py
 
 test-old: native-old system-test

@@ -111,9 +111,7 @@ class NetnsHosts:
                         "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                         "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\n"
                         "PrintMotd no\nMaxStartups 100\nMaxSessions 100\n")
-            self._sshd.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", config],
-                stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, f"sshd{i}.log"), "w")))
+            self._sshd.append(self._spawn_sshd(i))
         bindir = os.path.join(self.dir, "bin")
         os.makedirs(bindir)
         with open(os.path.join(self.dir, "ssh_config"), "w") as f:
@@ -137,7 +135,34 @@ class NetnsHosts:
                     raise RuntimeError(f"sshd on {addr} did not come up: {r.stderr}\n{log}")
                 time.sleep(0.2)
 
+    def _spawn_sshd(self, i):
+        config = os.path.join(self.dir, f"sshd_config{i}")
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.names[i], SSHD, "-D", "-e", "-f", config],
+            stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, f"sshd{i}.log"), "a"))
+
     # ---- use -------------------------------------------------------------
+
+    def kill_host(self, host):
+        """SIGKILLs every process of host's namespace, its sshd included: the
+        host is gone until restart_sshd(host)."""
+        out = _run("ip", "netns", "pids", self.names[host], check=False).stdout.split()
+        for pid in out:
+            try:
+                os.kill(int(pid), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+        self._sshd[host].wait()
+
+    def restart_sshd(self, host):
+        """Brings a killed host's sshd back; returns once it accepts our key."""
+        self._sshd[host] = self._spawn_sshd(host)
+        deadline = time.monotonic() + 20
+        while self.exec(0, "ssh", "-i", self.key, self.addrs[host], "true",
+                        check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sshd on {self.addrs[host]} did not come back")
+            time.sleep(0.2)
 
     def ssh_env(self, base=None):
         env = dict(os.environ if base is None else base)

@@ -19,6 +19,7 @@ import hashlib
 import os
 import stat
 
+from perseus_tf.config import elastic as _elastic
 from perseus_tf.config.contracts import find_contract
 from perseus_tf.config.netaddr import (
     can_bind, interface_address, is_loopback_ip, resolve, route_address)
@@ -128,7 +129,10 @@ def load_topology(environ=None, cluster=None) -> Topology:
     """
     environ = os.environ if environ is None else environ
     t = Topology()
-    c = find_contract(environ, cluster)
+    if cluster is None and _elastic.is_elastic(environ):
+        c = _elastic.request_place(environ)  # perseusrun --min-np/--max-np
+    else:
+        c = find_contract(environ, cluster)
     if c is None:
         return t
     t.source = c.source

@@ -8,10 +8,12 @@ restores its state to the last commit, resets (shutdown(), then init():
 the job's next round, with the rank and size read afresh) and calls func
 again after syncing. HostsUpdatedInterrupt does the same without restoring.
 
-What is not there yet (issue 26): an elastic launcher. perseusrun still
-starts a fixed number of ranks and ends the job when a process exits, so a
-reset happens at the same size; no host discovery reports updates, so
-check_host_updates never raises HostsUpdatedInterrupt by itself.
+Under ``perseusrun --min-np A --max-np B`` (runner/elastic.py) each init()
+takes the worker's place in the job's next round from perseusrun, so a reset
+continues at the size of the workers still alive, and workers perseusrun
+starts on new or returning hosts join there; check_host_updates (at every
+commit) raises HostsUpdatedInterrupt on every rank once perseusrun has seen
+hosts come or go. Without it, resets happen at the same size.
 """
 
 import copy
@@ -68,6 +70,11 @@ class State:
     def check_host_updates(self):
         """Collective: rank 0's view of host updates decides for every rank;
         raises HostsUpdatedInterrupt when there is one."""
+        if self._rank() == 0:
+            from perseus_tf.config import elastic as _elastic
+            update = _elastic.hosts_updated()  # under perseusrun --min-np/--max-np
+            if update is not None:
+                self._host_updates.append((update[0], "removed" if update[1] else "added"))
         previous = self._last_updated_timestamp
         timestamp, removed_only = previous, True
         for stamp, update in self._host_updates:

@@ -95,6 +95,39 @@ def build_parser() -> argparse.ArgumentParser:
              "machine without a GPU, and every I/W line). By default perseusrun "
              "drops them from the ranks' output unless TF_CPP_MIN_LOG_LEVEL is "
              "set; PERSEUS_TF_LOGS=1 does the same as this option")
+    elastic = parser.add_argument_group(
+        "elastic training",
+        "Any of --min-np, --max-np or --host-discovery-script makes the job "
+        "elastic: workers that fail are left out and the others go on in the "
+        "next round (hvd.elastic.run resets them), and new workers start on "
+        "free slots up to --max-np; -np is the number started with.")
+    elastic.add_argument(
+        "--min-np", type=int, default=None, metavar="A",
+        help="the fewest workers the job goes on with (default: -np)")
+    elastic.add_argument(
+        "--max-np", type=int, default=None, metavar="B",
+        help="the most workers the job grows to (default: -np)")
+    elastic.add_argument(
+        "--host-discovery-script", default=None, metavar="PATH",
+        help="an executable printing the hosts available now, one 'HOST[:SLOTS]' "
+             "a line; rerun every --discovery-interval seconds (instead of -H)")
+    elastic.add_argument(
+        "--slots-per-host", type=int, default=1, metavar="N",
+        help="slots of a discovered host that prints no ':SLOTS' (default 1)")
+    elastic.add_argument(
+        "--discovery-interval", type=float, default=1.0, metavar="S",
+        help="seconds between runs of the discovery script (default 1)")
+    elastic.add_argument(
+        "--elastic-timeout", type=float, default=600.0, metavar="S",
+        help="how long the job may have fewer than --min-np workers, or wait "
+             "for a worker that does not come to the next round, before it "
+             "fails (default 600)")
+    elastic.add_argument(
+        "--reset-limit", type=int, default=-1, metavar="N",
+        help="fail the job after more than N resets (default: no limit)")
+    elastic.add_argument(
+        "--blacklist-cooldown", type=float, default=60.0, metavar="S",
+        help="seconds a host whose worker failed gets no new workers (default 60)")
     parser.add_argument(
         "--verbose", action="store_true",
         help="print rank placement, the rendezvous port, the commands run "
@@ -240,9 +273,34 @@ def parse_args(parser: argparse.ArgumentParser, argv: list):
         entries, flag = slurm_hosts(os.environ), "the Slurm allocation (SLURM_JOB_NODELIST)"
         if not entries:
             entries, flag = [("localhost", args.np)], "-H"
+    args.elastic = (args.min_np is not None or args.max_np is not None
+                    or args.host_discovery_script is not None)
+    if args.elastic:
+        _check_elastic(args)
     total_slots = sum(slots for _, slots in entries)
-    if total_slots < args.np:
+    if total_slots < args.np and not args.host_discovery_script:
         raise UsageError(f"-np {args.np} is more than the {total_slots} slots "
                          f"given by {flag}")
     args.host_slots = entries
     return args
+
+
+def _check_elastic(args) -> None:
+    args.min_np = args.np if args.min_np is None else args.min_np
+    args.max_np = args.np if args.max_np is None else args.max_np
+    if not 1 <= args.min_np <= args.np <= args.max_np:
+        raise UsageError(f"elastic sizes must satisfy 1 <= --min-np ({args.min_np}) <= -np "
+                         f"({args.np}) <= --max-np ({args.max_np})")
+    if args.mpi:
+        raise UsageError("--mpi starts a fixed set of ranks: it cannot run an elastic job")
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        raise UsageError("give -H/--hostfile or --host-discovery-script, not both")
+    script = args.host_discovery_script
+    if script and not (os.path.isfile(script) and os.access(script, os.X_OK)):
+        raise UsageError(f"--host-discovery-script {script}: not an executable file")
+    for name, value, low in (("--slots-per-host", args.slots_per_host, 1),
+                             ("--discovery-interval", args.discovery_interval, 0.01),
+                             ("--elastic-timeout", args.elastic_timeout, 0.01),
+                             ("--blacklist-cooldown", args.blacklist_cooldown, 0.0)):
+        if value < low:
+            raise UsageError(f"{name} {value}: must be at least {low:g}")

@@ -25,6 +25,7 @@ This module is the entry point (main); the parts it joins:
   store.py      the rendezvous store served to the ranks
 """
 
+import dataclasses
 import os
 import secrets
 import shlex
@@ -47,10 +48,45 @@ def _parse_args(parser, argv: list):
     """The command line, checked (cli.parse_args), with its hosts resolved
     (args.hosts: Host objects) and --network-interface found on this machine."""
     args = cli.parse_args(parser, argv)
+    if args.host_discovery_script:
+        from perseus_tf.runner.elastic import discover_once
+        args.host_slots = discover_once(args)  # the hosts to start on
     args.hosts = resolve_hosts(args.host_slots)
     if args.network_interface:
         interface_address(args.network_interface)  # exists here
     return args
+
+
+def run_elastic(args, group, start, rendezvous_addr, port, secret, job_id, placements,
+                interrupted):
+    """--min-np/--max-np/--host-discovery-script: runner/elastic.py's job."""
+    from perseus_tf.config import elastic as elastic_env
+    from perseus_tf.runner import elastic
+    from perseus_tf.runner.store import StoreClient
+    if args.verbose:
+        log(elastic.describe(args))
+    initial = {p.host.name: p.host for p in placements}
+    anywhere = any(not p.host.local for p in placements) or args.network_interface
+
+    def fix_host(host):
+        # A host listed at the start keeps the address addresses() gave it;
+        # this machine, when others take part, is reached at the store's.
+        if host.name in initial:
+            return initial[host.name]
+        if host.local and anywhere:
+            return dataclasses.replace(host, addr=rendezvous_addr)
+        return host
+
+    def spawn(worker_id, key, placement):
+        extra = {elastic_env.ENV_WORKER: worker_id, elastic_env.ENV_KEY: key,
+                 elastic_env.ENV_TIMEOUT: f"{args.elastic_timeout:g}"}
+        return start(placement, extra, tag=f"[{worker_id}] ")
+
+    with StoreClient(rendezvous_addr, port, secret) as client:
+        job = elastic.ElasticJob(args, client, job_id, spawn, fix_host, interrupted)
+        status = job.run()
+    group._drain_output()
+    return status
 
 
 def main(argv=None) -> int:
@@ -108,6 +144,26 @@ def main(argv=None) -> int:
         if args.network_interface:
             forward_base.setdefault("PERSEUS_GLOO_NETWORK_INTERFACE", args.network_interface)
             local_extra.setdefault("PERSEUS_GLOO_NETWORK_INTERFACE", args.network_interface)
+
+        def start(p, extra=None, tag=None):
+            if p.host.local:
+                env = rank_env(dict(os.environ, **local_extra, **(extra or {})), p,
+                               rendezvous_addr, port, secret, job_id)
+                return group.spawn(p.rank, args.command, env, tag=tag,
+                                   host=p.host.name if remote_hosts else "")
+            env = dict(forward_base, **(extra or {}))
+            env.update(rank_contract(p, rendezvous_addr, port, job_id))
+            cmd, stdin_data = remote_invocation(args, p.host.name, env, local_extra, secret)
+            if args.verbose:
+                log(f"rank {p.rank}: {' '.join(shlex.quote(c) for c in cmd)}")
+            return group.spawn(p.rank, cmd, dict(os.environ), host=p.host.name, tag=tag,
+                               remote=True, stdin_data=stdin_data)
+
+        if args.elastic:
+            status = run_elastic(args, group, start, rendezvous_addr, port, secret, job_id,
+                                 placements, lambda: bool(received))
+            remove_job_scratch(job_id)
+            return status
         for p in placements:
             if received:
                 break  # interrupted while starting: do not start more ranks
@@ -116,20 +172,7 @@ def main(argv=None) -> int:
                      f"{p.local_rank}/{p.local_size}, cross "
                      f"{p.cross_rank}/{p.cross_size}")
             try:
-                if p.host.local:
-                    env = rank_env(dict(os.environ, **local_extra), p, rendezvous_addr,
-                                   port, secret, job_id)
-                    group.spawn(p.rank, args.command, env,
-                                host=p.host.name if remote_hosts else "")
-                else:
-                    env = dict(forward_base)
-                    env.update(rank_contract(p, rendezvous_addr, port, job_id))
-                    cmd, stdin_data = remote_invocation(args, p.host.name, env, local_extra,
-                                                        secret)
-                    if args.verbose:
-                        log(f"rank {p.rank}: {' '.join(shlex.quote(c) for c in cmd)}")
-                    group.spawn(p.rank, cmd, dict(os.environ), host=p.host.name,
-                                remote=True, stdin_data=stdin_data)
+                start(p)
             except OSError as err:
                 log(f"cannot start rank {p.rank}: {err}")
                 group.supervise(args.grace_seconds, stop_now=True)

@@ -104,7 +104,9 @@ class RankGroup:
 
     def spawn(self, rank: int, command: list, env: dict, *, host: str = "",
               remote: bool = False, stdin_data: bytes = None, label: str = None,
-              prefix: bool = True) -> None:
+              prefix: bool = True, tag: str = None):
+        """Starts one child; returns its _Child. tag: the output lines'
+        prefix (default '[RANK] ')."""
         # Each rank gets its own process group, so that a Ctrl-C typed in the
         # terminal reaches perseusrun alone and perseusrun decides what the
         # ranks receive; signalling the group also reaches a rank's children.
@@ -125,9 +127,9 @@ class RankGroup:
                 proc.stdin.flush()
             except BrokenPipeError:
                 pass
-        self.children.append(_Child(proc, label or f"rank {rank}",
-                                    f" on {host}" if host else "", remote, rank))
-        tag = f"[{rank}] ".encode() if prefix else b""
+        child = _Child(proc, label or f"rank {rank}", f" on {host}" if host else "", remote, rank)
+        self.children.append(child)
+        tag = (f"[{rank}] " if tag is None else tag).encode() if prefix else b""
         for pipe, stream, lock in ((proc.stdout, sys.stdout, self._stdout_lock),
                                    (proc.stderr, sys.stderr, self._stderr_lock)):
             reader = threading.Thread(
@@ -136,6 +138,7 @@ class RankGroup:
                 name=f"perseusrun-rank{rank}-output", daemon=True)
             reader.start()
             self._readers.append(reader)
+        return child
 
     def _add_record(self, record: dict) -> None:
         with self._records_lock:

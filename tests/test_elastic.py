@@ -1,0 +1,211 @@
+"""Elastic jobs: perseusrun --min-np/--max-np/--host-discovery-script with
+Horovod's elastic API (tests/workers/elastic_worker.py). Workers die and
+the job goes on smaller (rank 0 included: the store is perseusrun's), a
+discovered slot makes it grow, too few workers fail it on time. The weights
+are checked against the schedule of sizes each worker recorded: a step
+counts for the size it ran at, and no committed step is lost or repeated.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from harness import ROOT, WORKERS, rank_env
+
+PERSEUSRUN = [sys.executable, "-m", "perseus_tf.runner"]
+WORKER = [sys.executable, os.path.join(WORKERS, "elastic_worker.py")]
+ENV = {"GLOO_TIMEOUT_SECONDS": "30", "PERSEUS_STALL_TIMEOUT_SECONDS": "60"}
+
+
+def _run(args, out, steps, kills="", env=None, timeout=300):
+    cmd = PERSEUSRUN + args + ["--"] + WORKER + [str(out), str(steps), kills]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=rank_env(dict(ENV, **(env or {}))), capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT)
+    return proc, time.monotonic() - start
+
+
+def _results(out):
+    found = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".json"):
+            with open(os.path.join(out, name)) as f:
+                found[name[:-5].replace("_", ":")] = json.load(f)
+    return found
+
+
+def _reference(history):
+    """The weights of the recorded schedule: step s at size n adds 0.01 * n * (s + 1)."""
+    return np.full(4, sum(0.01 * n * (s + 1) for s, n in history))
+
+
+def _check_training(results, steps, commit_every=2):
+    """Every finishing worker has the same weights, which are those of its
+    recorded schedule; the schedule has each step once; each reset replayed
+    fewer steps than a commit interval. Returns (history, reset times)."""
+    first = next(iter(results.values()))
+    history = first["history"]
+    for worker, r in results.items():
+        assert r["history"] == history, (worker, r["history"], history)
+        np.testing.assert_allclose(r["w"], _reference(history), rtol=0, atol=1e-6,
+                                   err_msg=worker)
+    assert [s for s, _ in history] == list(range(len(history))), history
+    assert len(history) >= steps, history
+    ranks = sorted(r["rank"] for r in results.values())
+    assert ranks == list(range(first["size"])), ranks
+    # Steps started beyond the schedule: at each reset the step that failed,
+    # and those done since the last commit (fewer than a commit interval).
+    extra = len(first["starts"]) - len(history)
+    assert extra <= commit_every * len(first["resets"]), (first["starts"], history)
+    # Reset time: from the start of the step that failed to the next start.
+    times, starts = [], first["starts"]
+    for (_, n0, t0), (_, n1, t1) in zip(starts, starts[1:]):
+        if n1 != n0:
+            times.append(round(t1 - t0, 2))
+    return history, times
+
+
+def test_lost_workers_rank_0_among_them_leave_the_job_going_on_smaller(tmp_path):
+    proc, took = _run(["-np", "4", "--min-np", "2", "-H", "localhost:4",
+                       "--blacklist-cooldown", "600"], tmp_path, 12,
+                      kills="localhost:0@3,localhost:3@7")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    results = _results(tmp_path)
+    assert sorted(results) == ["localhost:1", "localhost:2"], (sorted(results), text[-3000:])
+    history, times = _check_training(results, 12)
+    sizes = [n for _, n in history]
+    assert sizes[0] == 4 and sizes[-1] == 2 and sizes == sorted(sizes, reverse=True), history
+    assert [n for n, _ in results["localhost:1"]["resets"]] == [3, 2]
+    assert "reset 1: 3 ranks; left: localhost:0" in text, text[-3000:]
+    assert "reset 2: 2 ranks; left: localhost:3" in text, text[-3000:]
+    print(f"4 -> 3 -> 2 ranks in {took:.1f} s; reset (failed step to resumed step) s: {times}")
+
+
+def test_a_discovered_slot_joins_at_the_next_commit(tmp_path):
+    script = tmp_path / "discover.sh"
+    # Two slots until a worker has trained, then three.
+    script.write_text("#!/bin/sh\n"
+                      f"if [ -e {tmp_path}/size2 ]; then echo localhost:3; "
+                      "else echo localhost:2; fi\n")
+    script.chmod(0o755)
+    proc, took = _run(["-np", "2", "--min-np", "2", "--max-np", "3",
+                       "--host-discovery-script", str(script), "--discovery-interval", "0.2"],
+                      tmp_path, 4, env={"UNTIL_SIZES": "2,3", "SLOW": "0.05",
+                                        "TOUCH_DIR": str(tmp_path)})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    results = _results(tmp_path)
+    assert sorted(results) == ["localhost:0", "localhost:1", "localhost:2"], text[-3000:]
+    history, times = _check_training(results, 4)
+    sizes = [n for _, n in history]
+    assert sizes[0] == 2 and sizes[-1] == 3 and sizes == sorted(sizes), history
+    assert "joined: localhost:2" in text, text[-3000:]
+    # The workers that were there went on from their last commit (skip_sync
+    # is False for an addition: the newcomer got rank 0's state).
+    assert results["localhost:2"]["resets"] == [], results["localhost:2"]
+    print(f"2 -> 3 ranks in {took:.1f} s; reset s: {times}")
+
+
+def test_fewer_than_min_np_fails_within_the_elastic_timeout(tmp_path):
+    proc, took = _run(["-np", "2", "--min-np", "2", "-H", "localhost:2", "--elastic-timeout", "3",
+                       "--blacklist-cooldown", "600"], tmp_path, 8, kills="localhost:1@2")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, text[-3000:]
+    assert "only 1 workers are alive, fewer than --min-np 2" in text, text[-3000:]
+    # The survivor's reset got the same error as its answer.
+    assert "[localhost:0]" in text and "elastic worker localhost:0" in text, text[-3000:]
+    assert took < 120, took
+    assert _results(tmp_path) == {}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["-np", "2", "--min-np", "3"], "1 <= --min-np (3) <= -np (2) <= --max-np (2)"),
+    (["-np", "4", "--max-np", "3"], "--max-np (3)"),
+    (["-np", "2", "--max-np", "3", "--mpi"], "--mpi starts a fixed set of ranks"),
+    (["-np", "2", "--host-discovery-script", "/nonexistent"], "not an executable file"),
+    (["-np", "2", "--max-np", "3", "--elastic-timeout", "0"], "--elastic-timeout 0.0: must be"),
+])
+def test_elastic_usage_mistakes_are_named(args, message):
+    proc = subprocess.run(PERSEUSRUN + args + ["--", "true"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=rank_env())
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+# ---- across hosts: network namespaces with their own sshd -------------------
+
+@pytest.fixture(scope="module")
+def hosts():
+    from netns_hosts import NetnsHosts, missing_requirements
+    why_not = missing_requirements()
+    if why_not is not None:
+        pytest.skip(f"cross-host tests: {why_not}")
+    with NetnsHosts(2) as h:
+        yield h
+
+
+def _start_on(hosts, args, out, steps, kills="", env=None):
+    exports = [a for name in (env or {}) for a in ("-x", name)]  # to the other host too
+    cmd = (PERSEUSRUN + args + exports + ["-i", hosts.key, "--"] + WORKER
+           + [str(out), str(steps), kills])
+    return hosts.popen(0, cmd, env=rank_env(dict(ENV, **(env or {}))), cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for(path, proc, within_s):
+    deadline = time.monotonic() + within_s
+    while not os.path.exists(path):
+        assert proc.poll() is None, f"the job ended before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {within_s} s"
+        time.sleep(0.1)
+
+
+def test_two_hosts_a_killed_rank_leaves_three_that_finish(hosts, tmp_path):
+    a, b = hosts.addrs
+    proc = _start_on(hosts, ["-np", "4", "--min-np", "3", "-H", f"{a}:2,{b}:2",
+                             "--blacklist-cooldown", "600"], tmp_path, 12, kills=f"{b}:1@5")
+    text = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, text[-4000:]
+    results = _results(tmp_path)
+    assert sorted(results) == sorted([f"{a}:0", f"{a}:1", f"{b}:0"]), text[-3000:]
+    history, times = _check_training(results, 12)
+    assert [n for _, n in history][:4] == [4] * 4 and history[-1][1] == 3, history
+    assert f"reset 1: 3 ranks; left: {b}:1" in text, text[-3000:]
+    print(f"2 hosts, 4 -> 3 ranks; reset (failed step to resumed step) s: {times}")
+
+
+def test_a_lost_host_comes_back_and_the_job_grows_to_four(hosts, tmp_path):
+    a, b = hosts.addrs
+    down = tmp_path / "b_down"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho {a}:2\n[ -e {down} ] || echo {b}:2\n")
+    script.chmod(0o755)
+    proc = _start_on(hosts, ["-np", "4", "--min-np", "2", "--max-np", "4",
+                             "--host-discovery-script", str(script), "--discovery-interval", "0.3",
+                             "--blacklist-cooldown", "1"], tmp_path, 4,
+                     env={"UNTIL_SIZES": "4,2,4", "SLOW": "0.05", "TOUCH_DIR": str(tmp_path)})
+    try:
+        _wait_for(tmp_path / "size4", proc, 120)
+        down.touch()
+        hosts.kill_host(1)  # its ranks, its remote.py and its sshd
+        _wait_for(tmp_path / "size2", proc, 120)
+        hosts.restart_sshd(1)
+        down.unlink()
+        text = proc.communicate(timeout=300)[0]
+    except (AssertionError, subprocess.TimeoutExpired) as err:
+        proc.kill()
+        raise AssertionError(f"{err}\n--- output ---\n{proc.communicate()[0][-5000:]}") from None
+    assert proc.returncode == 0, text[-4000:]
+    results = _results(tmp_path)
+    assert sorted(results) == sorted([f"{a}:0", f"{a}:1", f"{b}:0", f"{b}:1"]), text[-3000:]
+    # The newcomers on b joined at a commit; their history is rank 0's.
+    history, times = _check_training(results, 4)
+    runs = [n for i, (_, n) in enumerate(history) if i == 0 or history[i - 1][1] != n]
+    assert runs == [4, 2, 4], (runs, history)
+    assert f"left: {b}:0, {b}:1" in text and f"joined: {b}:0, {b}:1" in text, text[-3000:]
+    print(f"2 hosts: 4 -> 2 -> 4 ranks; reset s: {times}")
