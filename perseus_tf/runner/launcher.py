@@ -147,7 +147,7 @@ def main(argv=None) -> int:
 
         def start(p, extra=None, tag=None):
             if p.host.local:
-                env = rank_env(dict(os.environ, **local_extra, **(extra or {})), p,
+                env = rank_env({**os.environ, **local_extra, **(extra or {})}, p,
                                rendezvous_addr, port, secret, job_id)
                 return group.spawn(p.rank, args.command, env, tag=tag,
                                    host=p.host.name if remote_hosts else "")
