@@ -84,6 +84,11 @@ def test_lost_workers_rank_0_among_them_leave_the_job_going_on_smaller(tmp_path)
     assert [n for n, _ in results["localhost:1"]["resets"]] == [3, 2]
     assert "reset 1: 3 ranks; left: localhost:0" in text, text[-3000:]
     assert "reset 2: 2 ranks; left: localhost:3" in text, text[-3000:]
+    # Rank 0 of each new round says where its state resumed: the step of
+    # the first start at the new size.
+    for reset, size in ((1, 3), (2, 2)):
+        step = next(s for s, n, _ in results["localhost:1"]["starts"] if n == size)
+        assert f"reset {reset}: resumed at step {step}" in text, text[-3000:]
     print(f"4 -> 3 -> 2 ranks in {took:.1f} s; reset (failed step to resumed step) s: {times}")
 
 

@@ -15,10 +15,22 @@ waiting. The keys, under the job id:
                                  {"error": message} when the job cannot go on
   elastic/hosts_updated          JSON {"count": n, "removed_only": bool}:
                                  hosts came or went since count n-1
+  elastic/resumed                JSON {"round": r, "at": {...}}: where rank 0's
+                                 state resumed after the reset into round r
+                                 (its epoch, batch and step attributes)
+  preemption                     JSON {"epoch": e, "done": k, "at": time}: a
+                                 PerseusStrategy job stopped for a restart
+                                 after k batches of epoch e (any launch by
+                                 perseusrun, elastic or not)
+
+Exit statuses of a rank that stops for a restart (strategy/keras_preempt.py):
+EXIT_RESTART, started again at the job's next size; EXIT_PREEMPTED, the rank
+that got SIGTERM, whose slot is left out.
 """
 
 import json
 import os
+import time
 
 from perseus_tf.config.contracts import Contract
 from perseus_tf.config.settings import ConfigError
@@ -27,9 +39,13 @@ ENV_WORKER = "PERSEUS_ELASTIC_WORKER"  # HOST:SLOT, in messages
 ENV_KEY = "PERSEUS_ELASTIC_KEY"        # HOST:SLOT/N: the N-th process started there
 ENV_TIMEOUT = "PERSEUS_ELASTIC_TIMEOUT"
 SOURCE = "perseusrun (elastic)"
+EXIT_RESTART = 75     # EX_TEMPFAIL: run me again
+EXIT_PREEMPTED = 76   # got SIGTERM: my slot is going away
+RESTART_CODES = (EXIT_RESTART, EXIT_PREEMPTED)
 
 _requests = 0       # this process's requests so far
 _hosts_seen = None  # the hosts-updated count of this process's current round
+_round = [-1]       # this process's current round
 
 
 def is_elastic(environ=None) -> bool:
@@ -37,11 +53,11 @@ def is_elastic(environ=None) -> bool:
     return bool(environ.get(ENV_WORKER))
 
 
-def _client(environ):
+def _client(environ, **kwargs):
     from perseus_tf.runner.store import StoreClient
     return StoreClient(environ["PERSEUS_RENDEZVOUS_ADDR"],
                        int(environ["PERSEUS_RENDEZVOUS_PORT"]),
-                       bytes.fromhex(environ["PERSEUS_RENDEZVOUS_SECRET"]))
+                       bytes.fromhex(environ["PERSEUS_RENDEZVOUS_SECRET"]), **kwargs)
 
 
 def request_place(environ=None) -> Contract:
@@ -68,6 +84,7 @@ def request_place(environ=None) -> Contract:
     if "error" in place:
         raise ConfigError(f"elastic worker {worker}: {place['error']}")
     _hosts_seen = int(place["hosts"])
+    _round[0] = int(place["round"])
     if environ is os.environ:
         # For what reads them after init (failure records, scripts reading
         # HOROVOD_RANK): this round's place.
@@ -95,3 +112,36 @@ def hosts_updated(environ=None):
     if int(update["count"]) <= _hosts_seen:
         return None
     return int(update["count"]), bool(update["removed_only"])
+
+
+def record_preemption(epoch: int, done: int, environ=None) -> None:
+    """Tells perseusrun (when it launched this job) where a restarted job
+    resumes, for its log; nothing when no perseusrun serves the store."""
+    environ = os.environ if environ is None else environ
+    if not (environ.get("PERSEUS_JOB_ID") and environ.get("PERSEUS_RENDEZVOUS_SECRET")):
+        return
+    value = json.dumps({"epoch": int(epoch), "done": int(done), "at": time.time()}).encode()
+    try:
+        with _client(environ, connect_timeout_s=5.0) as client:
+            client.set(f"{environ['PERSEUS_JOB_ID']}/preemption", value)
+    except (OSError, TimeoutError, ValueError):
+        pass  # the backup on disk is what the restart needs; this is only the log
+
+
+def record_resume(state, environ=None) -> None:
+    """Rank 0 of an elastic job, after a reset: tells perseusrun where the
+    state resumed (its epoch, batch or step attributes), for its log."""
+    environ = os.environ if environ is None else environ
+    if not is_elastic(environ) or _round[0] < 0:
+        return
+    at = {}
+    for name in ("epoch", "batch", "step"):
+        value = getattr(state, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            at[name] = value
+    value = json.dumps({"round": _round[0], "at": at}).encode()
+    try:
+        with _client(environ, connect_timeout_s=5.0) as client:
+            client.set(f"{environ['PERSEUS_JOB_ID']}/elastic/resumed", value)
+    except (OSError, TimeoutError, ValueError):
+        pass  # only perseusrun's log misses it

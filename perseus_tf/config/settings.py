@@ -55,6 +55,10 @@ class Config:
     stall_check_seconds: float = 60.0
     stall_timeout_seconds: float = 1800.0
     timeline: str = ""
+    # Keras fit with BackupAndRestore under PerseusStrategy: how often (about)
+    # the ranks compare SIGTERM notices (strategy/keras_preempt.py); 0: after
+    # every batch.
+    preemption_check_seconds: float = 1.0
 
 
 # field -> (variable, parser, description of the valid range)
@@ -124,6 +128,8 @@ VARIABLES = {
     "stall_check_seconds": ("PERSEUS_STALL_CHECK_TIME_SECONDS", *_float_range(0, 86400)),
     "stall_timeout_seconds": ("PERSEUS_STALL_TIMEOUT_SECONDS", *_float_range(0, 86400)),
     "timeline": ("PERSEUS_TIMELINE", *_string()),
+    "preemption_check_seconds": ("PERSEUS_PREEMPTION_CHECK_SECONDS",
+                                 *_float_range(0, 3600)),
 }
 
 

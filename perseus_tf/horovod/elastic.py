@@ -158,6 +158,9 @@ def run_fn(func, reset):
             try:
                 if not skip_sync:
                     state.sync()
+                if resets and state._rank() == 0:
+                    from perseus_tf.config import elastic as _elastic
+                    _elastic.record_resume(state)  # for perseusrun's reset line
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
                 skip_sync = e.skip_sync

@@ -20,6 +20,11 @@ What happens when:
   its place while others wait, for --elastic-timeout seconds: the job fails,
   naming what is missing; waiting workers get that error as their answer;
 - more than --reset-limit resets: the job fails;
+- a PerseusStrategy worker exits with EXIT_RESTART (its job stops for a
+  restart, strategy/keras_preempt.py): a new worker starts on its slot, and
+  the free slots fill up to --max-np; a worker that exits with
+  EXIT_PREEMPTED (it got SIGTERM) leaves its slot empty for the cooldown;
+  the restarted workers resume from the job's backup;
 - a worker exits 0: training is over; no more workers start, and perseusrun
   exits 0 once every worker has exited, or with the first failure's status.
 """
@@ -31,6 +36,7 @@ import shlex
 import subprocess
 import time
 
+from perseus_tf.config.elastic import EXIT_PREEMPTED, RESTART_CODES
 from perseus_tf.runner.cli import UsageError, parse_hosts
 from perseus_tf.runner.placement import Host, Placement, resolve_host
 from perseus_tf.runner.supervise import describe_status, log
@@ -141,6 +147,14 @@ class ElasticJob:
         # are told to reset (the hosts-updated count) once these have asked,
         # so they train on while a newcomer starts up.
         self.joining = set()
+        # PerseusStrategy restarts (strategy/keras_preempt.py): a restart is
+        # under way (refill every slot at once, up to --max-np); slots kept
+        # for a restarting worker's successor; preempted slots left out.
+        self.restart = False
+        self.reserved = set()
+        self.slot_cooldown = {}
+        self.last_preemption = None
+        self.resume_round = None   # a reset's round whose resume point is not yet printed
 
     # ---- hosts -----------------------------------------------------------------
     def discover(self) -> None:
@@ -180,10 +194,16 @@ class ElasticJob:
         taken = {(w.host.name, w.slot) for w in self.workers.values()}
         free = []
         for name in self.host_order:
-            if name not in self.slots or self.blacklist.get(name, 0.0) > now:
+            if name not in self.slots:
                 continue
             host, count = self.slots[name]
-            free.extend((host, s) for s in range(count) if (name, s) not in taken)
+            for s in range(count):
+                if (name, s) in taken or self.slot_cooldown.get((name, s), 0.0) > now:
+                    continue
+                # A restarting worker's slot is its successor's, even on a
+                # host blacklisted since (for another worker's failure).
+                if self.blacklist.get(name, 0.0) <= now or (name, s) in self.reserved:
+                    free.append((host, s))
         return free
 
     def fill(self, target: int, now: float) -> bool:
@@ -205,6 +225,7 @@ class ElasticJob:
                     f"for {self.args.blacklist_cooldown:g} s")
                 self.blacklist[host.name] = now + self.args.blacklist_cooldown
                 continue
+            self.reserved.discard((host.name, slot))
             self.workers[wid] = Worker(wid, key, host, slot, child)
             self.joining.add(wid)
             started = True
@@ -240,6 +261,9 @@ class ElasticJob:
                         log(f"worker {w.id} finished")
                 self.finished = True
                 continue
+            if code in RESTART_CODES and not self.finished:
+                self._restarting(w, code, now)
+                continue
             failed = True
             if self.finished:
                 self.failed_after_finish = self.failed_after_finish or (
@@ -253,6 +277,51 @@ class ElasticJob:
             if self.first_failure is None:
                 self.first_failure = code if code > 0 else 128 - code
         return failed
+
+    def _restarting(self, worker, code: int, now: float) -> None:
+        """A PerseusStrategy worker stopped for the job to restart
+        (strategy/keras_preempt.py): its slot gets a new worker at once,
+        unless it was the one preempted, whose slot is left out for the
+        cooldown."""
+        self.restart = True
+        if code == EXIT_PREEMPTED:
+            self.slot_cooldown[(worker.host.name, worker.slot)] = \
+                now + self.args.blacklist_cooldown
+            log(f"worker {worker.id} (rank {worker.rank}) was preempted (SIGTERM); its slot is "
+                f"left out for {self.args.blacklist_cooldown:g} s and the job restarts")
+        else:
+            self.reserved.add((worker.host.name, worker.slot))
+            if self.args.verbose:
+                log(f"worker {worker.id} stopped for the job to restart")
+
+    def resumes_at(self) -> str:
+        """Where the last preemption's backup resumes, if one was recorded
+        since the previous round."""
+        try:
+            raw = self.client.get(f"{self.job_id}/preemption", 0)
+        except TimeoutError:
+            return ""
+        saved = json.loads(raw)
+        if saved["at"] == self.last_preemption:
+            return ""
+        self.last_preemption = saved["at"]
+        return f"; resuming at epoch {saved['epoch']} step {saved['done']}"
+
+    def report_resume(self) -> None:
+        """After a reset: where the new round's rank 0 resumed, once it says."""
+        if self.resume_round is None:
+            return
+        try:
+            raw = self.client.get(f"{self.job_id}/elastic/resumed", 0)
+        except TimeoutError:
+            return
+        said = json.loads(raw)
+        if said["round"] != self.resume_round:
+            return
+        self.resume_round = None
+        if said["at"]:
+            log(f"reset {self.resets}: resumed at "
+                + ", ".join(f"{k} {v}" for k, v in said["at"].items()))
 
     def poll_requests(self) -> None:
         for w in self.workers.values():
@@ -296,6 +365,7 @@ class ElasticJob:
 
     def assign_round(self, live: list) -> None:
         self.joining.clear()
+        self.restart = False
         if self.rounds > 0:
             self.resets += 1
         self.rounds += 1
@@ -310,8 +380,9 @@ class ElasticJob:
         if self.rounds > 1 or self.args.verbose:
             log(f"reset {self.resets}: {len(live)} ranks"
                 + (f"; left: {', '.join(left)}" if left else "")
-                + (f"; joined: {', '.join(joined)}" if joined else ""))
+                + (f"; joined: {', '.join(joined)}" if joined else "") + self.resumes_at())
         self.last_round = members
+        self.resume_round = self.rounds - 1 if self.rounds > 1 else None
 
     def fail_waiting(self, message: str) -> None:
         for w in self.workers.values():
@@ -346,9 +417,12 @@ class ElasticJob:
                     # new slots, and hosts whose cooldown ended, get workers.
                     self.discover()
                     self.fill(self.args.max_np, now)
+                elif self.restart:
+                    self.fill(self.args.max_np, now)
                 elif len(self.workers) < self.args.min_np:
                     self.fill(self.args.min_np, now)
             self.poll_requests()
+            self.report_resume()
             if self.finished:
                 # Training is over: a worker asking to go on is told so.
                 self.fail_waiting(f"training is over (worker {self.finisher} finished) while "

@@ -26,12 +26,14 @@ This module is the entry point (main); the parts it joins:
 """
 
 import dataclasses
+import json
 import os
 import secrets
 import shlex
 import signal
 import sys
 
+from perseus_tf.config.elastic import EXIT_RESTART
 from perseus_tf.runner import cli
 from perseus_tf.runner.cli import UsageError, build_parser, export_values
 from perseus_tf.runner.mpi import run_mpi
@@ -40,7 +42,7 @@ from perseus_tf.runner.placement import (
     resolve_hosts)
 from perseus_tf.runner.scratch import remove_job_scratch
 from perseus_tf.runner.ssh import check_hosts, remote_invocation
-from perseus_tf.runner.store import StoreServer
+from perseus_tf.runner.store import StoreClient, StoreServer
 from perseus_tf.runner.supervise import PROG, RankGroup, log
 
 
@@ -57,12 +59,21 @@ def _parse_args(parser, argv: list):
     return args
 
 
+def resume_point(addr, port, secret, job_id) -> str:
+    """Where the job's preemption backup resumes, as rank 0 recorded it."""
+    try:
+        with StoreClient(addr, port, secret, connect_timeout_s=5.0) as client:
+            saved = json.loads(client.get(f"{job_id}/preemption", 0))
+    except (OSError, TimeoutError, ValueError):
+        return ""
+    return f"; its backup resumes at epoch {saved['epoch']} step {saved['done']}"
+
+
 def run_elastic(args, group, start, rendezvous_addr, port, secret, job_id, placements,
                 interrupted):
     """--min-np/--max-np/--host-discovery-script: runner/elastic.py's job."""
     from perseus_tf.config import elastic as elastic_env
     from perseus_tf.runner import elastic
-    from perseus_tf.runner.store import StoreClient
     if args.verbose:
         log(elastic.describe(args))
     initial = {p.host.name: p.host for p in placements}
@@ -178,6 +189,11 @@ def main(argv=None) -> int:
                 group.supervise(args.grace_seconds, stop_now=True)
                 return 127
         status = group.supervise(args.grace_seconds)
+        if status == EXIT_RESTART:
+            log("every rank stopped for a restart (a rank got SIGTERM)"
+                + resume_point(rendezvous_addr, port, secret, job_id)
+                + ": run the same command again to resume from the backup (or use "
+                  "--min-np/--max-np, which restart the job by themselves)")
         # Ranks killed by a signal leave their scratch directories here (those
         # on other hosts are removed there by remote.py).
         remove_job_scratch(job_id)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from perseus_tf.config.elastic import EXIT_RESTART, RESTART_CODES
 from perseus_tf.runner.output import forward_lines
 
 # The name on the command line, and at the start of perseusrun's own messages.
@@ -177,6 +178,7 @@ class RankGroup:
         """
         exited = set()
         failed = None
+        restarting = False
         term_at = time.monotonic() if stop_now else None
         kill_at = None
         while len(exited) < len(self.children):
@@ -195,7 +197,11 @@ class RankGroup:
                 if self._verbose:
                     log(f"{child.label}{child.where} (pid {proc.pid}) exited with "
                          f"status {proc.returncode}")
-                if proc.returncode != 0 and failed is None:
+                if proc.returncode in RESTART_CODES:
+                    # Stopped for a restart (strategy/keras_preempt.py): every
+                    # rank does so after the same batch; not a failure.
+                    restarting = True
+                elif proc.returncode != 0 and failed is None:
                     failed = index
                     log(f"{child.label}{child.where} (pid {proc.pid}) "
                          f"{describe_status(proc.returncode, child.remote)}")
@@ -219,7 +225,7 @@ class RankGroup:
             time.sleep(POLL_INTERVAL_S)
         self._drain_output()
         if failed is None:
-            return 0
+            return EXIT_RESTART if restarting else 0
         failed = self._report_first_failure(failed)
         status = self.children[failed].proc.returncode
         return status if status > 0 else 128 - status

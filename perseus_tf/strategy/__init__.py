@@ -8,7 +8,8 @@ reduction goes through PerseusCrossDeviceOps across processes.
 The package also holds the Keras patches the strategy installs:
 keras_mixed (mixed-precision step skipping agreed by all ranks),
 keras_files (one writer for checkpoints and backups, restore checks, step
-resume) and keras_save (saving on one rank: averaged statistics at epoch
+resume), keras_preempt (a SIGTERM stops every rank after the same batch with
+a backup, for a restart at the next size) and keras_save (saving on one rank: averaged statistics at epoch
 ends, local reads while saving). They take what they need to know of the strategy as arguments and
 never import this module.
 
@@ -41,7 +42,7 @@ from perseus_tf import _native
 from perseus_tf import config
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import keras_files, keras_mixed, keras_save
+from perseus_tf.strategy import keras_files, keras_mixed, keras_preempt, keras_save
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -289,6 +290,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         extended = PerseusExtended(self, devices=devices, cross_device_ops=cross_device_ops)
         tf.distribute.Strategy.__init__(self, extended)
         self._accumulate_n_steps = cfg.accumulate_n_steps
+        self._preemption_check_seconds = cfg.preemption_check_seconds
         if self._accumulate_n_steps > 1 and len(extended._devices) > 1:
             raise ValueError(
                 f"accumulate_n_steps={self._accumulate_n_steps} (PERSEUS_ACCUMULATE_N_STEPS) "
@@ -309,3 +311,5 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         if perseus_ops.size() > 1:
             keras_files.install(perseus_ops.rank())
             keras_files.install_restore_check()
+        # After the two above: it wraps what they installed.
+        keras_preempt.install(lambda strategy: isinstance(strategy, PerseusStrategy))

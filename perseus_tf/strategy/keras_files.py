@@ -12,6 +12,7 @@ import os
 import shutil
 
 from perseus_tf.runner.scratch import rank_scratch
+from perseus_tf.strategy.keras_preempt import read_marker
 
 _installed = False
 
@@ -203,11 +204,15 @@ def _install_step_resume_keras3(keras):
     def on_train_begin(self, logs=None):
         _pending_skip[0] = 0
         begin(self, logs)
-        if self.save_freq == "epoch" or not os.path.exists(self._training_metadata_path):
+        marked = read_marker(self.backup_dir)   # a preemption's backup, any save_freq
+        if marked is not None:
+            epoch, done = marked
+        elif self.save_freq == "epoch" or not os.path.exists(self._training_metadata_path):
             return
-        with open(self._training_metadata_path) as f:
-            saved = json.load(f)
-        epoch, done = int(saved.get("epoch", 0)), int(saved.get("batch", -1)) + 1
+        else:
+            with open(self._training_metadata_path) as f:
+                saved = json.load(f)
+            epoch, done = int(saved.get("epoch", 0)), int(saved.get("batch", -1)) + 1
         steps = (self.params or {}).get("steps")
         if done <= 0:
             return
