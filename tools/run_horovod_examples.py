@@ -6,7 +6,10 @@ Horovod itself needs on TF >= 2.16), and prints how long each took.
         [--mnist-steps 200] [--mnist-epochs 2] [--only NAME]
 
 It also runs Horovod's elastic TF2 examples, from HOROVOD_SRC/examples/elastic/
-tensorflow2 (hvd.elastic at a fixed size: there is no elastic launcher yet).
+tensorflow2, under an elastic perseusrun (-np N --min-np N-1 --max-np N);
+with --kill-one, once rank 0 has printed its first progress line the worker
+on the last slot is SIGKILLed, and the example must go on at N-1 ranks
+(perseusrun's reset line is checked and shown).
 
 The scripts are not part of this repository (they are Horovod's): point the
 tool at a Horovod checkout. The MNIST examples get synthetic data in MNIST's
@@ -38,7 +41,7 @@ EXAMPLES = {
     "tensorflow2_mnist.py": [],
     "tensorflow2_keras_mnist.py": [],
     # Horovod's elastic examples (examples/elastic/tensorflow2, beside the
-    # examples_dir): hvd.elastic at a fixed size (no elastic launcher yet).
+    # examples_dir), under an elastic perseusrun.
     "../elastic/tensorflow2/tensorflow2_synthetic_benchmark_elastic.py": [
         "--model", "MobileNetV2", "--batch-size", "8", "--num-warmup-batches", "2",
         "--num-batches-per-iter", "2", "--num-iters", "3", "--num-batches-per-commit", "2",
@@ -90,7 +93,54 @@ def port(source: str, keras3: bool) -> str:
         text = text.replace("opt.variables()", "opt.variables")
         text = re.sub(r",\s*experimental_run_tf_function=False", "", text)
         text = text.replace("checkpoint-{epoch}.h5", "checkpoint-{epoch}.keras")
+        # Keras 3 optimizers have learning_rate (a variable), not lr, and
+        # keras.backend has no set_value (the elastic examples' reset hooks).
+        text = re.sub(r"tf\.keras\.backend\.set_value\(([^,]+),\s*(.+)\)$", r"\1.assign(\2)",
+                      text, flags=re.M)
+        text = re.sub(r"\.lr\b", ".learning_rate", text)
     return text
+
+
+PROGRESS = re.compile(r"Step #|Iter #|Epoch 1/|\d+/\d+ \[")
+
+
+def _worker_pid(slot: str):
+    """The pid of the elastic worker on `slot` (its PERSEUS_ELASTIC_WORKER)."""
+    wanted = f"PERSEUS_ELASTIC_WORKER={slot}".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if wanted in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def run_example(cmd, work, env, kill_one, np_):
+    """(exit status, stdout, stderr); kill_one: SIGKILL the last slot's
+    worker when a rank shows progress first."""
+    if not kill_one:
+        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+        return proc.returncode, proc.stdout, proc.stderr
+    import signal
+    import threading
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    out, killed = [], False
+    for line in proc.stdout:
+        out.append(line)
+        if not killed and PROGRESS.search(line):
+            pid = _worker_pid(f"localhost:{np_ - 1}")
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+    proc.wait()
+    reader.join(10)
+    return proc.returncode, "".join(out), "".join(err)
 
 
 def main():
@@ -100,6 +150,9 @@ def main():
     parser.add_argument("--mnist-steps", type=int, default=200)
     parser.add_argument("--mnist-epochs", type=int, default=2)
     parser.add_argument("--only", action="append", help="run only this example (repeatable)")
+    parser.add_argument("--kill-one", action="store_true",
+                        help="elastic examples: SIGKILL the last slot's worker once rank 0 "
+                             "shows progress; the example must finish at one rank fewer")
     args = parser.parse_args()
     import importlib.metadata
     try:
@@ -122,22 +175,32 @@ def main():
                 filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
                 EXAMPLE_MAX_STEPS=str(args.mnist_steps if mnist else 0),
                 EXAMPLE_MAX_EPOCHS=str(args.mnist_epochs if mnist else 0))
-            cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(args.np), "--",
+            elastic = "elastic" in name
+            launch = ["-np", str(args.np)]
+            if elastic:
+                launch += ["--min-np", str(max(1, args.np - 1)), "--max-np", str(args.np),
+                           "-H", f"localhost:{args.np}", "--blacklist-cooldown", "3600"]
+            cmd = [sys.executable, "-m", "perseus_tf.runner", *launch, "--",
                    sys.executable, "-c", PRELUDE, script, *extra]
             start = time.monotonic()
-            proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+            code, out, err = run_example(cmd, work, env, elastic and args.kill_one, args.np)
             seconds = time.monotonic() - start
-            plain = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)
-            tail = [l for l in re.split(r"[\r\n]+", plain) if l.startswith("[0]")][-3:]
+            plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+            first = "[0]" if not elastic else "[localhost:"
+            tail = [l for l in re.split(r"[\r\n]+", plain) if l.startswith(first)][-2:]
+            tail += [l for l in err.splitlines() if "reset" in l]
             cap = (f"steps<={args.mnist_steps}, epochs<={args.mnist_epochs}" if mnist
                    else " ".join(extra))
-            rows.append((name, proc.returncode, seconds, cap, tail))
-            if proc.returncode != 0:
-                sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-5000:])
-    print(f"| example | ranks | exit | seconds | settings | last lines of rank 0 |")
+            if elastic and args.kill_one and code == 0 and \
+                    f"reset 1: {args.np - 1} ranks; left: localhost:{args.np - 1}" not in err:
+                code = "no reset"
+            rows.append((name, code, seconds, cap, tail))
+            if code != 0:
+                sys.stderr.write(out[-3000:] + err[-5000:])
+    print(f"| example | ranks | exit | seconds | settings | last lines (rank 0's, perseusrun's) |")
     print("|---|---|---|---|---|---|")
     for name, code, seconds, cap, tail in rows:
-        lines = " / ".join(l[4:].strip()[:80] for l in tail)
+        lines = " / ".join(l.split("] ", 1)[-1].strip()[:80] for l in tail)
         print(f"| {name} | {args.np} | {code} | {seconds:.1f} | {cap} | {lines} |")
     return 0 if all(code == 0 for _, code, *_ in rows) else 1
 
