@@ -155,3 +155,16 @@ def test_elastic_job_grows_when_discovery_adds_a_slot(tmp_path, reference):
     assert [s[:3] for s in steps] == [(e, b, 2 if (e, b) <= (0, 2) else 3)
                                       for e, b in ALL_STEPS], steps
     _finals(tmp_path, 3, reference, text)
+
+
+def test_elastic_restart_with_no_slot_left_fails_within_the_elastic_timeout(tmp_path):
+    # One worker, preempted: its slot is left out, no other slot exists.
+    launch = PERSEUSRUN + ["-np", "1", "--min-np", "1", "-H", "localhost:1",
+                           "--elastic-timeout", "3", "--blacklist-cooldown", "600"]
+    proc = _run(launch, tmp_path, "epoch", "term:0:1:0", timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert "worker localhost:0 (rank 0) was preempted (SIGTERM)" in text, text[-3000:]
+    assert ("elastic job failed: only 0 workers are alive, fewer than --min-np 1, for 3 s "
+            "(--elastic-timeout); free slots on hosts not blacklisted: 0") in text, text[-3000:]
+    assert [s[:2] for s in _steps(tmp_path)] == ALL_STEPS[:2]

@@ -341,10 +341,12 @@ class ElasticJob:
         else None, or an error message when the wait ran out."""
         live = list(self.workers.values())
         waiting = [w for w in live if w.asked > w.answered]
-        if not waiting:
+        enough = len(live) >= self.args.min_np
+        # A restart with too few slots to start workers on waits (for
+        # discovery, a cooldown's end) no longer than --elastic-timeout.
+        if not waiting and not (self.restart and not enough):
             self.short_since = None
             return None
-        enough = len(live) >= self.args.min_np
         if enough and len(waiting) == len(live):
             self.short_since = None
             self.assign_round(live)
@@ -401,7 +403,8 @@ class ElasticJob:
             now = time.monotonic()
             if self.reap(now) and not self.finished:
                 self.bump_hosts(removed_only=True)
-            if not self.workers and (self.finished or self.first_failure is not None):
+            if not self.workers and (self.finished or (self.first_failure is not None
+                                                       and not self.restart)):
                 break
             if self.interrupted():
                 # The signal went to every worker (launcher.py): no new ones.

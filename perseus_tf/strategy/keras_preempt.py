@@ -15,7 +15,8 @@ perseusrun passing on its own SIGTERM):
    temporary directories) and rank 0 adds a marker naming the epoch and
    the batches of it already trained; then each rank leaves `fit` with
    SystemExit: EXIT_PREEMPTED on a rank that got the signal, EXIT_RESTART
-   on the others.
+   on the others. (A notice that training's end overtakes goes to the
+   SIGTERM handler there was before fit.)
 
 Under an elastic perseusrun (--min-np/--max-np) the ranks that exit with
 EXIT_RESTART are started again on their slots, the preempted slots are left
@@ -35,6 +36,7 @@ callback they then exit with EXIT_RESTART too and the job restarts from the
 last backup (steps since it are trained again, at the new size).
 """
 
+import functools
 import json
 import os
 import signal
@@ -162,7 +164,8 @@ def install(is_perseus):
     keras3 = keras.__version__.startswith("3.")
 
     def active(callback):
-        return is_perseus(callback.model.distribute_strategy)
+        model = getattr(callback, "model", None)
+        return model is not None and is_perseus(model.distribute_strategy)
 
     begin, end, batch_end = backup.on_train_begin, backup.on_train_end, \
         backup.on_train_batch_end
@@ -178,11 +181,17 @@ def install(is_perseus):
             previous[id(self)] = signal.signal(signal.SIGTERM, _handle_sigterm)
 
     def on_train_end(self, logs=None):
-        if id(self) in previous:
+        restored = id(self) in previous
+        if restored:
             signal.signal(signal.SIGTERM, previous.pop(id(self)))
         end(self, logs)
         if active(self) and self.delete_checkpoint and ops.rank() == 0:
             remove_marker(self.backup_dir)  # Keras 2 deletes only its checkpoints
+        if restored and _notice.is_set():
+            # Training ended before the ranks next compared notices: the
+            # signal was only deferred; it goes to the handler it was meant for.
+            _notice.clear()
+            signal.raise_signal(signal.SIGTERM)
 
     def on_train_batch_end(self, batch, logs=None):
         batch_end(self, batch, logs)
@@ -223,6 +232,7 @@ def install(is_perseus):
     model_class = keras.Model
     fit = model_class.fit
 
+    @functools.wraps(fit)
     def fit_with_restart(self, *args, **kwargs):
         try:
             return fit(self, *args, **kwargs)
