@@ -114,18 +114,23 @@ def hosts_updated(environ=None):
     return int(update["count"]), bool(update["removed_only"])
 
 
+def _tell_perseusrun(environ, key: str, payload: dict) -> None:
+    """Writes payload (JSON) under the job's key; a failure only costs
+    perseusrun's log a line."""
+    try:
+        with _client(environ, connect_timeout_s=5.0) as client:
+            client.set(f"{environ['PERSEUS_JOB_ID']}/{key}", json.dumps(payload).encode())
+    except (OSError, TimeoutError, ValueError):
+        pass
+
+
 def record_preemption(epoch: int, done: int, environ=None) -> None:
     """Tells perseusrun (when it launched this job) where a restarted job
     resumes, for its log; nothing when no perseusrun serves the store."""
     environ = os.environ if environ is None else environ
-    if not (environ.get("PERSEUS_JOB_ID") and environ.get("PERSEUS_RENDEZVOUS_SECRET")):
-        return
-    value = json.dumps({"epoch": int(epoch), "done": int(done), "at": time.time()}).encode()
-    try:
-        with _client(environ, connect_timeout_s=5.0) as client:
-            client.set(f"{environ['PERSEUS_JOB_ID']}/preemption", value)
-    except (OSError, TimeoutError, ValueError):
-        pass  # the backup on disk is what the restart needs; this is only the log
+    if environ.get("PERSEUS_JOB_ID") and environ.get("PERSEUS_RENDEZVOUS_SECRET"):
+        _tell_perseusrun(environ, "preemption",
+                         {"epoch": int(epoch), "done": int(done), "at": time.time()})
 
 
 def record_resume(state, environ=None) -> None:
@@ -139,9 +144,4 @@ def record_resume(state, environ=None) -> None:
         value = getattr(state, name, None)
         if isinstance(value, int) and not isinstance(value, bool):
             at[name] = value
-    value = json.dumps({"round": _round[0], "at": at}).encode()
-    try:
-        with _client(environ, connect_timeout_s=5.0) as client:
-            client.set(f"{environ['PERSEUS_JOB_ID']}/elastic/resumed", value)
-    except (OSError, TimeoutError, ValueError):
-        pass  # only perseusrun's log misses it
+    _tell_perseusrun(environ, "elastic/resumed", {"round": _round[0], "at": at})

@@ -367,7 +367,7 @@ class ElasticJob:
 
     def assign_round(self, live: list) -> None:
         self.joining.clear()
-        self.restart = False
+        restarted, self.restart = self.restart, False
         if self.rounds > 0:
             self.resets += 1
         self.rounds += 1
@@ -384,7 +384,9 @@ class ElasticJob:
                 + (f"; left: {', '.join(left)}" if left else "")
                 + (f"; joined: {', '.join(joined)}" if joined else "") + self.resumes_at())
         self.last_round = members
-        self.resume_round = self.rounds - 1 if self.rounds > 1 else None
+        # hvd.elastic's rank 0 says where it resumed; a restarted
+        # PerseusStrategy job's resume point is in the line above.
+        self.resume_round = self.rounds - 1 if self.rounds > 1 and not restarted else None
 
     def fail_waiting(self, message: str) -> None:
         for w in self.workers.values():
