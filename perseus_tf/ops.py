@@ -414,3 +414,16 @@ def _alltoall_grad(op, grad, _splits_grad):
     back, _ = _LIB.perseus_alltoall(grad, received, has_splits=True,
                                     process_set_id=op.get_attr("process_set_id"))
     return back, None
+
+
+def is_collective_failure(error) -> bool:
+    """Whether an exception is a failed collective of this runtime:
+    Perseus's own errors (perseus_tf._core), or TF's for the Perseus ops.
+    hvd.elastic resets on one; a PerseusStrategy fit restarts on one
+    (strategy/keras_preempt.py)."""
+    from perseus_tf import _core
+    if isinstance(error, (_core.CommunicationError, _core.MismatchError)):
+        return True
+    return (isinstance(error, (tf.errors.UnavailableError, tf.errors.FailedPreconditionError,
+                               tf.errors.InternalError))
+            and "Perseus" in str(error))

@@ -126,21 +126,6 @@ class ObjectState(State):
             setattr(self, attr, copy.deepcopy(value))
 
 
-def _is_collective_failure(error):
-    """Whether an exception from func is a failed collective of this
-    runtime: Perseus's own errors, or TF's for the Perseus ops."""
-    from perseus_tf import _core
-    if isinstance(error, (_core.CommunicationError, _core.MismatchError)):
-        return True
-    try:
-        import tensorflow as tf
-    except ImportError:  # pragma: no cover - the shim needs TF anyway
-        return False
-    return (isinstance(error, (tf.errors.UnavailableError, tf.errors.FailedPreconditionError,
-                               tf.errors.InternalError))
-            and "Perseus" in str(error))
-
-
 def _reset():
     from perseus_tf import _native
     _native.shutdown()
@@ -165,7 +150,8 @@ def run_fn(func, reset):
             except HostsUpdatedInterrupt as e:
                 skip_sync = e.skip_sync
             except Exception as e:  # noqa: BLE001 - only collective failures are caught
-                if not isinstance(e, HorovodInternalError) and not _is_collective_failure(e):
+                from perseus_tf.ops import is_collective_failure
+                if not isinstance(e, HorovodInternalError) and not is_collective_failure(e):
                     raise
                 state.restore()
                 skip_sync = False

@@ -139,8 +139,8 @@ def _stop(callback, epoch, batch, save, notices):
 
 def _restart_after_failure(error):
     """A failed collective in an elastic job's fit: leave for a restart."""
-    from perseus_tf.horovod.elastic import _is_collective_failure
-    if not (is_elastic() and _is_collective_failure(error)):
+    from perseus_tf.ops import is_collective_failure
+    if not (is_elastic() and is_collective_failure(error)):
         return
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     said = next((line for line in lines if "perseus" in line.lower()), lines[0] if lines else "")
