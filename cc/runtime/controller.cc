@@ -1,6 +1,7 @@
-// The controller: the background loop, one negotiation cycle (the control
-// allgather and its header), the stall budget.
-#include "cc/runtime/runtime.h"
+// The controller (controller.h): the negotiation thread's loop, one
+// negotiation cycle (the control allgather and its header), the stall
+// budget, and dispatching what a cycle made ready.
+#include "cc/runtime/controller.h"
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +17,8 @@
 #include "cc/rendezvous/store_client.h"
 #include "cc/runtime/executor.h"
 #include "cc/runtime/faults.h"
+#include "cc/runtime/fusion.h"
+#include "cc/runtime/runtime.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
 #include "cc/transport/factory.h"
@@ -32,55 +35,73 @@ constexpr size_t kControlSlot = 512;
 
 }  // namespace
 
-void Runtime::BackgroundLoop() {
+Controller::Controller(Runtime& runtime) : rt_(runtime) {
+  const InitOptions& o = rt_.options_;
+  negotiator_.reset(new Negotiator(o.size, o.fusion_threshold_bytes, o.global_ranks,
+                                   [granularity = o.fusion_granularity,
+                                    threshold = o.fusion_threshold_bytes](int64_t b) {
+                                     return PlanBucketBytes(b, granularity, threshold);
+                                   }));
+  started_ = last_cycle_ = Clock::now();
+}
+
+Controller::~Controller() { Join(); }
+
+void Controller::Start() { thread_ = std::thread(&Controller::Loop, this); }
+
+void Controller::Join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void Controller::Loop() {
   bool stop = false;
   while (!stop) {
-    if (state_.load() != State::kRunning) return;
+    if (rt_.state_.load() != Runtime::State::kRunning) return;
     try {
-      if (plan_.active()) {
+      if (rt_.plan_.active()) {
         RunOffline(&stop);
       } else {
         RunCycle(&stop);
       }
     } catch (const std::exception& e) {
-      Fail(std::string("negotiation failed: ") + e.what());
+      rt_.Fail(std::string("negotiation failed: ") + e.what());
       return;
     }
   }
   // Every rank saw the same shutdown flag in the same cycle: drain and stop.
-  executor_->Stop();
+  rt_.executor_->Stop();
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (state_.load() == State::kRunning) state_ = State::kShutdown;
+    std::lock_guard<std::mutex> lock(rt_.mu_);
+    if (rt_.state_.load() == Runtime::State::kRunning) rt_.state_ = Runtime::State::kShutdown;
   }
-  const std::string message = "Perseus was shut down (" + shutdown_by_ +
+  const std::string message = "Perseus was shut down (" + rt_.shutdown_by_ +
                               ") before this collective ran on every rank";
   bool stranded;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    stranded = !pending_.empty();
+    std::lock_guard<std::mutex> lock(rt_.mu_);
+    stranded = !rt_.pending_.empty();
   }
   // Collectives of this rank left unfinished by another rank's shutdown:
   // that rank is the cause.
-  if (stranded && shutdown_by_rank_ >= 0 && shutdown_by_rank_ != options_.rank) {
-    RecordFirstFailure({WorldRank(shutdown_by_rank_)}, message);
+  if (stranded && rt_.shutdown_by_rank_ >= 0 && rt_.shutdown_by_rank_ != rt_.options_.rank) {
+    RecordFirstFailure({rt_.WorldRank(rt_.shutdown_by_rank_)}, message);
   }
-  FailAllPending(Status::Error(StatusCode::kUnavailable, message));
+  rt_.FailAllPending(Status::Error(StatusCode::kUnavailable, message));
 }
 
-void Runtime::RunCycle(bool* stop) {
+void Controller::RunCycle(bool* stop) {
   const auto cycle_time = std::chrono::microseconds(
-      static_cast<int64_t>(options_.cycle_time_ms * 1000));
+      static_cast<int64_t>(rt_.options_.cycle_time_ms * 1000));
   CycleMessage mine;
   bool in_plan = false;
   {
-    std::unique_lock<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(rt_.mu_);
     auto max_wait = negotiator_->HasPending() || idle_cycles_ == 0
                         ? std::chrono::duration_cast<Clock::duration>(cycle_time)
                         : std::chrono::duration_cast<Clock::duration>(kIdleWait);
-    queue_cv_.wait_until(lock, last_cycle_ + max_wait,
-                         [&] { return !queue_.empty() || shutdown_requested_; });
-    if (!queue_.empty()) {
+    rt_.queue_cv_.wait_until(lock, last_cycle_ + max_wait,
+                         [&] { return !rt_.queue_.empty() || rt_.shutdown_requested_; });
+    if (!rt_.queue_.empty()) {
       // Cycles are at least one cycle time apart, so requests that arrive
       // together (a backward pass) travel, and fuse, in few cycles; a
       // request after a quiet spell goes at once.
@@ -91,22 +112,92 @@ void Runtime::RunCycle(bool* stop) {
         lock.lock();
       }
     }
-    mine.requests.assign(queue_.begin(), queue_.end());
-    queue_.clear();
-    mine.shutdown = shutdown_requested_;
-    in_plan = plan_.active();
+    mine.requests.assign(rt_.queue_.begin(), rt_.queue_.end());
+    rt_.queue_.clear();
+    mine.shutdown = rt_.shutdown_requested_;
+    in_plan = rt_.plan_.active();
   }
   last_cycle_ = Clock::now();
   const int64_t my_clock =
       std::chrono::duration_cast<std::chrono::milliseconds>(last_cycle_ - started_).count();
 
-  const int size = options_.size;
-  std::vector<CycleMessage> all(size);
-  int64_t sent = 0;
+  const int size = rt_.options_.size;
   const auto exchange_start = Clock::now();
   const size_t my_requests = mine.requests.size();
-  bool any_in_plan = in_plan;
-  int64_t clock = my_clock;
+  Exchanged x = ExchangeControl(std::move(mine), my_clock, in_plan);
+  std::vector<CycleMessage>& all = x.all;
+  const bool any_in_plan = x.any_in_plan;
+  const int64_t sent = x.control_bytes;
+
+  if (rt_.timeline_.enabled() && rt_.mark_cycles_ && (my_requests > 0 || size == 1)) {
+    rt_.timeline_.Record(0, "negotiate", "negotiation", exchange_start, Clock::now(),
+                     "\"requests\": " + std::to_string(my_requests) +
+                         ", \"control_bytes\": " + std::to_string(sent));
+  }
+  negotiator_->BeginCycle(x.clock, any_in_plan);
+  bool any_requests = false;
+  for (int r = 0; r < size; ++r) {
+    for (const TensorMeta& m : all[r].requests) {
+      negotiator_->Add(r, m);
+      any_requests = true;
+    }
+    if (all[r].shutdown && !*stop) {
+      *stop = true;
+      std::lock_guard<std::mutex> lock(rt_.mu_);
+      rt_.shutdown_by_ = "rank " + std::to_string(r) + " called shutdown";
+      rt_.shutdown_by_rank_ = r;
+    }
+  }
+  // The next cycle's clock starts when this one ends, which is the same
+  // moment on every rank: idle ranks then tick together instead of one rank
+  // always waiting inside the control allgather for a later-phased peer (and
+  // holding back the requests that arrive meanwhile).
+  last_cycle_ = Clock::now();
+  std::vector<Response> ready = negotiator_->TakeReady();
+  // The stall inspector and the stall timeout read rank 0's clock, which
+  // every rank received in this cycle, so their verdicts agree everywhere.
+  const std::vector<std::string> stalls =
+      negotiator_->StallReport(static_cast<int64_t>(rt_.options_.stall_check_seconds * 1000));
+  ReportStalls(stalls);
+  for (Response& r : negotiator_->TakeStalled(
+           static_cast<int64_t>(rt_.options_.stall_timeout_seconds * 1000))) {
+    ready.push_back(std::move(r));
+  }
+  idle_cycles_ = (any_requests || !ready.empty()) ? 0 : idle_cycles_ + 1;
+  {
+    std::lock_guard<std::mutex> lock(rt_.stats_mu_);
+    ++rt_.stats_.cycles;
+    rt_.stats_.control_bytes_sent += sent;
+    rt_.stats_.responses += static_cast<int64_t>(ready.size());
+    for (const Response& r : ready) {
+      if (r.names.size() > 1) ++rt_.stats_.fused_responses;
+    }
+  }
+  const bool lone = ready.size() == 1;
+  // Whether this rank was in join() when the cycle's message left: a
+  // response of this cycle that it lacks may come after the join's own
+  // (responses are in the order tensors were first seen), and it still
+  // takes part in that one with zeros.
+  bool joined;
+  {
+    std::lock_guard<std::mutex> lock(rt_.mu_);
+    joined = rt_.joined_;
+  }
+  for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan, joined);
+  if (!rt_.plan_.active() && !*stop && negotiator_->PlanReady()) EnterOffline();
+}
+
+Controller::Exchanged Controller::ExchangeControl(CycleMessage mine, int64_t my_clock,
+                                                  bool in_plan) {
+  const int size = rt_.options_.size;
+  Exchanged x;
+  std::vector<CycleMessage>& all = x.all;
+  all.resize(size);
+  int64_t& sent = x.control_bytes;
+  bool& any_in_plan = x.any_in_plan;
+  any_in_plan = in_plan;
+  int64_t& clock = x.clock;
+  clock = my_clock;
   if (size == 1) {
     all[0] = std::move(mine);
   } else {
@@ -131,7 +222,7 @@ void Runtime::RunCycle(bool* stop) {
     const size_t head = std::min(encoded.size(), kInline);
     if (head) std::memcpy(slot.data() + kHeader, encoded.data(), head);
     std::vector<char> slots(kControlSlot * size);
-    transport_->Allgatherv(Transport::kControl, slot.data(), slots.data(),
+    rt_.transport_->Allgatherv(Transport::kControl, slot.data(), slots.data(),
                          std::vector<size_t>(size, kControlSlot));
     sent += kControlSlot;
     std::vector<int64_t> lens(size);
@@ -150,8 +241,8 @@ void Runtime::RunCycle(bool* stop) {
     if (total_rest > 0) {
       char none = 0;
       const char* tail = encoded.size() > kInline ? encoded.data() + kInline : &none;
-      transport_->Allgatherv(Transport::kControl, tail, gathered.data(), rest);
-      sent += static_cast<int64_t>(rest[options_.rank]);
+      rt_.transport_->Allgatherv(Transport::kControl, tail, gathered.data(), rest);
+      sent += static_cast<int64_t>(rest[rt_.options_.rank]);
     }
     size_t offset = 0;
     std::vector<char> message;
@@ -167,45 +258,19 @@ void Runtime::RunCycle(bool* stop) {
       offset += rest[r];
     }
   }
+  return x;
+}
 
-  if (timeline_.enabled() && mark_cycles_ && (my_requests > 0 || size == 1)) {
-    timeline_.Record(0, "negotiate", "negotiation", exchange_start, Clock::now(),
-                     "\"requests\": " + std::to_string(my_requests) +
-                         ", \"control_bytes\": " + std::to_string(sent));
-  }
-  negotiator_->BeginCycle(clock, any_in_plan);
-  bool any_requests = false;
-  for (int r = 0; r < size; ++r) {
-    for (const TensorMeta& m : all[r].requests) {
-      negotiator_->Add(r, m);
-      any_requests = true;
-    }
-    if (all[r].shutdown && !*stop) {
-      *stop = true;
-      std::lock_guard<std::mutex> lock(mu_);
-      shutdown_by_ = "rank " + std::to_string(r) + " called shutdown";
-      shutdown_by_rank_ = r;
-    }
-  }
-  // The next cycle's clock starts when this one ends, which is the same
-  // moment on every rank: idle ranks then tick together instead of one rank
-  // always waiting inside the control allgather for a later-phased peer (and
-  // holding back the requests that arrive meanwhile).
-  last_cycle_ = Clock::now();
-  std::vector<Response> ready = negotiator_->TakeReady();
-  // The stall inspector and the stall timeout read rank 0's clock, which
-  // every rank received in this cycle, so their verdicts agree everywhere.
-  const std::vector<std::string> stalls =
-      negotiator_->StallReport(static_cast<int64_t>(options_.stall_check_seconds * 1000));
-  if (!stalls.empty() && WorldRank(options_.rank) == 0) {
+void Controller::ReportStalls(const std::vector<std::string>& stalls) const {
+  if (stalls.empty() || rt_.WorldRank(rt_.options_.rank) != 0) return;
     std::ostringstream msg;
     msg << "Perseus stall inspector (rank 0): " << stalls.size()
         << (stalls.size() == 1 ? " collective has" : " collectives have")
-        << " waited more than " << options_.stall_check_seconds
+        << " waited more than " << rt_.options_.stall_check_seconds
         << " s (PERSEUS_STALL_CHECK_TIME_SECONDS) for ranks that have not submitted them";
-    if (options_.stall_timeout_seconds > 0) {
+    if (rt_.options_.stall_timeout_seconds > 0) {
       msg << "; the job fails after PERSEUS_STALL_TIMEOUT_SECONDS="
-          << options_.stall_timeout_seconds << " s";
+          << rt_.options_.stall_timeout_seconds << " s";
     }
     msg << ":\n";
     for (size_t i = 0; i < stalls.size() && i < 20; ++i) msg << "  " << stalls[i] << "\n";
@@ -213,36 +278,9 @@ void Runtime::RunCycle(bool* stop) {
     std::fputs(msg.str().c_str(), stderr);
     std::fflush(stderr);
   }
-  for (Response& r : negotiator_->TakeStalled(
-           static_cast<int64_t>(options_.stall_timeout_seconds * 1000))) {
-    ready.push_back(std::move(r));
-  }
-  idle_cycles_ = (any_requests || !ready.empty()) ? 0 : idle_cycles_ + 1;
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    ++stats_.cycles;
-    stats_.control_bytes_sent += sent;
-    stats_.responses += static_cast<int64_t>(ready.size());
-    for (const Response& r : ready) {
-      if (r.names.size() > 1) ++stats_.fused_responses;
-    }
-  }
-  const bool lone = ready.size() == 1;
-  // Whether this rank was in join() when the cycle's message left: a
-  // response of this cycle that it lacks may come after the join's own
-  // (responses are in the order tensors were first seen), and it still
-  // takes part in that one with zeros.
-  bool joined;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    joined = joined_;
-  }
-  for (Response& r : ready) Dispatch(std::move(r), lone, any_in_plan, joined);
-  if (!plan_.active() && !*stop && negotiator_->PlanReady()) EnterOffline();
-}
 
-void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool joined) {
-  if (!response.real_request.empty() && !response.real_request[options_.rank]) {
+void Controller::Dispatch(Response response, bool lone, bool any_in_plan, bool joined) {
+  if (!response.real_request.empty() && !response.real_request[rt_.options_.rank]) {
     // The refusal of a call this rank refused too: its request of the name,
     // if any, is a later call.
     return;
@@ -251,11 +289,11 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
   std::vector<std::shared_ptr<Request>> siblings;  // of a failed grouped call
   std::string not_submitted, fatal;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(rt_.mu_);
     for (size_t i = 0; i < response.names.size(); ++i) {
-      auto it = pending_.find(response.names[i]);
-      if (it == pending_.end()) {
-        const bool abandoned = abandoned_.erase(response.names[i]) > 0;
+      auto it = rt_.pending_.find(response.names[i]);
+      if (it == rt_.pending_.end()) {
+        const bool abandoned = rt_.abandoned_.erase(response.names[i]) > 0;
         if (!response.error.ok()) continue;
         // Only a rank in join() may lack a name: it takes part with zeros.
         // Any other rank would add zeros nobody asked for to the result.
@@ -264,11 +302,11 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
           fatal = abandoned
                       ? "the others ran " + std::string(OpTypeName(response.op)) + " of '" +
                             not_submitted + "', which rank " +
-                            std::to_string(WorldRank(options_.rank)) +
+                            std::to_string(rt_.WorldRank(rt_.options_.rank)) +
                             " gave up when another tensor of its grouped call failed"
                       : "internal error: negotiation started " +
                             std::string(OpTypeName(response.op)) + " of '" + not_submitted +
-                            "', which rank " + std::to_string(WorldRank(options_.rank)) +
+                            "', which rank " + std::to_string(rt_.WorldRank(rt_.options_.rank)) +
                             " has not submitted and it is not in join()";
           break;
         }
@@ -276,12 +314,12 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
         continue;
       }
       requests.push_back(it->second);
-      pending_.erase(it);
+      rt_.pending_.erase(it);
     }
     if (!response.error.ok()) {
       // Names this rank has not sent yet (still queued for the next cycle).
       std::unordered_set<std::string> unsent;
-      for (const TensorMeta& m : queue_) unsent.insert(m.name);
+      for (const TensorMeta& m : rt_.queue_) unsent.insert(m.name);
       // What fails here leaves the queue: a request failed here may have
       // arrived after this cycle's message was sent, and its queued copy
       // would pair with another rank's retry of that name in the next cycle
@@ -294,30 +332,30 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
       for (const auto& q : requests) {
         if (!q->call) continue;
         for (const std::string& name : *q->call) {
-          auto it = pending_.find(name);
-          if (it == pending_.end() || it->second->call != q->call) continue;
-          if (plan_.active() && (it->second->meta.flags & kMetaPlannable)) continue;
-          if (!unsent.count(name)) abandoned_.insert(name);  // the others know of it
+          auto it = rt_.pending_.find(name);
+          if (it == rt_.pending_.end() || it->second->call != q->call) continue;
+          if (rt_.plan_.active() && (it->second->meta.flags & kMetaPlannable)) continue;
+          if (!unsent.count(name)) rt_.abandoned_.insert(name);  // the others know of it
           drop.insert(name);
           siblings.push_back(it->second);
-          pending_.erase(it);
+          rt_.pending_.erase(it);
         }
       }
       if (!unsent.empty()) {
-        queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
+        rt_.queue_.erase(std::remove_if(rt_.queue_.begin(), rt_.queue_.end(),
                                     [&](const TensorMeta& m) { return drop.count(m.name); }),
-                     queue_.end());
+                     rt_.queue_.end());
       }
     }
     if (!not_submitted.empty()) {
       // Back where Fail() finds them: they fail with the job.
-      for (auto& q : requests) pending_.emplace(q->meta.name, q);
+      for (auto& q : requests) rt_.pending_.emplace(q->meta.name, q);
     } else if (response.op == OpType::kJoin) {
-      joined_ = false;
+      rt_.joined_ = false;
     }
   }
   if (!not_submitted.empty()) {
-    Fail(fatal);
+    rt_.Fail(fatal);
     return;
   }
 
@@ -332,7 +370,7 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
                                 q->meta.name + "' did not run: '" + response.names[0] +
                                 "' of the same grouped call failed: " + response.error.message));
     }
-    if (faults_ && !response.error.ok()) faults_->AfterErrorResponse();
+    if (rt_.faults_ && !response.error.ok()) rt_.faults_->AfterErrorResponse();
     return;
   }
   // Online work uses the first `streams` streams in turn; while any rank
@@ -341,13 +379,13 @@ void Runtime::Dispatch(Response response, bool lone, bool any_in_plan, bool join
   // its own plan state: ranks leave a plan at their own pace), so each
   // collective runs on the same stream everywhere.
   int stream = any_in_plan
-                   ? options_.streams
-                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(options_.streams));
-  if (lone && executor_->RunHereIfIdle(stream, response, requests)) return;
-  executor_->Submit(stream, std::move(response), std::move(requests));
+                   ? rt_.options_.streams
+                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(rt_.options_.streams));
+  if (lone && rt_.executor_->RunHereIfIdle(stream, response, requests)) return;
+  rt_.executor_->Submit(stream, std::move(response), std::move(requests));
 }
 
-std::shared_ptr<Request> Runtime::StandIn(const Response& response, size_t index) {
+std::shared_ptr<Request> Controller::StandIn(const Response& response, size_t index) {
   auto q = std::make_shared<Request>();
   q->meta = response.metas[index];
   q->done = [](const Status&) {};

@@ -13,6 +13,7 @@
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
+#include "cc/runtime/controller.h"
 #include "cc/runtime/faults.h"
 #include "cc/runtime/fusion.h"
 #include "cc/runtime/runtime_internal.h"
@@ -21,6 +22,9 @@
 #include "cc/transport/factory.h"
 
 namespace perseus {
+Runtime::Runtime() = default;
+Runtime::~Runtime() = default;
+
 int Runtime::WorldRank(int r) const {
   return options_.global_ranks.empty() ? r : options_.global_ranks[r];
 }
@@ -37,7 +41,7 @@ const char* Runtime::state_name() const {
 
 Status Runtime::Init(const InitOptions& options) {
   if (state_.load() == State::kRunning) return Status::OK();
-  if (background_.joinable()) Shutdown();
+  if (controller_) Shutdown();  // the last round failed or was aborted
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return Status::Error(StatusCode::kInvalidArgument,
                          "rank " + std::to_string(options.rank) + " is outside world size " +
@@ -130,12 +134,6 @@ Status Runtime::Init(const InitOptions& options) {
                              " of " + std::to_string(options.size) + ": " + e.what());
   }
   if (options.process_set_id == 0 && options.size > 1) StartHeartbeat();
-  std::vector<int> world_ranks = options.global_ranks;
-  negotiator_.reset(new Negotiator(options.size, options.fusion_threshold_bytes, world_ranks,
-                                   [this](int64_t b) {
-                                     return PlanBucketBytes(b, options_.fusion_granularity,
-                                                            options_.fusion_threshold_bytes);
-                                   }));
   joined_ = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -155,9 +153,7 @@ Status Runtime::Init(const InitOptions& options) {
     stats_.shm = transports_->shm();
     stats_.round = round_;
   }
-  dispatched_ = 0;
   state_ = State::kRunning;
-  last_cycle_ = started_ = Clock::now();
   plan_waiting_ = false;
   mark_cycles_ = true;
   timeline_.Start(options.process_set_id == 0 ? options.timeline_path : std::string(),
@@ -204,7 +200,8 @@ Status Runtime::Init(const InitOptions& options) {
     return b;
   };
   executor_.reset(new Executor(ec));
-  background_ = std::thread(&Runtime::BackgroundLoop, this);
+  controller_.reset(new Controller(*this));
+  controller_->Start();
   return Status::OK();
 }
 
@@ -214,7 +211,7 @@ void Runtime::Shutdown() {
     shutdown_requested_ = true;
   }
   queue_cv_.notify_all();
-  if (background_.joinable()) background_.join();
+  if (controller_) controller_->Join();
   {
     // From here on Enqueue refuses calls (nothing would run them).
     std::lock_guard<std::mutex> lock(mu_);
@@ -224,6 +221,9 @@ void Runtime::Shutdown() {
     executor_->Stop();
     executor_->ReleaseDevices();
   }
+  // Nothing runs the round's plan buckets any more (their closures call
+  // the controller): the round's control plane goes whole.
+  controller_.reset();
   FailAllPending(Status::Error(StatusCode::kUnavailable,
                                "Perseus was shut down before this collective ran"));
   StopHeartbeat();

@@ -11,8 +11,9 @@
 //   process_sets.cc  the registry of runtimes by process-set id
 //   connect.cc       roll call and connecting the transport
 //   request.cc       local validation of a request
-//   controller.cc    background loop, negotiation cycle, stall budget
-//   plan.{h,cc}      OfflinePlan, the plan state machine; offline.cc drives it;
+//   controller.{h,cc} Controller, a round's negotiation thread: the cycle,
+//                    the stall budget, dispatch; offline.cc its offline mode
+//   plan.{h,cc}      OfflinePlan, the plan state machine;
 //                    plan_check.cc compares the ranks' plans
 //   executor.{h,cc}  Executor: streams, execute switch, plain/fused allreduce
 //   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions)
@@ -56,6 +57,7 @@ namespace perseus {
 class GlooTransport;
 class TransportSet;
 class StoreClient;
+class Controller;
 
 // The first failure of any runtime in this process (world or process set):
 // when it was seen, and which world ranks it was blamed on (empty: none
@@ -84,6 +86,8 @@ class Runtime {
   // Ids of the process sets this process belongs to and has not removed,
   // besides the world (running or stopped).
   static std::vector<int> ProcessSetIds();
+
+  ~Runtime();
 
   Status Init(const InitOptions& options);
   // Collective: asks every rank to stop, drains, closes connections.
@@ -126,39 +130,20 @@ class Runtime {
  private:
   enum class State { kUninitialized, kRunning, kFailed, kShutdown };
 
-  Runtime() = default;
+  friend class Controller;
+
+  Runtime();
   // World rank of member `r` (names in error messages are world ranks).
   int WorldRank(int r) const;
-  std::shared_ptr<Request> StandIn(const Response& response, size_t index);
-  void BackgroundLoop();
-  void RunCycle(bool* stop);
   // Local checks of one request (may adjust its compression and flags).
   Status Check(Request& request);
   // Why a request cannot run when the runtime is not running (`state`);
   // the caller holds mu_.
   Status StoppedStatus(State state) const;
-  // Hands a response with its local requests to the executor. lone: the
-  // cycle's only response, which may run on this thread. any_in_plan: some
-  // rank runs an offline plan in this cycle (then online work takes the
-  // extra stream on every rank).
-  // joined: this rank was in join() when the cycle began (it may lack names).
-  void Dispatch(Response response, bool lone, bool any_in_plan, bool joined);
-  // Offline mode (plan.cc): runs plan_'s buckets, negotiates the rest.
-  void RunOffline(bool* stop);
-  // How long plannable requests wait for a plan bucket this rank cannot
-  // complete before it votes to leave the plan.
-  std::chrono::milliseconds PlanDeadline() const;
-  void ReportPlanTimeoutLocked(std::chrono::steady_clock::time_point oldest);
-  void EnterOffline();
-  void LeaveOfflineLocked();
   // Plan check: this rank's digest of the plan, and the check itself
   // (throws, naming the first tensor where the ranks' plans differ).
   std::shared_ptr<PlanDigest> DigestPlanLocked(int64_t step) const;
   void CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce);
-  // A plan bucket's collective finished with `votes`; false: do not deliver
-  // (the real requests go back to pending, to be negotiated online).
-  bool PlanBucketFinished(int64_t votes, const std::vector<std::shared_ptr<Request>>& requests,
-                          int plan_index);
   // Perf check: a step's per-rank times (from the first bucket's slots).
   void PerfCheckStep(const std::vector<double>& ms_by_rank);
   void Fail(const std::string& what);
@@ -203,7 +188,6 @@ class Runtime {
   void StopHeartbeat();
   std::unique_ptr<GlooTransport> transport_;
   std::unique_ptr<TransportSet> transports_;  // the data plane's (factory.h)
-  std::unique_ptr<Negotiator> negotiator_;
 
   std::mutex mu_;  // guards queue_, pending_, shutdown_requested_, failure_
   std::condition_variable queue_cv_;
@@ -216,11 +200,9 @@ class Runtime {
   std::string shutdown_by_;
   int shutdown_by_rank_ = -1;  // the rank (in this runtime) whose shutdown ended it
 
-  std::thread background_;
-  std::chrono::steady_clock::time_point last_cycle_;
-  std::chrono::steady_clock::time_point started_;  // Init (this rank's clock origin)
-  int idle_cycles_ = 0;
-  uint64_t dispatched_ = 0;
+  // This round's negotiation thread and its state (controller.h): made by
+  // Init, joined and destroyed by Shutdown.
+  std::unique_ptr<Controller> controller_;
   bool joined_ = false;  // this rank called join() and it has not completed
 
   // This rank's offline plan (plan.h); guarded by mu_.
