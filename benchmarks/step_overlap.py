@@ -84,11 +84,14 @@ def worker(args):
     times = []
 
     cpu_at = []  # per-thread CPU seconds when the timed steps start and end
+    core_at = []  # the pinned core's busy and softirq seconds, likewise
 
     profile_dir = []
 
     def mark():
         times.append(time.perf_counter())
+        if len(times) in (args.warmup, steps):
+            core_at.append(_core_times())
         if args.threads and len(times) in (args.warmup, steps):
             cpu_at.append(_thread_cpu())
         if args.ops and len(times) == args.warmup:
@@ -177,6 +180,9 @@ def worker(args):
     gaps = [b - a for a, b in zip(times, times[1:])][args.warmup - 1:]
     result = {"ms": 1000 * statistics.median(gaps), "min": 1000 * min(gaps),
               "max": 1000 * max(gaps)}
+    if len(core_at) == 2 and None not in core_at:
+        result["core"] = {k: round(1000 * (core_at[1][i] - core_at[0][i]) / args.steps, 1)
+                          for i, k in enumerate(("busy ms/step", "softirq ms/step"))}
     if len(cpu_at) == 2:
         result["threads"] = _cpu_per_step(cpu_at[0], cpu_at[1], args.steps,
                                           times[-1] - times[args.warmup - 1])
@@ -216,6 +222,28 @@ def _op_times(profile_dir, steps, top=14):
     rows = sorted(ms.items(), key=lambda kv: -kv[1])
     return [("all ops", round(sum(ms.values()), 1), sum(count.values()) // steps)] + \
         [(op, round(t, 1), count[op] // steps) for op, t in rows[:top]]
+
+
+def _core_times():
+    """(busy, softirq) seconds of the one core this process is pinned to, from
+    /proc/stat: everything the core did that was not idle, whoever it was for.
+    This counts what a thread's own CPU time misses: the network stack's
+    softirq work, charged to no thread, or to whichever thread it interrupted.
+    None when the process may run on several cores."""
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) != 1:
+        return None
+    name = f"cpu{next(iter(cpus))}"
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        for line in f:
+            fields = line.split()
+            if fields[0] == name:
+                # user nice system idle iowait irq softirq steal ...
+                v = [int(x) for x in fields[1:9]]
+                busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
+                return busy / tick, v[6] / tick
+    return None
 
 
 def _thread_cpu():
@@ -411,16 +439,19 @@ def main(argv=None):
                                 "rate", rate, "burst", "256kb", "latency", "200ms"], check=True)
             for model in args.models.split(","):
                 rounds = {c: [] for c in contenders}
+                cores = {c: [] for c in contenders}
                 for r in range(args.rounds):
                     order = contenders if r % 2 == 0 else contenders[::-1]
                     for c in order:
                         result = run_contender(hosts, c, args, model)
                         rounds[c].append(result["ms"])
-                        for key in ("threads", "ops"):
+                        if "core" in result:
+                            cores[c].append(result["core"]["busy ms/step"])
+                        for key in ("core", "threads", "ops"):
                             if key in result:
                                 print(f"# {model} {rate} {c} {key}: "
                                       f"{json.dumps(result[key])}", flush=True)
-                _print_table(model, rate, contenders, rounds)
+                _print_table(model, rate, contenders, rounds, cores)
                 if args.timeline:
                     for c in ("strategy", "strategy, chained"):
                         _print_timeline(hosts, c, args, model)
@@ -461,28 +492,41 @@ def _print_timeline(hosts, contender, args, model, spans=12):
     sys.stdout.flush()
 
 
-def _print_table(model, rate, contenders, rounds):
+def _print_table(model, rate, contenders, rounds, cores):
     ms = {c: statistics.median(v) for c, v in rounds.items()}
     n = len(next(iter(rounds.values())))
     print(f"\n## {model}, link {rate}")
     print(", ".join(f"{c} {ms[c]:.0f} ms" for c in ("compute", "comm", "comm fp16") if c in ms))
-    print("(contenders sending float16 are compared with comm fp16)")
-    print("| contender | step ms | rounds ms | / max(compute, comm) | / (compute + comm) |")
-    print("|---|---|---|---|---|")
+    print("(contenders sending float16 are compared with comm fp16; 'core ms' is rank 0's "
+          "core busy per step, softirq included; 'floor' is compute's core ms + comm's core "
+          "ms, the step of perfect overlap on a core that does both)")
+    print("| contender | step ms | rounds ms | / max(compute, comm) | / (compute + comm) "
+          "| core ms | / floor |")
+    print("|---|---|---|---|---|---|---|")
+
+    def med(c):
+        return f"{statistics.median(cores[c]):.0f}" if len(cores.get(c, [])) == n else ""
+
     for c in contenders:
         if c == "compute" or c.startswith("comm"):
+            print(f"| {c} | {ms[c]:.0f} | {' '.join(f'{v:.0f}' for v in rounds[c])} | | | "
+                  f"{med(c)} | |")
             continue
         per_round = " ".join(f"{v:.0f}" for v in rounds[c])
-        comm = rounds.get("comm fp16" if c in FP16 else "comm")
+        comm_name = "comm fp16" if c in FP16 else "comm"
+        comm = rounds.get(comm_name)
         compute = rounds.get("compute")
         if comm and compute:
             to_max = statistics.median(rounds[c][i] / max(compute[i], comm[i]) for i in range(n))
             to_sum = statistics.median(rounds[c][i] / (compute[i] + comm[i]) for i in range(n))
-            print(f"| {c} | {ms[c]:.0f} | {per_round} | {to_max:.2f} | {to_sum:.2f} |")
+            floor = ""
+            if len(cores.get("compute", [])) == n and len(cores.get(comm_name, [])) == n:
+                floor = f"{statistics.median(rounds[c][i] / (cores['compute'][i] + cores[comm_name][i]) for i in range(n)):.2f}"
+            print(f"| {c} | {ms[c]:.0f} | {per_round} | {to_max:.2f} | {to_sum:.2f} | "
+                  f"{med(c)} | {floor} |")
         else:
-            print(f"| {c} | {ms[c]:.0f} | {per_round} | | |")
+            print(f"| {c} | {ms[c]:.0f} | {per_round} | | | {med(c)} | |")
     sys.stdout.flush()
-
 
 if __name__ == "__main__":
     main()
