@@ -13,6 +13,9 @@ rounds:
   strategy        PerseusStrategy `fit`, defaults (float16 with the gradient scale)
   strategy, chained   PerseusStrategy `fit` (defaults) with the gradient groups
                   run one after another in program order, as before overlap
+  X, TF order     contender X with the weight gradients in TF's own order
+                  (perseus_tf._backprop_order off): with one inter-op thread
+                  TF computes them all at the end of backprop
   shim none       `fit` with perseus_tf.horovod.keras.DistributedOptimizer
   shim fp16       the same with Compression.fp16
   mwms            MultiWorkerMirroredStrategy `fit` (TF 2.15 only: Keras 3's
@@ -40,6 +43,7 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,6 +84,10 @@ def worker(args):
     except ImportError:
         keras = tf.keras
     contender = args.worker
+    if contender.endswith(", TF order"):
+        from perseus_tf import _backprop_order
+        _backprop_order.ENABLED = False
+        contender = contender[:-len(", TF order")]
     steps = args.warmup + args.steps
     times = []
 
@@ -338,7 +346,7 @@ def run_contender(hosts, contender, args, model, env_extra=None):
     # What `import perseus_tf` sets, for every contender (the baselines too).
     env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     env.update(env_extra or {})
-    if contender == "strategy fp32":
+    if contender.startswith("strategy fp32"):
         env["PERSEUS_ALLREDUCE_DTYPE"] = "1"
     port = 20000 + secrets.randbelow(10000)
     common = dict(env, PERSEUS_MASTER_ADDR=hosts.addrs[0], PERSEUS_MASTER_PORT=str(port),
@@ -407,6 +415,9 @@ def main(argv=None):
     if args.worker:
         return worker(args)
 
+    # A SIGTERM (a timeout, a killed run) unwinds through the finally blocks
+    # that remove the namespaces, the shaped links and /etc/netns files.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from netns_hosts import NetnsHosts, missing_requirements
     import tensorflow as tf
@@ -415,7 +426,7 @@ def main(argv=None):
         sys.exit(f"step_overlap.py: {why}")
     contenders = [c.replace("+", ", ") for c in args.contenders.split(",")]
     for c in contenders:
-        if c not in CONTENDERS:
+        if c.replace(", TF order", "") not in CONTENDERS:
             sys.exit(f"--contenders: unknown {c!r}; choose from {', '.join(CONTENDERS)}")
     if tf.__version__ >= "2.16" and "mwms" in contenders:
         contenders.remove("mwms")  # Keras 3's fit fails under MWMS (PerReplica to Tensor)
@@ -453,8 +464,9 @@ def main(argv=None):
                                       f"{json.dumps(result[key])}", flush=True)
                 _print_table(model, rate, contenders, rounds, cores)
                 if args.timeline:
-                    for c in ("strategy", "strategy, chained"):
-                        _print_timeline(hosts, c, args, model)
+                    for c in contenders:
+                        if c.startswith(("strategy", "shim")):
+                            _print_timeline(hosts, c, args, model)
         finally:
             for path in reversed(made):  # the hosts files, then /etc/netns if made here
                 if os.path.isdir(path):
@@ -513,7 +525,7 @@ def _print_table(model, rate, contenders, rounds, cores):
                   f"{med(c)} | |")
             continue
         per_round = " ".join(f"{v:.0f}" for v in rounds[c])
-        comm_name = "comm fp16" if c in FP16 else "comm"
+        comm_name = "comm fp16" if c.replace(", TF order", "") in FP16 else "comm"
         comm = rounds.get(comm_name)
         compute = rounds.get("compute")
         if comm and compute:

@@ -16,6 +16,7 @@ from tensorflow.python.distribute import distribute_utils
 from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values as values_lib
 
+from perseus_tf import _backprop_order
 from perseus_tf import _gradients
 from perseus_tf import _native
 from perseus_tf import ops as perseus_ops
@@ -132,6 +133,13 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
                 by_dtype = {(dtype, 0): idx for dtype, idx in by_dtype.items()}
             reduced = list(locals_)
             gradients = _gradients.active()
+            if gradients:
+                # Each group's gradients are computed before backprop goes on
+                # past it (_backprop_order), whatever TF's executor prefers.
+                stages = {}
+                for (_, n), idx in by_dtype.items():
+                    stages.setdefault(n, []).extend(locals_[i] for i in idx)
+                _backprop_order.order([stages[n] for n in sorted(stages)])
             compression = _native.gradient_compression() if gradients else 0
             # Accumulating gradients (PERSEUS_ACCUMULATE_N_STEPS): reduce only
             # on apply steps; other steps' values are not used.

@@ -161,6 +161,13 @@ class CollectiveKernel : public AsyncOpKernel {
     gpu_ = c->device_type() == DeviceType(DEVICE_GPU);
   }
 
+  // Starting a collective only checks and queues it (the work runs on the
+  // runtime's threads), so TF's executor may start it inline, as soon as
+  // its inputs exist. Otherwise, on CPU, TF queues it behind the other
+  // ready work: with one inter-op thread, behind the rest of
+  // back-propagation, and no gradient group could start before it ends.
+  bool IsExpensive() override { return false; }
+
  protected:
   // Fills meta from input `index`; returns false (with ctx status set) on error.
   bool Prepare(OpKernelContext* ctx, int index, OpType op, Request* req) {

@@ -9,7 +9,7 @@ import warnings
 
 import tensorflow as tf
 
-from perseus_tf import ops
+from perseus_tf import _backprop_order, ops
 from perseus_tf._accumulator import GradientAccumulator
 from perseus_tf.horovod import _basics
 from perseus_tf.horovod._collectives import (Adasum, Average, Sum, _device, _runtime_fp16,
@@ -120,7 +120,12 @@ class GradientReducer:
         if not shared or not ps.included() or set_size <= 1:
             return out
         with tf.name_scope(self.name + "_Allreduce"):
-            for group in self._group_indices(shared, variables, grads):
+            groups = self._group_indices(shared, variables, grads)
+            if self.groups is None:
+                # Each group's gradients are computed before backprop goes on
+                # past it (a graph only; eagerly they all exist already).
+                _backprop_order.order([[grads[i] for i in group] for group in groups])
+            for group in groups:
                 for i, g in zip(group, self._reduce_group([grads[i] for i in group])):
                     out[i] = g
         return out

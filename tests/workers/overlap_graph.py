@@ -7,17 +7,22 @@ the step (not inside a cond branch, where every input waits for the cond):
 - there are several PerseusGroupedAllreduce ops of gradients;
 - the group holding the last layer's gradient does not depend, through data
   or control edges, on the first layer's gradient;
-- no group depends on another group.
+- no group depends on another group;
+- the first layer's gradient waits for the last layer's (through the control
+  edges of perseus_tf._backprop_order): weight gradients are computed as
+  backprop reaches them, not all at its end.
 
 `chained()` puts TF's automatic control dependencies back between groups (as
-on a TF without the order-insensitive set): the non-overlapped path, whose
-results the overlapped path must reproduce.
+on a TF without the order-insensitive set) and leaves weight gradients in
+TF's own order: the non-overlapped path, whose results the overlapped path
+must reproduce.
 """
 
 import contextlib
 
 from tensorflow.python.framework import auto_control_deps as acd
 
+from perseus_tf import _backprop_order
 from perseus_tf import ops as perseus_ops
 
 OP = "PerseusGroupedAllreduce"
@@ -49,10 +54,12 @@ def chained():
     """Traces made inside run the groups in program order, one after another."""
     before = acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS
     acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = before - frozenset([OP])
+    _backprop_order.ENABLED = False
     try:
         yield
     finally:
         acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS = before
+        _backprop_order.ENABLED = True
 
 
 def _ancestors(op):
@@ -97,4 +104,6 @@ def overlaps(graphs, first_shape, last_shape):
         f"all gradients")
     independent = not {p.name for p in producers} & _ancestors(last)
     unchained = not any(op.name in _ancestors(other) for op in groups for other in groups)
-    return independent and unchained
+    last_producers = {t.op.name for t in last.inputs if t.shape.as_list() == last_shape}
+    early = last_producers <= _ancestors(producers[0]) | {producers[0].name}
+    return independent and unchained and early
