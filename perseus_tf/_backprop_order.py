@@ -28,19 +28,6 @@ import tensorflow as tf
 ENABLED = True
 
 
-def _ancestors(ops, seen):
-    """Adds to `seen` (names) every op that `ops` depend on, themselves
-    included, through data and control edges."""
-    todo = list(ops)
-    while todo:
-        op = todo.pop()
-        if op.name in seen:
-            continue
-        seen.add(op.name)
-        todo.extend(t.op for t in op.inputs)
-        todo.extend(op.control_inputs)
-
-
 def _region(ops, stop):
     """The ops that `ops` depend on (themselves included) outside `stop`."""
     region, todo = {}, list(ops)
@@ -69,7 +56,7 @@ def order(groups):
     done = set()  # op names that groups 0..k depend on
     edges = 0
     for k in range(len(stages) - 1):
-        _ancestors([t.op for t in stages[k]], done)
+        done.update(_region([t.op for t in stages[k]], done))
         later = _region([t.op for t in stages[k + 1]], done)
         frontier = [op for op in later.values()
                     if any(t.op.name in done for t in op.inputs)
