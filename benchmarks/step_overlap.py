@@ -331,8 +331,10 @@ def horovod_hostnames(hosts):
     return made
 
 
-def run_contender(hosts, contender, args, model, env_extra=None):
-    """Starts one process per host (pinned to core h) and returns rank 0's result."""
+def run_contender(hosts, contender, args, model, env_extra=None, tree=ROOT):
+    """Starts one process per host (pinned to core h) and returns rank 0's result.
+    `tree`: the source tree whose perseus_tf the ranks import. Hosts whose
+    `one_host` is true are one machine: both ranks are local ranks of it."""
     from netns_hosts import communicate_all  # on sys.path from main()
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -341,7 +343,7 @@ def run_contender(hosts, contender, args, model, env_extra=None):
     if args.ops:
         cmd.append("--ops")
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
     # What `import perseus_tf` sets, for every contender (the baselines too).
     env["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
@@ -370,6 +372,10 @@ def run_contender(hosts, contender, args, model, env_extra=None):
             cluster = {"worker": [f"{a}:{port + 1}" for a in hosts.addrs]}
             henv = dict(env, TF_CONFIG=json.dumps({"cluster": cluster,
                                                     "task": {"type": "worker", "index": h}}))
+        elif getattr(hosts, "one_host", False):
+            henv = dict(common, PERSEUS_RANK=str(h), PERSEUS_SIZE="2", PERSEUS_LOCAL_RANK=str(h),
+                        PERSEUS_LOCAL_SIZE="2", PERSEUS_CROSS_RANK="0",
+                        PERSEUS_CROSS_SIZE="1", PERSEUS_HOST_ADDR=hosts.addrs[h])
         else:
             henv = dict(common, PERSEUS_RANK=str(h), PERSEUS_SIZE="2", PERSEUS_LOCAL_RANK="0",
                         PERSEUS_LOCAL_SIZE="1", PERSEUS_CROSS_RANK=str(h),
@@ -538,7 +544,26 @@ def _print_table(model, rate, contenders, rounds, cores):
                   f"{med(c)} | {floor} |")
         else:
             print(f"| {c} | {ms[c]:.0f} | {per_round} | | | {med(c)} | |")
+    _print_speedups(rounds, n)
     sys.stdout.flush()
+
+
+def _print_speedups(rounds, n):
+    """Baseline step / ours, per round then the median. For MWMS also its
+    ceiling: MWMS / max(compute, comm), what a step of perfect overlap would
+    reach, since no fp32 step is shorter than compute alone or than comm
+    alone (the same wire, the same float32 bytes)."""
+    pairs = [("mwms", "strategy"), ("mwms", "strategy fp32"), ("horovod", "shim none"),
+             ("horovod", "shim fp16")]
+    for base, ours in pairs:
+        if base in rounds and ours in rounds:
+            r = [rounds[base][i] / rounds[ours][i] for i in range(n)]
+            print(f"{base} / {ours}: {statistics.median(r):.2f} "
+                  f"(rounds {' '.join(f'{v:.2f}' for v in r)})")
+    if "mwms" in rounds and "compute" in rounds and "comm" in rounds:
+        r = [rounds["mwms"][i] / max(rounds["compute"][i], rounds["comm"][i]) for i in range(n)]
+        print(f"ceiling of mwms / (an fp32 step): mwms / max(compute, comm) = "
+              f"{statistics.median(r):.2f}")
 
 if __name__ == "__main__":
     main()

@@ -208,3 +208,39 @@ def test_tf_adapter_benchmark_small_step_runs_from_the_plan():
     for case in (r"1 MiB", r"1 MiB x10 in one call"):
         row = re.search(rf"^{case}{figures}", proc.stdout, re.M)
         assert row and all(float(v) > 0 for v in row.groups()), proc.stdout
+
+
+def test_one_host_step_benchmark_compares_two_trees():
+    # This tree as its own --base: both columns run, the table has the
+    # contender's row with a ratio, and a tree without built libraries is
+    # refused by name.
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "one_host_step.py"), "--base", str(REPO),
+         "--models", "mlp", "--contenders", "strategy", "--rounds", "1", "--steps", "2",
+         "--warmup", "2", "--batch", "4"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    row = re.search(r"^\| strategy \| ([\d.]+) \| [\d. ]+ \| ([\d.]+) \| [\d. ]+ \| ([\d.]+) \|$",
+                    proc.stdout, re.M)
+    assert row and all(float(v) > 0 for v in row.groups()), proc.stdout
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "one_host_step.py"), "--base",
+         str(REPO / "tests")], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "has no perseus_tf/libperseus_core.so" in proc.stderr
+
+
+def test_step_overlap_prints_speedups_and_the_mwms_ceiling(capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import step_overlap
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    rounds = {"compute": [400, 420, 410], "comm": [100, 500, 95], "comm fp16": [70, 70, 70],
+              "strategy fp32": [450, 520, 470], "mwms": [600, 610, 590],
+              "horovod": [640, 700, 650], "shim none": [480, 530, 500]}
+    step_overlap._print_table("m", "1gbit", list(rounds), rounds, {})
+    out = capsys.readouterr().out
+    assert "mwms / strategy fp32: 1.26 (rounds 1.33 1.17 1.26)" in out, out
+    assert "horovod / shim none: 1.32 (rounds 1.33 1.32 1.30)" in out, out
+    # per round: 600/400, 610/500, 590/410
+    assert "mwms / max(compute, comm) = 1.44" in out, out
