@@ -29,9 +29,12 @@ def test_soak(np_, transport, steps, seed):
                         str(seed)], env=env, timeout=240)
     out = proc.stdout + proc.stderr
     summaries = re.findall(r"SOAK rank (\d+) steps (\d+) ops (\d+) failures (\d+) plans (\d+) "
-                           r"plan_exits (\d+)", out)
+                           r"plan_exits (\d+) offline_steps \d+ seconds [\d.]+ in_place (\d+)", out)
     assert proc.returncode == 0 and len(summaries) == np_, out[-4000:]
-    for rank, done, ops, failures, plans, exits in summaries:
+    for rank, done, ops, failures, plans, exits, in_place in summaries:
+        # Tensors of 4 MiB or more, which the runtime reduces in place, were
+        # drawn and checked.
+        assert int(in_place) > 0, summaries
         assert int(done) == steps and int(failures) == 0, out[-4000:]
         assert int(ops) > steps * 3, summaries
         # The gradient set changes every few dozen steps: plans are entered

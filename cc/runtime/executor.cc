@@ -22,6 +22,11 @@
 namespace perseus {
 namespace {
 
+// A tensor of this many bytes or more in a fused host bucket is reduced in
+// place rather than packed: copying it into the fusion buffer and back costs
+// more than one more allreduce's start.
+constexpr size_t kInPlaceBytes = size_t{4} << 20;
+
 std::string JsonEscape(const std::string& text) {
   std::string out;
   for (char c : text) {
@@ -448,16 +453,45 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
   const double post = PostScale(m0, options_.size);
   const bool carrier = r.carrier_vote >= 0;
   const bool mixed = m0.compression == kCompressMixed;
-  if (requests.size() == 1 && !carrier) {
-    Request& q = *requests[0];
-    size_t n = static_cast<size_t>(NumElements(q.meta.shape));
+  auto in_place = [&](Request& q) {
+    const size_t n = static_cast<size_t>(NumElements(q.meta.shape));
     plane.Copy(stream, {{q.input, q.output, n * esize}});
     plane.Scale(stream, q.output, dtype, n, m0.prescale);
     AllreduceBuffer(stream, plane, q.output, n, dtype, op, mixed ? n : 0);
     plane.Scale(stream, q.output, dtype, n, post);
+  };
+  if (requests.size() == 1 && !carrier) {
+    in_place(*requests[0]);
     return true;
   }
   // Fused bucket: pack, reduce once (with a plan bucket's extras), unpack.
+  // Tensors of kInPlaceBytes or more (decided from the response, so alike on
+  // every rank) skip the packing: each is reduced where it is, after the
+  // packed rest, so only once the plan's vote says the results are kept.
+  Requests packed, large;
+  for (auto& q : requests) {
+    const bool big = !mixed && static_cast<size_t>(NumElements(q->meta.shape)) * esize >=
+                                   kInPlaceBytes;
+    (big ? large : packed).push_back(q);
+  }
+  if (packed.empty() && !carrier) {
+    for (auto& q : large) in_place(*q);
+    return true;
+  }
+  if (!FusedAllreduce(stream, plane, r, packed)) return false;
+  for (auto& q : large) in_place(*q);
+  return true;
+}
+
+bool Executor::FusedAllreduce(int stream, DataPlane& plane, const Response& r,
+                              Requests& requests) {
+  const TensorMeta& m0 = r.metas[0];
+  const DataType dtype = m0.dtype;
+  const size_t esize = DataTypeSize(dtype);
+  const ReduceOp op = m0.reduce_op;
+  const double post = PostScale(m0, options_.size);
+  const bool carrier = r.carrier_vote >= 0;
+  const bool mixed = m0.compression == kCompressMixed;
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
   const size_t extras = ExtraSlots(r);

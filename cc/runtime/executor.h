@@ -116,6 +116,10 @@ class Executor {
   // On `plane`, the plane of the requests (PlaneOf).
   bool Execute(int stream, DataPlane& plane, const Response& r, Requests& requests);
   bool Allreduce(int stream, DataPlane& plane, const Response& r, Requests& requests);
+  // Packs `requests` (possibly none) with a plan bucket's extras into the
+  // fusion buffer, reduces it once and unpacks; false when the plan's vote
+  // says not to deliver.
+  bool FusedAllreduce(int stream, DataPlane& plane, const Response& r, Requests& requests);
   // Allreduces a buffer of `plane` (staged through host memory when it is
   // a device's: the transports move host memory).
   void AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,

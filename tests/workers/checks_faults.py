@@ -90,8 +90,10 @@ def check_b_no_plan_step_is_started_by_some_ranks_only():
     # shared-memory timeout). Now a step starts only once the previous
     # step's votes are known, alike everywhere: every rank leaves, and the
     # job goes on with right sums.
+    # a is large enough (4.4 MB) that the runtime reduces it in place, after
+    # the bucket's votes: a voted-down bucket must leave it untouched.
     def call(name, dtype, step):
-        x = np.full(1000, R + step, dtype)
+        x = np.full(1_100_000 if name == "orphan.a" else 1000, R + step, dtype)
         return name, x, step, _core.submit_group([x], [name], DTYPE_CODES[dtype], plannable=True)
 
     def wait(handles):

@@ -28,7 +28,9 @@ compression, whose error must stay within FP16_BOUND of the sum of
 magnitudes.
 
 Prints "SOAK-FAIL ..." for each wrong result (the first 20) and, at the end,
-"SOAK rank R steps S ops O failures F plans P plan_exits E seconds T".
+"SOAK rank R steps S ops O failures F plans P plan_exits E seconds T in_place I"
+(I: results checked of fused tensors of 4 MiB or more, which the runtime
+reduces in place).
 Exit status 1 when any result was wrong or a collective raised.
 """
 
@@ -53,6 +55,10 @@ GRADIENT_DTYPES = ["float32", "float32", "float32", "float16", "float64", "bfloa
                    "int64"]
 # About this share of gradient tensors has 100,000-300,000 elements.
 LARGE_SHARE = 0.03
+# This share of gradient sets also has one tensor of 4-9.6 MB (float32,
+# float64, int32 or int64; fp16 compression reduces it packed).
+HUGE_SHARE = 0.25
+IN_PLACE_BYTES = 4 << 20  # cc/runtime/executor.cc's kInPlaceBytes
 REDUCE = {"sum": 0, "average": 1, "min": 2, "max": 3, "product": 4}
 
 
@@ -135,6 +141,7 @@ class Soak:
         self.shared = np.random.default_rng(seed)          # same on every rank
         self.own = np.random.default_rng(seed * 7919 + self.rank + 1)  # this rank's order
         self.failures, self.ops, self.reported = 0, 0, 0
+        self.huge_drawn, self.in_place = False, 0
         self.gradient_set = None
         self.set_left = 0
         # A process set of half the ranks (at least two), added collectively.
@@ -178,6 +185,14 @@ class Soak:
             else:
                 shape = self.shape(min_rank=1)
             tensors.append((f"grad.s{step}.t{i}", dtype, shape))
+        if not self.huge_drawn or r.random() < HUGE_SHARE:
+            # The runtime reduces a fused tensor of 4 MiB or more in place,
+            # after the packed rest of its bucket: one such tensor, at a
+            # random place in the set (the first set always has one).
+            dtype = str(r.choice(["float32", "float64", "int32", "int64"]))
+            at = int(r.integers(0, len(tensors) + 1))
+            tensors.insert(at, (f"grad.s{step}.huge", dtype, (int(r.integers(1_050_000, 1_200_001)),)))
+            self.huge_drawn = True
         fp16 = bool(r.random() < 0.3)
         singles = int(r.integers(0, 3))
         # Mostly short-lived sets (plans entered and left often), sometimes
@@ -263,6 +278,7 @@ class Soak:
                         self.fail(step, f"fp16 gradient {name}", got, want)
                 else:
                     self.check_equal(step, f"gradient {name} {dtype}", got, want)
+                    self.in_place += got.nbytes >= IN_PLACE_BYTES
         return submit, check
 
     def online_name(self, kind, step, j):
@@ -388,7 +404,8 @@ class Soak:
         st = _core.stats()
         print(f"SOAK rank {self.rank} steps {self.steps} ops {self.ops} failures {self.failures} "
               f"plans {st['plans']} plan_exits {st['plan_exits']} offline_steps "
-              f"{st['offline_steps']} seconds {time.time() - start:.1f}", flush=True)
+              f"{st['offline_steps']} seconds {time.time() - start:.1f} in_place {self.in_place}",
+              flush=True)
         _native.shutdown()
         return self.failures
 
