@@ -447,21 +447,9 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
     case kCompressDownsample: return downsample_->Allreduce(stream, plane, scratch, r, requests);
     default: break;
   }
-  const DataType dtype = m0.dtype;
-  const size_t esize = DataTypeSize(dtype);
-  const ReduceOp op = m0.reduce_op;
-  const double post = PostScale(m0, options_.size);
   const bool carrier = r.carrier_vote >= 0;
-  const bool mixed = m0.compression == kCompressMixed;
-  auto in_place = [&](Request& q) {
-    const size_t n = static_cast<size_t>(NumElements(q.meta.shape));
-    plane.Copy(stream, {{q.input, q.output, n * esize}});
-    plane.Scale(stream, q.output, dtype, n, m0.prescale);
-    AllreduceBuffer(stream, plane, q.output, n, dtype, op, mixed ? n : 0);
-    plane.Scale(stream, q.output, dtype, n, post);
-  };
   if (requests.size() == 1 && !carrier) {
-    in_place(*requests[0]);
+    InPlaceAllreduce(stream, plane, m0, *requests[0]);
     return true;
   }
   // Fused bucket: pack, reduce once (with a plan bucket's extras), unpack.
@@ -470,17 +458,23 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
   // packed rest, so only once the plan's vote says the results are kept.
   Requests packed, large;
   for (auto& q : requests) {
-    const bool big = !mixed && static_cast<size_t>(NumElements(q->meta.shape)) * esize >=
-                                   kInPlaceBytes;
-    (big ? large : packed).push_back(q);
+    const size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * DataTypeSize(m0.dtype);
+    (m0.compression != kCompressMixed && bytes >= kInPlaceBytes ? large : packed).push_back(q);
   }
-  if (packed.empty() && !carrier) {
-    for (auto& q : large) in_place(*q);
-    return true;
+  if (!packed.empty() || carrier) {
+    if (!FusedAllreduce(stream, plane, r, packed)) return false;
   }
-  if (!FusedAllreduce(stream, plane, r, packed)) return false;
-  for (auto& q : large) in_place(*q);
+  for (auto& q : large) InPlaceAllreduce(stream, plane, m0, *q);
   return true;
+}
+
+void Executor::InPlaceAllreduce(int stream, DataPlane& plane, const TensorMeta& m0, Request& q) {
+  const size_t n = static_cast<size_t>(NumElements(q.meta.shape));
+  plane.Copy(stream, {{q.input, q.output, n * DataTypeSize(m0.dtype)}});
+  plane.Scale(stream, q.output, m0.dtype, n, m0.prescale);
+  AllreduceBuffer(stream, plane, q.output, n, m0.dtype, m0.reduce_op,
+                  m0.compression == kCompressMixed ? n : 0);
+  plane.Scale(stream, q.output, m0.dtype, n, PostScale(m0, options_.size));
 }
 
 bool Executor::FusedAllreduce(int stream, DataPlane& plane, const Response& r,

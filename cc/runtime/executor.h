@@ -120,6 +120,8 @@ class Executor {
   // fusion buffer, reduces it once and unpacks; false when the plan's vote
   // says not to deliver.
   bool FusedAllreduce(int stream, DataPlane& plane, const Response& r, Requests& requests);
+  // One tensor reduced on its output (a copy there first when apart).
+  void InPlaceAllreduce(int stream, DataPlane& plane, const TensorMeta& m0, Request& q);
   // Allreduces a buffer of `plane` (staged through host memory when it is
   // a device's: the transports move host memory).
   void AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,
