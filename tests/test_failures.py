@@ -60,6 +60,22 @@ def test_killed_rank_during_two_level_allreduce_is_named(victim):
 
 
 @pytest.mark.parametrize("np_", [2, 4])
+def test_rank_that_lost_its_store_connection_is_named_long_before_the_timeout(np_):
+    """The last rank's connections to the store close while its process and
+    its Gloo sockets stay: Gloo alone would wait GLOO_TIMEOUT_SECONDS (60
+    here). The store's count of closed ranks, read with each heartbeat, makes
+    every survivor fail at once, naming it."""
+    proc = launch(np_, [sys.executable, os.path.join(WORKERS, "failure_worker.py"), "cut", "core"],
+                  env={"GLOO_TIMEOUT_SECONDS": "60"}, timeout=180)
+    assert proc.returncode != 0
+    reports = {r: v for r, v in _survivor_reports(proc, np_).items() if r != np_ - 1}
+    assert sorted(reports) == list(range(np_ - 1)), proc.stdout[-3000:] + proc.stderr[-3000:]
+    for seconds, message in reports.values():
+        assert f"rank {np_ - 1} exited or lost its connection" in message, message
+        assert seconds < 15, seconds
+
+
+@pytest.mark.parametrize("np_", [2, 4])
 def test_stuck_rank_is_named_after_the_timeout(np_):
     """A SIGSTOPped rank (its connections stay open) is named by every
     survivor within about 1.2 x GLOO_TIMEOUT_SECONDS: the timeout, then its

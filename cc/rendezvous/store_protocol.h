@@ -46,6 +46,9 @@ constexpr uint8_t kStatusTimeout = 1;
 // CLOSED_PREFIX + label.
 constexpr char kClosedPrefix[] = "__closed__/";
 constexpr size_t kClosedPrefixLen = 11;
+// ... and adds 1 to CLOSED_PREFIX + (label up to its last '/') + this.
+constexpr char kClosedCountSuffix[] = "/closed_count";
+constexpr size_t kClosedCountSuffixLen = 13;
 
 // Limits on what authenticated peers send; larger frames close the
 // connection. The runtime's largest value is a rank's Gloo address list,

@@ -17,6 +17,7 @@
 #include "cc/rendezvous/store_protocol.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/factory.h"
+#include "cc/transport/gloo_abortable.h"
 
 namespace perseus {
 namespace {
@@ -29,6 +30,18 @@ std::string ClosedKey(const std::string& round, int rank) {
 
 std::string LeftKey(const std::string& round, int rank) {
   return round + "/left/rank" + std::to_string(rank);
+}
+
+// Set by a rank whose runtime shut down normally, before its store
+// connection closes: its closing is no failure.
+std::string DoneKey(const std::string& round, int rank) {
+  return round + "/done/rank" + std::to_string(rank);
+}
+
+// How many ranks of the round closed their store connection (the store adds
+// to it as it sets each ClosedKey).
+std::string ClosedCountKey(const std::string& round) {
+  return store_protocol::kClosedPrefix + round + store_protocol::kClosedCountSuffix;
 }
 
 }  // namespace
@@ -89,6 +102,10 @@ void Runtime::Fail(const std::string& what) {
   Status status = Status::Error(StatusCode::kUnavailable, msg.str());
   RecordFirstFailure(culprits, msg.str());
   if (transports_) transports_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
+  // Peers waiting on this rank over TCP (a send it will never match, say)
+  // fail now, not at GLOO_TIMEOUT_SECONDS; so do this process's other waits.
+  // The census key written above tells them this rank is a survivor.
+  if (transport_) transport_->CloseAll(msg.str());
   {
     std::lock_guard<std::mutex> lock(mu_);
     failure_ = status;
@@ -170,12 +187,19 @@ void Runtime::StartHeartbeat() {
   }
   heartbeat_stop_ = false;
   const std::string key = HeartbeatKey(WorldRank(options_.rank));
-  heartbeat_ = std::thread([this, key] {
+  const std::string closed_key = ClosedCountKey(world_prefix_);
+  heartbeat_ = std::thread([this, key, closed_key] {
+    int64_t closed_seen = 0;
     std::unique_lock<std::mutex> lock(heartbeat_mu_);
     while (!heartbeat_stop_) {
       lock.unlock();
       try {
         heartbeat_store_->Add(key, 1);
+        const int64_t closed = heartbeat_store_->Add(closed_key, 0);
+        if (closed > closed_seen) {
+          closed_seen = closed;
+          WatchClosedPeers();
+        }
       } catch (const std::exception&) {
         return;  // the store is gone: nothing left to tell
       }
@@ -184,6 +208,49 @@ void Runtime::StartHeartbeat() {
                              [this] { return heartbeat_stop_; });
     }
   });
+}
+
+void Runtime::WatchClosedPeers() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // A shutdown agreed in negotiation: ranks that finish first close.
+    if (state_.load() != State::kRunning || shutdown_requested_ || !shutdown_by_.empty()) return;
+  }
+  // Dead: closed, and neither a survivor of a failure (census), nor gone
+  // by shutdown or abort (done, left). Over the heartbeat's own connection.
+  const std::string census = key_prefix_ + "/census/rank";
+  std::vector<char> ignored;
+  auto has = [&](const std::string& k) {
+    return heartbeat_store_->TryGet(k, std::chrono::milliseconds(0), &ignored);
+  };
+  std::vector<int> dead;
+  for (int r = 0; r < options_.size; ++r) {
+    const int w = WorldRank(r);
+    if (r != options_.rank && has(ClosedKey(world_prefix_, w)) &&
+        !has(census + std::to_string(r)) && !has(LeftKey(world_prefix_, w)) &&
+        !has(DoneKey(world_prefix_, w))) {
+      dead.push_back(w);
+    }
+  }
+  if (dead.empty()) return;
+  // Gloo may not wake a wait on a dead peer until GLOO_TIMEOUT_SECONDS (a
+  // send it could not write; gloo_abortable.h): fail now, and end the
+  // waits of this process's other contexts (process sets) too.
+  const std::string what = std::string("the store saw ") + (dead.size() == 1 ? "its" : "their") +
+                           " connection close while this rank ran collectives";
+  Fail(what);
+  AbortGlooWaits("Perseus rank " + std::to_string(options_.rank) + ": " + RankList(dead) +
+                 " exited or lost " + (dead.size() == 1 ? "its" : "their") +
+                 " connection; collectives cannot continue");
+}
+
+void Runtime::MarkDone() {
+  if (options_.process_set_id != 0 || !store_) return;
+  try {
+    store_->set(DoneKey(world_prefix_, WorldRank(options_.rank)), {'1'});
+  } catch (const std::exception&) {
+    // the store is gone: nobody is left to watch
+  }
 }
 
 void Runtime::StopHeartbeat() {

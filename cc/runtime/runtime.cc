@@ -227,6 +227,7 @@ void Runtime::Shutdown() {
   FailAllPending(Status::Error(StatusCode::kUnavailable,
                                "Perseus was shut down before this collective ran"));
   StopHeartbeat();
+  if (state_.load() == State::kShutdown) MarkDone();
   transports_.reset();
   transport_.reset();
   store_.reset();

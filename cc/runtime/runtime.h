@@ -186,6 +186,11 @@ class Runtime {
   std::string HeartbeatKey(int world_rank) const;
   void StartHeartbeat();
   void StopHeartbeat();
+  // From the heartbeat thread, when the store's count of closed ranks grows:
+  // fails the runtime at once if one of them died (health.cc).
+  void WatchClosedPeers();
+  // A normal shutdown's mark in the store, before the connection closes.
+  void MarkDone();
   std::unique_ptr<GlooTransport> transport_;
   std::unique_ptr<TransportSet> transports_;  // the data plane's (factory.h)
 

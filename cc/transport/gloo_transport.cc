@@ -1,5 +1,7 @@
 #include "cc/transport/gloo_transport.h"
 
+#include "cc/transport/gloo_abortable.h"
+
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
@@ -134,6 +136,7 @@ namespace {
 
 void CloseContext(const std::shared_ptr<gloo::Context>& context, const std::string& why) {
   if (!context) return;
+  AbortGlooDevice(context->getDevice(), why);  // waits Gloo would not wake (gloo_abortable.h)
   for (int peer = 0; peer < context->size; ++peer) {
     if (peer == context->rank) continue;
     if (gloo::transport::Pair* pair = context->getPair(peer).get()) FailGlooPair(pair, why);
@@ -159,7 +162,7 @@ std::shared_ptr<gloo::Context> GlooTransport::Connect(gloo::rendezvous::Store& s
   } else {
     attr.hostname = options_.host_addr.empty() ? "127.0.0.1" : options_.host_addr;
   }
-  auto device = gloo::transport::tcp::CreateDevice(attr);
+  auto device = WrapGlooDevice(gloo::transport::tcp::CreateDevice(attr), options_.timeout);
   auto ctx = std::make_shared<gloo::rendezvous::Context>(rank, size);
   ctx->setTimeout(options_.timeout);
   gloo::rendezvous::PrefixStore prefixed(options_.key_prefix + "/" + name, store);

@@ -42,8 +42,8 @@ import threading
 import time
 
 from perseus_tf.runner.store_protocol import (
-    ACCEPTED, CLIENT_PROOF_LABEL, CLOSED_PREFIX, CMD_ADD, CMD_GET, CMD_OWN, CMD_SET,
-    HANDSHAKE_TIMEOUT_S, HELLO, MAC_LEN, MAX_KEY_LEN, MAX_VALUE_LEN, NONCE_LEN,
+    ACCEPTED, CLIENT_PROOF_LABEL, CLOSED_COUNT_SUFFIX, CLOSED_PREFIX, CMD_ADD, CMD_GET, CMD_OWN,
+    CMD_SET, HANDSHAKE_TIMEOUT_S, HELLO, MAC_LEN, MAX_KEY_LEN, MAX_VALUE_LEN, NONCE_LEN,
     PROTOCOL_VERSION, REJECTED, SERVER_PROOF_LABEL, STATUS_OK, STATUS_TIMEOUT)
 
 # Connections the kernel completes before we accept them. socketserver's
@@ -160,6 +160,9 @@ class _Handler(socketserver.StreamRequestHandler):
         owner = getattr(self, "owner", None)
         if owner is not None:
             self.server.table.set(CLOSED_PREFIX + owner, b"1")
+            if b"/" in owner:
+                self.server.table.add(
+                    CLOSED_PREFIX + owner.rpartition(b"/")[0] + CLOSED_COUNT_SUFFIX, 1)
         super().finish()
 
     def handle(self):

@@ -37,7 +37,10 @@ Requests (any number, one at a time), each starting with u8 cmd
     CMD_OWN  u32 labellen, label -> u8 STATUS_OK. Marks the connection as
              owned by label (a rank). When it closes, for whatever reason,
              the server sets CLOSED_PREFIX + label: that is how the
-             surviving ranks learn which rank died.
+             surviving ranks learn which rank died. It also adds 1 to the
+             counter CLOSED_PREFIX + <label up to its last '/'> +
+             CLOSED_COUNT_SUFFIX, so one read tells a rank whether any
+             rank of its round closed.
     Any other command, a key or label over MAX_KEY_LEN bytes, a value over
     MAX_VALUE_LEN, an ADD on a key whose value is not 8 bytes, or an ADD
     that overflows i64 makes the server close the connection.
@@ -75,6 +78,8 @@ STATUS_TIMEOUT = 1
 # When a connection marked with OWN label closes, the server sets
 # CLOSED_PREFIX + label.
 CLOSED_PREFIX = b"__closed__/"
+# ... and adds 1 to CLOSED_PREFIX + (label up to its last '/') + this.
+CLOSED_COUNT_SUFFIX = b"/closed_count"
 
 # Limits on what authenticated peers send; larger frames close the
 # connection. The runtime's largest value is a rank's Gloo address list,

@@ -1,12 +1,15 @@
-"""One rank dies (SIGKILL) or hangs (SIGSTOP); the others must raise, naming it.
+"""One rank dies (SIGKILL), hangs (SIGSTOP) or loses its store connections
+while its process and its Gloo sockets stay (cut); the others must raise,
+naming it.
 
-Usage: failure_worker.py {kill|stop} {core|tf|tf_function}. FAILURE_VICTIM picks the rank
-(default: the last), FAILURE_ELEMENTS the tensor size (core). Survivors print
+Usage: failure_worker.py {kill|stop|cut} {core|tf|tf_function}. FAILURE_VICTIM picks the
+rank (default: the last), FAILURE_ELEMENTS the tensor size (core). Survivors print
 `REPORTED <seconds> <message>` once their collective fails.
 """
 
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -63,8 +66,33 @@ else:
 
 victim = int(os.environ.get("FAILURE_VICTIM", size - 1))
 collective(0)  # everyone is connected and working
+
+
+def cut_store_connections():
+    """Shuts down this process's TCP connections to the rendezvous store."""
+    port = int(os.environ["PERSEUS_RENDEZVOUS_PORT"])
+    cut = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == port:
+                s.shutdown(socket.SHUT_RDWR)
+                cut += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
+    assert cut >= 1, "no connection to the store found"
+
+
 if rank == victim:
-    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+    if mode == "cut":
+        cut_store_connections()
+    else:
+        os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
     time.sleep(600)
 time.sleep(0.5)
 start = time.time()
