@@ -239,9 +239,12 @@ void Runtime::WatchClosedPeers() {
   const std::string what = std::string("the store saw ") + (dead.size() == 1 ? "its" : "their") +
                            " connection close while this rank ran collectives";
   Fail(what);
-  AbortGlooWaits("Perseus rank " + std::to_string(options_.rank) + ": " + RankList(dead) +
-                 " exited or lost " + (dead.size() == 1 ? "its" : "their") +
-                 " connection; collectives cannot continue");
+  std::string failure;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure = failure_.message;
+  }
+  AbortGlooWaits(failure);
 }
 
 void Runtime::MarkDone() {
