@@ -32,6 +32,8 @@ def test_streams_are_chosen_from_cpus_per_local_rank_when_unset():
     ("PERSEUS_GRADIENT_MOMENTUM", "1.5", "(0, 1]"),
     ("PERSEUS_ACCUMULATE_N_STEPS", "0", "from 1 to 1024"),
     ("PERSEUS_OFFLINE_NEG_CHECK_N_STEPS", "-1", "an integer from 0 to 1000000000"),
+    ("PERSEUS_MALLOC_MMAP_THRESHOLD", "4096", "0 or an integer from 131072 to 33554432"),
+    ("PERSEUS_MALLOC_MMAP_THRESHOLD", str(64 << 20), "0 or an integer from 131072 to 33554432"),
 ])
 def test_bad_values_name_variable_and_range(variable, value, needle):
     with pytest.raises(ConfigError) as e:

@@ -59,6 +59,9 @@ class Config:
     # the ranks compare SIGTERM notices (strategy/keras_preempt.py); 0: after
     # every batch.
     preemption_check_seconds: float = 1.0
+    # glibc's mmap threshold that PerseusStrategy sets back after TF 2.21's
+    # tf.data froze it at 128 KiB (perseus_tf/_malloc.py); 0: leave it.
+    malloc_mmap_threshold: int = 32 * 1024 * 1024
 
 
 # field -> (variable, parser, description of the valid range)
@@ -78,6 +81,15 @@ def _choice(*values):
             raise ValueError
         return value
     return parse, "one of " + ", ".join(str(v) for v in values)
+
+
+def _zero_or_range(lo, hi):
+    def parse(text):
+        value = int(text)
+        if value != 0 and not lo <= value <= hi:
+            raise ValueError
+        return value
+    return parse, f"0 or an integer from {lo} to {hi}"
 
 
 def _float_range(lo, hi, lo_open=False):
@@ -130,6 +142,8 @@ VARIABLES = {
     "timeline": ("PERSEUS_TIMELINE", *_string()),
     "preemption_check_seconds": ("PERSEUS_PREEMPTION_CHECK_SECONDS",
                                  *_float_range(0, 3600)),
+    "malloc_mmap_threshold": ("PERSEUS_MALLOC_MMAP_THRESHOLD", *_zero_or_range(
+        128 * 1024, 32 * 1024 * 1024)),
 }
 
 

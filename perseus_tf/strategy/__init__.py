@@ -38,6 +38,7 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from perseus_tf import _gradients
+from perseus_tf import _malloc
 from perseus_tf import _native
 from perseus_tf import config
 from perseus_tf import ops as perseus_ops
@@ -291,6 +292,9 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         tf.distribute.Strategy.__init__(self, extended)
         self._accumulate_n_steps = cfg.accumulate_n_steps
         self._preemption_check_seconds = cfg.preemption_check_seconds
+        # Before any dataset is distributed: TF 2.21's input iterator would
+        # otherwise leave every large malloc of the step an mmap (_malloc).
+        _malloc.restore(cfg.malloc_mmap_threshold)
         if self._accumulate_n_steps > 1 and len(extended._devices) > 1:
             raise ValueError(
                 f"accumulate_n_steps={self._accumulate_n_steps} (PERSEUS_ACCUMULATE_N_STEPS) "
