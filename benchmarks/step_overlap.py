@@ -93,6 +93,7 @@ def worker(args):
 
     cpu_at = []  # per-thread CPU seconds when the timed steps start and end
     core_at = []  # the pinned core's busy and softirq seconds, likewise
+    faults_at = []  # this process's page faults, likewise
 
     profile_dir = []
 
@@ -100,6 +101,7 @@ def worker(args):
         times.append(time.perf_counter())
         if len(times) in (args.warmup, steps):
             core_at.append(_core_times())
+            faults_at.append(_page_faults())
         if args.threads and len(times) in (args.warmup, steps):
             cpu_at.append(_thread_cpu())
         if args.ops and len(times) == args.warmup:
@@ -191,6 +193,7 @@ def worker(args):
     if len(core_at) == 2 and None not in core_at:
         result["core"] = {k: round(1000 * (core_at[1][i] - core_at[0][i]) / args.steps, 1)
                           for i, k in enumerate(("busy ms/step", "softirq ms/step"))}
+        result["core"]["page faults/step"] = round((faults_at[1] - faults_at[0]) / args.steps, 1)
     if len(cpu_at) == 2:
         result["threads"] = _cpu_per_step(cpu_at[0], cpu_at[1], args.steps,
                                           times[-1] - times[args.warmup - 1])
@@ -252,6 +255,14 @@ def _core_times():
                 busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
                 return busy / tick, v[6] / tick
     return None
+
+
+def _page_faults():
+    """This process's page faults so far (minor and major): fresh memory
+    from the system, which a step that reuses its buffers does not need."""
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
 
 
 def _thread_cpu():
