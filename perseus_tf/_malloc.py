@@ -58,24 +58,31 @@ def tf_freezes_malloc():
 
 def _make_generator_dataset():
     """Builds and drops a one-device MultiDeviceIterator, eagerly: its
-    GeneratorDataset kernels run TensorFlow's once-per-process mallopt."""
+    GeneratorDataset kernels run TensorFlow's once-per-process mallopt.
+    False when eager execution is off (TF1-style graphs): nothing runs now."""
     import tensorflow as tf
     from tensorflow.python.data.ops import multi_device_iterator_ops
     with tf.init_scope(), tf.device("/cpu:0"):
+        if not tf.executing_eagerly():
+            return False
         iterator = multi_device_iterator_ops.OwnedMultiDeviceIterator(
             tf.data.Dataset.range(1), ["/cpu:0"], source_device="/cpu:0")
         del iterator
+    return True
 
 
 def restore(threshold):
     """Sets glibc's thresholds after TensorFlow's call (see the module
     docstring); `threshold` is the mmap threshold in bytes, 0 to do nothing.
-    Returns whether it changed them. Once per process."""
+    Returns whether it changed them. Once per process. With eager
+    execution off it changes nothing: TensorFlow's call could still come
+    later and freeze them again."""
     global _done
     with _lock:
         if _done or threshold == 0 or not tf_freezes_malloc():
             return False
-        _make_generator_dataset()
+        if not _make_generator_dataset():
+            return False
         libc = ctypes.CDLL(None)
         ok = libc.mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1
         ok = libc.mallopt(M_TRIM_THRESHOLD, 2 * int(threshold)) == 1 and ok

@@ -52,3 +52,17 @@ def test_threshold_zero_keeps_what_tensorflow_set(results):
     # Frozen by TF: a 1 MiB block is mapped. Not frozen: glibc's rule,
     # having seen a 1 MiB block freed, serves it from the heap.
     assert r["maps_1mib"] == (1 if r["tf_freezes_malloc"] else 0), r
+
+
+def test_strategy_with_eager_execution_off_still_starts():
+    # No eager op can run then: the strategy leaves glibc as it is, and
+    # must not fail because the one-device iterator cannot be built.
+    script = ("import perseus_tf, tensorflow as tf\n"
+              "from perseus_tf import _malloc\n"
+              "tf.compat.v1.disable_eager_execution()\n"
+              "strategy = perseus_tf.PerseusStrategy()\n"
+              "print('RESULT', strategy.num_replicas_in_sync, _malloc._done)\n"
+              "perseus_tf.shutdown()\n")
+    out = subprocess.run([sys.executable, "-c", script], env=rank_env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert "RESULT 1 False" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
