@@ -33,10 +33,6 @@ import threading
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
-# The largest M_MMAP_THRESHOLD glibc accepts on 64-bit Linux, and the highest
-# its dynamic rule ever raises it to.
-MAX_THRESHOLD = 32 * 1024 * 1024
-
 _PATCH_SYMBOL = "_ZN10tensorflow4data25ApplyPython311MemoryPatchEv"
 
 _lock = threading.Lock()

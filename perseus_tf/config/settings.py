@@ -61,6 +61,8 @@ class Config:
     preemption_check_seconds: float = 1.0
     # glibc's mmap threshold that PerseusStrategy sets back after TF 2.21's
     # tf.data froze it at 128 KiB (perseus_tf/_malloc.py); 0: leave it.
+    # 32 MiB is the most glibc accepts on 64-bit Linux and the highest its
+    # own dynamic rule goes.
     malloc_mmap_threshold: int = 32 * 1024 * 1024
 
 
