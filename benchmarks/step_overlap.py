@@ -419,8 +419,9 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
     p.add_argument("--timeline", action="store_true",
-                   help="also run 'strategy' and 'strategy, chained' once with PERSEUS_TIMELINE "
-                        "and print rank 0's communication spans of the last steps")
+                   help="also run each strategy and shim contender once with PERSEUS_TIMELINE "
+                        "and print rank 0's communication spans of the last steps, with rank "
+                        "1's starts and the rank that came late to each")
     p.add_argument("--threads", action="store_true",
                    help="also print each contender's CPU time per step by thread (rank 0)")
     p.add_argument("--ops", action="store_true",
@@ -495,29 +496,36 @@ def main(argv=None):
 
 
 def _print_timeline(hosts, contender, args, model, spans=12):
-    """Rank 0's last `spans` bucket spans (start relative to the first shown)."""
+    """Rank 0's last `spans` bucket spans beside rank 1's starts."""
     import tempfile
+    import rank_timelines  # beside this file
     with tempfile.TemporaryDirectory() as out:
         run_contender(hosts, contender, args, model,
                       {"PERSEUS_TIMELINE": os.path.join(out, "trace.json")})
-        with open(os.path.join(out, "trace.rank0.json")) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    buckets = sorted((e for e in events if e.get("cat") == "bucket"), key=lambda e: e["ts"])
-    shown = buckets[-spans:]
-    if not shown:
+        traces = []
+        for r in range(2):
+            path = os.path.join(out, f"trace.rank{r}.json")
+            if r == 0 or os.path.exists(path):  # without rank 1's, rank 0's alone
+                with open(path) as f:
+                    traces.append(rank_timelines.bucket_spans(json.load(f)))
+            else:
+                traces.append([])
+    if not traces[0]:
         print(f"(no bucket spans in the timeline of {contender})")
         return
-    t0 = shown[0]["ts"]
-    print(f"\n{contender}, {model}: rank 0's last {len(shown)} communication spans "
-          f"(PERSEUS_TIMELINE; stream = tid - 1)")
-    print("| start ms | end ms | stream | op | tensors | MB | first tensor |")
-    print("|---|---|---|---|---|---|---|")
-    for e in shown:
-        a = e.get("args", {})
-        print(f"| {(e['ts'] - t0) / 1e3:.1f} | {(e['ts'] + e['dur'] - t0) / 1e3:.1f} | "
-              f"{e['tid'] - 1} | {e['name']} | {a.get('tensors', '')} | "
-              f"{a.get('bytes', 0) / 1e6:.2f} | {a.get('first', '')} |")
+    rows = rank_timelines.rows(traces[0], traces[1], spans)
+    print(f"\n{contender}, {model}: rank 0's last {len(rows)} communication spans "
+          f"(PERSEUS_TIMELINE; stream = tid - 1); rank 1's start on rank 0's clock, and "
+          f"the rank that came late to the bucket, which the other waited for inside it")
+    print("| start ms | end ms | rank 1 start ms | late | stream | op | tensors | MB "
+          "| first tensor |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    late = rank_timelines.skew(traces[0], traces[1])
+    if late:
+        print(f"how late the later rank came to each of the run's {late[0]} buckets of 64 KB "
+              f"or more: median {late[1]:.1f} ms, 90th percentile {late[2]:.1f} ms")
     sys.stdout.flush()
 
 

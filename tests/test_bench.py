@@ -244,3 +244,39 @@ def test_step_overlap_prints_speedups_and_the_mwms_ceiling(capsys):
     assert "horovod / shim none: 1.32 (rounds 1.33 1.32 1.30)" in out, out
     # per round: 600/400, 610/500, 590/410
     assert "mwms / max(compute, comm) = 1.44" in out, out
+
+
+def test_rank_timelines_put_rank_1_on_rank_0s_clock_and_name_the_late_rank():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import rank_timelines
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def span(ts, dur, first, nbytes=1 << 20):
+        return {"cat": "bucket", "name": "allreduce", "tid": 1, "ts": ts, "dur": dur,
+                "args": {"first": first, "bytes": nbytes, "tensors": 2}}
+
+    # Rank 1's clock runs 5 s behind rank 0's. Rank 1 comes 30 ms late to
+    # the first bucket (rank 0 waits inside it), rank 0 40 ms late to the
+    # second; both end each bucket together. The scalar span is left out of
+    # the skew figures.
+    rank0 = [span(100_000, 40_000, "g.0"), span(200_000, 10_000, "g.1"),
+             span(215_000, 500, "loss", nbytes=4)]
+    rank1 = [span(-4_870_000, 10_000, "g.0"), span(-4_840_000, 50_000, "g.1"),
+             span(-4_785_000, 500, "loss", nbytes=4)]
+    trace1 = {"traceEvents": [{"cat": "negotiation", "ts": 0, "dur": 1}] + rank1[::-1]}
+    spans1 = rank_timelines.bucket_spans(trace1)
+    assert [s["args"]["first"] for s in spans1] == ["g.0", "g.1", "loss"]
+    rows = rank_timelines.rows(rank0, spans1)
+    assert [r[:4] for r in rows] == [["0.0", "40.0", "30.0", "rank 1 by 30.0"],
+                                     ["100.0", "110.0", "60.0", "rank 0 by 40.0"],
+                                     ["115.0", "115.5", "115.0", "-"]], rows
+    assert rank_timelines.skew(rank0, spans1) == (2, 35.0, 40.0)
+    # Traces that do not pair (another bucket last) show rank 0 alone.
+    other = rank1[:2] + [span(-4_785_000, 500, "other", nbytes=4)]
+    assert [r[2:4] for r in rank_timelines.rows(rank0, other)] == [["", ""]] * 3
+    assert rank_timelines.skew(rank0, other) is None
+    # Rank 1's trace kept only its last span: the rows before it stay rank 0's alone.
+    assert [r[2:4] for r in rank_timelines.rows(rank0, rank1[2:])] == \
+        [["", ""], ["", ""], ["115.0", "-"]]
