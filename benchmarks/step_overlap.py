@@ -33,7 +33,7 @@ SGD with momentum.
 
 Models: mobilenetv2 (MobileNetV2 at 96x96, 10 classes: 8.9 MB of gradients)
 and mlp (a wide MLP where communication dominates: 4 x 1536 + 1024 inputs,
-30 MB of gradients).
+34.7 MB of float32 gradients).
 
 Needs root, iproute2, tc and openssh-server. Usage:
     .venv/bin/python benchmarks/step_overlap.py --models mobilenetv2,mlp --rates 1gbit,10gbit
