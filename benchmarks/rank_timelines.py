@@ -40,7 +40,7 @@ def rows(spans0, spans1, shown=12):
     """Rows of rank 0's last `shown` spans (ms from the first shown) with,
     where rank 1's trace pairs with it, when rank 1 started each one and
     which rank came late to it, by how many ms ("-" under 1 ms)."""
-    moved = rank1_on_rank0_clock(spans0, spans1) if spans1 else None
+    moved = rank1_on_rank0_clock(spans0, spans1)
     last0 = spans0[-shown:]
     last1 = ([None] * len(last0) + (moved or []))[-len(last0):]  # rank 1's may be fewer
     t0 = last0[0]["ts"]
