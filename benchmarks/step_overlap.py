@@ -6,6 +6,10 @@ each pinned to its own core, for every contender, interleaved, in --rounds
 rounds:
 
   compute         the same Keras `fit` with no distribution, on both hosts at once
+  lockstep        compute, with the two hosts waiting for each other at the end
+                  of every step (one byte each way over TCP): each step is the
+                  slower host's, as in any synchronous step, so this is the
+                  floor of a distributed step where compute time varies
   comm            a grouped allreduce of the model's gradient shapes through
                   perseus_tf.horovod (float32), nothing else
   comm fp16       the same with Compression.fp16
@@ -51,7 +55,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CONTENDERS = ["compute", "comm", "comm fp16", "strategy fp32", "strategy",
+CONTENDERS = ["compute", "lockstep", "comm", "comm fp16", "strategy fp32", "strategy",
               "strategy, chained", "shim none", "shim fp16", "mwms", "horovod"]
 
 FP16 = {"strategy", "strategy, chained", "shim fp16"}
@@ -83,6 +87,7 @@ def worker(args):
         import keras
     except ImportError:
         keras = tf.keras
+    import step_probes  # beside this file
     contender = args.worker
     if contender.endswith(", TF order"):
         from perseus_tf import _backprop_order
@@ -100,10 +105,10 @@ def worker(args):
     def mark():
         times.append(time.perf_counter())
         if len(times) in (args.warmup, steps):
-            core_at.append(_core_times())
-            faults_at.append(_page_faults())
+            core_at.append(step_probes.core_times())
+            faults_at.append(step_probes.page_faults())
         if args.threads and len(times) in (args.warmup, steps):
-            cpu_at.append(_thread_cpu())
+            cpu_at.append(step_probes.thread_cpu())
         if args.ops and len(times) == args.warmup:
             import tempfile
             profile_dir.append(tempfile.mkdtemp())
@@ -111,8 +116,12 @@ def worker(args):
         if args.ops and len(times) == steps:
             tf.profiler.experimental.stop()
 
+    wait_for_other = []  # lockstep: the barrier with the other host
+
     class Clock(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
+            for wait in wait_for_other:
+                wait()
             mark()
 
     def data(global_batch, shape, classes, seed):
@@ -132,7 +141,10 @@ def worker(args):
         return keras.optimizers.SGD(0.01, momentum=0.9)
 
     rank = 0
-    if contender == "compute":
+    if contender == "lockstep":
+        rank = int(os.environ["STEP_BARRIER_RANK"])
+        wait_for_other.append(_barrier(os.environ["STEP_BARRIER"], rank, args.timeout))
+    if contender in ("compute", "lockstep"):
         model, shape, classes = _model(args.model, keras)
         compile_(model, sgd())
         fit(model, data(args.batch, shape, classes, 0))
@@ -195,103 +207,43 @@ def worker(args):
                           for i, k in enumerate(("busy ms/step", "softirq ms/step"))}
         result["core"]["page faults/step"] = round((faults_at[1] - faults_at[0]) / args.steps, 1)
     if len(cpu_at) == 2:
-        result["threads"] = _cpu_per_step(cpu_at[0], cpu_at[1], args.steps,
+        result["threads"] = step_probes.cpu_per_step(cpu_at[0], cpu_at[1], args.steps,
                                           times[-1] - times[args.warmup - 1])
     if profile_dir:
         import shutil
-        result["ops"] = _op_times(profile_dir[0], args.steps)
+        result["ops"] = step_probes.op_times(profile_dir[0], args.steps)
         shutil.rmtree(profile_dir[0])
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def _op_times(profile_dir, steps, top=14):
-    """TF op types by time per step (ms) in a TF profiler trace: [(op, ms, count)]."""
-    import glob
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError:
-        return []
-    path = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
-    if not path:
-        return []
-    space = xplane_pb2.XSpace()
-    with open(path[0], "rb") as f:
-        space.ParseFromString(f.read())
-    ms, count = {}, {}
-    for plane in space.planes:
-        for line in plane.lines:
-            if not line.name.startswith("tf_Compute"):
-                continue
-            for ev in line.events:
-                name = plane.event_metadata[ev.metadata_id].name
-                if ":" not in name:
-                    continue  # executor bookkeeping, not an op
-                op = name.rsplit(":", 1)[1]
-                ms[op] = ms.get(op, 0.0) + ev.duration_ps / 1e9 / steps
-                count[op] = count.get(op, 0) + 1
-    rows = sorted(ms.items(), key=lambda kv: -kv[1])
-    return [("all ops", round(sum(ms.values()), 1), sum(count.values()) // steps)] + \
-        [(op, round(t, 1), count[op] // steps) for op, t in rows[:top]]
+def _barrier(addr, rank, timeout):
+    """A barrier of two hosts over one TCP connection (rank 0 listens at
+    `addr`): each call sends one byte and waits for the other host's."""
+    import socket
+    host, port = addr.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    if rank == 0:
+        with socket.create_server((host, int(port))) as server:
+            server.settimeout(timeout)
+            conn, _ = server.accept()
+    else:
+        while True:
+            try:
+                conn = socket.create_connection((host, int(port)), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+    conn.settimeout(timeout)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-
-def _core_times():
-    """(busy, softirq) seconds of the one core this process is pinned to, from
-    /proc/stat: everything the core did that was not idle, whoever it was for.
-    This counts what a thread's own CPU time misses: the network stack's
-    softirq work, charged to no thread, or to whichever thread it interrupted.
-    None when the process may run on several cores."""
-    cpus = os.sched_getaffinity(0)
-    if len(cpus) != 1:
-        return None
-    name = f"cpu{next(iter(cpus))}"
-    tick = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        for line in f:
-            fields = line.split()
-            if fields[0] == name:
-                # user nice system idle iowait irq softirq steal ...
-                v = [int(x) for x in fields[1:9]]
-                busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
-                return busy / tick, v[6] / tick
-    return None
-
-
-def _page_faults():
-    """This process's page faults so far (minor and major): fresh memory
-    from the system, which a step that reuses its buffers does not need."""
-    import resource
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_minflt + usage.ru_majflt
-
-
-def _thread_cpu():
-    """{tid: (name, user + system CPU seconds)} of this process's threads."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[tid] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def _cpu_per_step(before, after, steps, wall):
-    """CPU ms per step by thread name (threads of one name summed), busiest first."""
-    by_name = {}
-    for tid, (name, secs) in after.items():
-        used = secs - before.get(tid, (name, 0.0))[1]
-        by_name[name] = by_name.get(name, 0.0) + used
-    rows = sorted(by_name.items(), key=lambda kv: -kv[1])
-    total = sum(by_name.values())
-    return {"wall ms/step": round(1000 * wall / steps, 1),
-            "cpu ms/step": round(1000 * total / steps, 1),
-            "by thread": [(n, round(1000 * s / steps, 1)) for n, s in rows[:8] if s > 0]}
+    def wait():
+        conn.sendall(b"s")
+        if conn.recv(1) != b"s":
+            raise RuntimeError(f"lockstep: the other host closed {addr}")
+    return wait
 
 
 # ---- the driver -----------------------------------------------------------
@@ -372,6 +324,8 @@ def run_contender(hosts, contender, args, model, env_extra=None, tree=ROOT):
     for h in range(2):
         if contender == "compute":
             henv = dict(env)
+        elif contender == "lockstep":
+            henv = dict(env, STEP_BARRIER=f"{hosts.addrs[0]}:{port}", STEP_BARRIER_RANK=str(h))
         elif contender == "horovod":
             henv = dict(env, HOROVOD_GLOO_RENDEZVOUS_ADDR=hosts.addrs[0],
                         HOROVOD_GLOO_RENDEZVOUS_PORT=str(hvd_port), HOROVOD_CONTROLLER="gloo",
@@ -532,37 +486,39 @@ def _print_timeline(hosts, contender, args, model, spans=12):
 def _print_table(model, rate, contenders, rounds, cores):
     ms = {c: statistics.median(v) for c, v in rounds.items()}
     n = len(next(iter(rounds.values())))
+    lockstep = "lockstep" in rounds
     print(f"\n## {model}, link {rate}")
-    print(", ".join(f"{c} {ms[c]:.0f} ms" for c in ("compute", "comm", "comm fp16") if c in ms))
+    print(", ".join(f"{c} {ms[c]:.0f} ms" for c in ("compute", "lockstep", "comm", "comm fp16")
+                    if c in ms))
     print("(contenders sending float16 are compared with comm fp16; 'core ms' is rank 0's "
           "core busy per step, softirq included; 'floor' is compute's core ms + comm's core "
-          "ms, the step of perfect overlap on a core that does both)")
+          "ms, the step of perfect overlap on a core that does both"
+          + ("; lockstep is compute with the hosts waiting for each other every step)"
+             if lockstep else ")"))
     print("| contender | step ms | rounds ms | / max(compute, comm) | / (compute + comm) "
-          "| core ms | / floor |")
-    print("|---|---|---|---|---|---|---|")
+          "| core ms | / floor |" + (" / max(lockstep, comm) |" if lockstep else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if lockstep else ""))
 
     def med(c):
         return f"{statistics.median(cores[c]):.0f}" if len(cores.get(c, [])) == n else ""
 
+    def ratio(c, base, comm, how):
+        if not (base in rounds and comm in rounds):
+            return ""
+        return f"{statistics.median(rounds[c][i] / how(rounds[base][i], rounds[comm][i]) for i in range(n)):.2f}"
+
     for c in contenders:
-        if c == "compute" or c.startswith("comm"):
-            print(f"| {c} | {ms[c]:.0f} | {' '.join(f'{v:.0f}' for v in rounds[c])} | | | "
-                  f"{med(c)} | |")
-            continue
-        per_round = " ".join(f"{v:.0f}" for v in rounds[c])
-        comm_name = "comm fp16" if c.replace(", TF order", "") in FP16 else "comm"
-        comm = rounds.get(comm_name)
-        compute = rounds.get("compute")
-        if comm and compute:
-            to_max = statistics.median(rounds[c][i] / max(compute[i], comm[i]) for i in range(n))
-            to_sum = statistics.median(rounds[c][i] / (compute[i] + comm[i]) for i in range(n))
-            floor = ""
-            if len(cores.get("compute", [])) == n and len(cores.get(comm_name, [])) == n:
-                floor = f"{statistics.median(rounds[c][i] / (cores['compute'][i] + cores[comm_name][i]) for i in range(n)):.2f}"
-            print(f"| {c} | {ms[c]:.0f} | {per_round} | {to_max:.2f} | {to_sum:.2f} | "
-                  f"{med(c)} | {floor} |")
+        cells = [c, f"{ms[c]:.0f}", " ".join(f"{v:.0f}" for v in rounds[c])]
+        if c in ("compute", "lockstep") or c.startswith("comm"):
+            cells += ["", "", med(c), ""] + ([""] if lockstep else [])
         else:
-            print(f"| {c} | {ms[c]:.0f} | {per_round} | | | {med(c)} | |")
+            comm = "comm fp16" if c.replace(", TF order", "") in FP16 else "comm"
+            floor = ""
+            if all(len(cores.get(b, [])) == n for b in ("compute", comm)):
+                floor = f"{statistics.median(rounds[c][i] / (cores['compute'][i] + cores[comm][i]) for i in range(n)):.2f}"
+            cells += [ratio(c, "compute", comm, max), ratio(c, "compute", comm, lambda x, y: x + y),
+                      med(c), floor] + ([ratio(c, "lockstep", comm, max)] if lockstep else [])
+        print("| " + " | ".join(cells) + " |")
     _print_speedups(rounds, n)
     sys.stdout.flush()
 

@@ -246,6 +246,74 @@ def test_step_overlap_prints_speedups_and_the_mwms_ceiling(capsys):
     assert "mwms / max(compute, comm) = 1.44" in out, out
 
 
+
+def test_step_overlap_compares_with_the_lockstep_floor(capsys):
+    # With lockstep rounds the table gains a column: each step over
+    # max(lockstep, comm) of its own round, fp16 contenders against comm fp16.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import step_overlap
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    rounds = {"compute": [400, 420, 410], "lockstep": [440, 500, 430], "comm": [100, 450, 95],
+              "comm fp16": [70, 520, 70], "strategy fp32": [462, 540, 473],
+              "strategy": [484, 560, 440]}
+    step_overlap._print_table("m", "1gbit", list(rounds), rounds, {})
+    out = capsys.readouterr().out
+    assert "| lockstep | 440 | 440 500 430 |  |  |  |  |  |" in out, out
+    # lockstep: 462/440, 540/500, 473/430; compute: 462/400, 540/450, 473/410
+    assert "| strategy fp32 | 473 | 462 540 473 | 1.16 | 0.92 |  |  | 1.08 |" in out, out
+    # fp16, lockstep: 484/440, 560/520, 440/430; compute: 484/400, 560/520, 440/410
+    assert "| strategy | 484 | 484 560 440 | 1.08 | 0.92 |  |  | 1.08 |" in out, out
+    assert "/ max(lockstep, comm) |" in out
+
+
+def test_lockstep_barrier_holds_each_host_until_the_other_comes():
+    # Rank 1 comes 0.4 s late to the second barrier: rank 0 waits for it there.
+    import threading
+    import time
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import step_overlap
+        from one_host_step import LocalHost
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    import socket
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    waited = []
+
+    def rank1():
+        wait = step_overlap._barrier(addr, 1, 60)
+        wait()
+        time.sleep(0.4)
+        wait()
+
+    other = threading.Thread(target=rank1)
+    other.start()
+    wait = step_overlap._barrier(addr, 0, 60)
+    wait()
+    start = time.monotonic()
+    wait()
+    waited.append(time.monotonic() - start)
+    other.join(60)
+    assert not other.is_alive() and waited[0] >= 0.35, waited
+
+    # The real contender: both ranks train and meet at every step's end.
+    import argparse
+    args = argparse.Namespace(batch=4, steps=3, warmup=2, threads=False, ops=False, timeout=300)
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = ENV["PYTHONPATH"]
+    try:
+        result = step_overlap.run_contender(LocalHost(), "lockstep", args, "mlp")
+    finally:
+        os.environ.pop("PYTHONPATH")
+        if old is not None:
+            os.environ["PYTHONPATH"] = old
+    assert result["ms"] > 0 and result["max"] >= result["ms"], result
+
 def test_rank_timelines_put_rank_1_on_rank_0s_clock_and_name_the_late_rank():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
