@@ -257,7 +257,7 @@ def test_step_overlap_compares_with_the_lockstep_floor(capsys):
         sys.path.remove(str(REPO / "benchmarks"))
     rounds = {"compute": [400, 420, 410], "lockstep": [440, 500, 430], "comm": [100, 450, 95],
               "comm fp16": [70, 520, 70], "strategy fp32": [462, 540, 473],
-              "strategy": [484, 560, 440]}
+              "strategy": [484, 560, 440], "mwms": [660, 700, 645]}
     step_overlap._print_table("m", "1gbit", list(rounds), rounds, {})
     out = capsys.readouterr().out
     assert "| lockstep | 440 | 440 500 430 |  |  |  |  |  |" in out, out
@@ -266,6 +266,9 @@ def test_step_overlap_compares_with_the_lockstep_floor(capsys):
     # fp16, lockstep: 484/440, 560/520, 440/430; compute: 484/400, 560/520, 440/410
     assert "| strategy | 484 | 484 560 440 | 1.08 | 0.92 |  |  | 1.08 |" in out, out
     assert "/ max(lockstep, comm) |" in out
+    # MWMS's ceilings: 660/400, 700/450, 645/410 and 660/440, 700/500, 645/430
+    assert "mwms / max(compute, comm) = 1.57" in out, out
+    assert "mwms / max(lockstep, comm) = 1.50" in out, out
 
 
 def test_lockstep_barrier_holds_each_host_until_the_other_comes():
