@@ -208,7 +208,7 @@ def worker(args):
         result["core"]["page faults/step"] = round((faults_at[1] - faults_at[0]) / args.steps, 1)
     if len(cpu_at) == 2:
         result["threads"] = step_probes.cpu_per_step(cpu_at[0], cpu_at[1], args.steps,
-                                          times[-1] - times[args.warmup - 1])
+                                                     times[-1] - times[args.warmup - 1])
     if profile_dir:
         import shutil
         result["ops"] = step_probes.op_times(profile_dir[0], args.steps)
