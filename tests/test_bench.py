@@ -25,6 +25,16 @@ for _var in [v for v in ENV if v.startswith("PERSEUS_")]:
 SIZES = ["4K", "8K", "16K", "32K", "64K"]
 
 
+def _benchmark(name):
+    """A module of benchmarks/ (scripts, not a package), imported by name."""
+    import importlib
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+
 def test_allreduce_bench_quick(tmp_path):
     csv_path = tmp_path / "rows.csv"
     proc = subprocess.run(
@@ -230,11 +240,7 @@ def test_one_host_step_benchmark_compares_two_trees():
 
 
 def test_step_overlap_prints_speedups_and_the_mwms_ceiling(capsys):
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import step_overlap
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    step_overlap = _benchmark("step_overlap")
     rounds = {"compute": [400, 420, 410], "comm": [100, 500, 95], "comm fp16": [70, 70, 70],
               "strategy fp32": [450, 520, 470], "mwms": [600, 610, 590],
               "horovod": [640, 700, 650], "shim none": [480, 530, 500]}
@@ -250,11 +256,7 @@ def test_step_overlap_prints_speedups_and_the_mwms_ceiling(capsys):
 def test_step_overlap_compares_with_the_lockstep_floor(capsys):
     # With lockstep rounds the table gains a column: each step over
     # max(lockstep, comm) of its own round, fp16 contenders against comm fp16.
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import step_overlap
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    step_overlap = _benchmark("step_overlap")
     rounds = {"compute": [400, 420, 410], "lockstep": [440, 500, 430], "comm": [100, 450, 95],
               "comm fp16": [70, 520, 70], "strategy fp32": [462, 540, 473],
               "strategy": [484, 560, 440], "mwms": [660, 700, 645]}
@@ -275,12 +277,8 @@ def test_lockstep_barrier_holds_each_host_until_the_other_comes():
     # Rank 1 comes 0.4 s late to the second barrier: rank 0 waits for it there.
     import threading
     import time
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import step_overlap
-        from one_host_step import LocalHost
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    step_overlap = _benchmark("step_overlap")
+    LocalHost = _benchmark("one_host_step").LocalHost
     import socket
     with socket.socket() as s:  # a free port
         s.bind(("127.0.0.1", 0))
@@ -317,11 +315,7 @@ def test_lockstep_barrier_holds_each_host_until_the_other_comes():
     assert result["ms"] > 0 and result["max"] >= result["ms"], result
 
 def test_rank_timelines_put_rank_1_on_rank_0s_clock_and_name_the_late_rank():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import rank_timelines
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    rank_timelines = _benchmark("rank_timelines")
 
     def span(ts, dur, first, nbytes=1 << 20):
         return {"cat": "bucket", "name": "allreduce", "tid": 1, "ts": ts, "dur": dur,
