@@ -1,5 +1,7 @@
 #include "cc/core/common.h"
 
+#include <pthread.h>
+
 #include <sstream>
 
 namespace perseus {
@@ -92,6 +94,10 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+void NameThisThread(const std::string& name) {
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
 }
 
 }  // namespace perseus

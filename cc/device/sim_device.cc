@@ -6,6 +6,8 @@
 #include <random>
 #include <sstream>
 
+#include "cc/core/common.h"
+
 namespace perseus {
 
 struct SimDevice::Event {
@@ -254,6 +256,7 @@ std::vector<std::string> SimDevice::TakeHazards() {
 }
 
 void SimDevice::Loop(Stream* s) {
+  NameThisThread("perseus-sim" + std::to_string(s->id));
   std::mt19937 rng(static_cast<uint32_t>(1234567 + s->id));
   const int agent = 1 + s->id;
   for (;;) {

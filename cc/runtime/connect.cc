@@ -132,6 +132,8 @@ std::string Runtime::ConnectWithDeadline(const TransportOptions& bo) {
   auto attempt = std::make_shared<Attempt>();
   StoreClient* store = store_.get();
   std::thread([attempt, bo, store] {
+    // Gloo's network loop threads start here and keep this name.
+    NameThisThread("perseus-gloo");
     std::unique_ptr<GlooTransport> backend;
     std::string error;
     try {

@@ -54,6 +54,7 @@ void Controller::Join() {
 }
 
 void Controller::Loop() {
+  NameThisThread("perseus-control");
   bool stop = false;
   while (!stop) {
     if (rt_.state_.load() != Runtime::State::kRunning) return;

@@ -122,6 +122,7 @@ void Executor::Submit(int stream, Response response, Requests requests) {
 }
 
 void Executor::StreamLoop(int index) {
+  NameThisThread("perseus-exec" + std::to_string(index));
   Stream& s = *streams_[index];
   while (true) {
     Response response;

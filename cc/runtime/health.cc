@@ -189,6 +189,7 @@ void Runtime::StartHeartbeat() {
   const std::string key = HeartbeatKey(WorldRank(options_.rank));
   const std::string closed_key = ClosedCountKey(world_prefix_);
   heartbeat_ = std::thread([this, key, closed_key] {
+    NameThisThread("perseus-health");
     int64_t closed_seen = 0;
     std::unique_lock<std::mutex> lock(heartbeat_mu_);
     while (!heartbeat_stop_) {

@@ -77,6 +77,7 @@ void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& tim
   std::thread helper;
   if (leader) {
     helper = std::thread([&] {
+      NameThisThread("perseus-cross");
       try {
         for (size_t c = 0; c < chunks; ++c) {
           {

@@ -61,6 +61,18 @@ def check_fusion_counters():
     assert waited > 0, waited
 
 
+def check_runtime_threads_are_named():
+    # top -H, perf and the benchmarks' --threads tell the runtime's CPU time
+    # from the program's by these names.
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.add(f.read().strip())
+    streams = _native.stats()["streams"]
+    want = {"perseus-control"} | {f"perseus-exec{s}" for s in range(len(streams))}
+    assert want <= names, (sorted(want - names), sorted(names))
+
+
 def check_large_tensor_and_fp16_reduce():
     x = np.random.default_rng(R).normal(size=3_000_001).astype(np.float32)
     ref = sum(np.random.default_rng(r).normal(size=3_000_001).astype(np.float32)
