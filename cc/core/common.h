@@ -72,12 +72,12 @@ const char* OpTypeName(OpType op);
 bool IsFloatingPoint(DataType dtype);
 std::string ShapeString(const std::vector<int64_t>& shape);
 int64_t NumElements(const std::vector<int64_t>& shape);
-// 64-bit FNV-1a of n bytes, continuing from h (the offset basis by default).
 // Names the calling thread (what top -H, perf and /proc/<pid>/task/*/comm
 // show), cut to Linux's 15 characters, so that the runtime's own CPU time
 // can be told apart from the host program's.
 void NameThisThread(const std::string& name);
 
+// 64-bit FNV-1a of n bytes, continuing from h (the offset basis by default).
 uint64_t Fnv1a(const void* data, size_t n, uint64_t h = 14695981039346656037ull);
 
 }  // namespace perseus
