@@ -1,7 +1,12 @@
 # Everything a fresh Debian/Ubuntu machine needs, then the job or the tests.
 #   make demo   set up, then train the example on 2 local ranks
-#   make test   set up, then run the test suite with TF 2.21 (Keras 3), then
-#               again with TF 2.15 (Keras 2, tf.estimator) in a second venv
+#   make check  the fast tier: no multi-rank TensorFlow launch (under 5 minutes
+#               from a built tree; run it before each commit)
+#   make test   set up, then the whole suite: TF 2.21 (Keras 3) and, in a
+#               second venv, what differs under TF 2.15 (Keras 2, tf.estimator);
+#               what CI runs. What runs where: tests/tiers.py. Both tiers run
+#               in parallel lanes (PERSEUS_TEST_LANES, default 2) and print a
+#               timing table at the end (tools/run_tests.py).
 PYTHON ?= python3
 VENV ?= .venv
 TF_VERSION ?= 2.21.*
@@ -21,34 +26,18 @@ NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') s
     tools/build_native.py \
     tools/gen_store_protocol.py perseus_tf/runner/store_protocol.py
 
-.PHONY: demo test test-new test-old system system-test install-packages native native-old bazel clean cuda
+.PHONY: demo check test system system-test install-packages native native-old bazel clean cuda
 
 demo: native
 	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
 
-test: test-new test-old
+# tools/run_tests.py runs the set-up targets below as timed phases (system-test,
+# native, cuda, native-old), then the test jobs of both passes.
+test:
+	$(PYTHON) tools/run_tests.py test
 
-test-new: native system-test cuda
-	PERSEUS_REQUIRE_NVCC=1 $(PY) -m pytest tests -q --durations=25
-
-# Tests that never import TensorFlow (the runtime through _core, the C++ unit
-# tests, the tree's layout, the store) run the same binaries under either
-# TensorFlow: the second pass leaves them out.
-TF_INDEPENDENT_TESTS := test_cc_unit.py test_layout.py test_core.py test_soak.py \
-    test_compression.py test_bounded.py test_faults.py test_store_protocol.py \
-    test_store_security.py
-
-# Tests of the launcher (perseusrun over ssh, mpirun, Slurm, the Kubernetes
-# variables) and of the benchmarks' plumbing check what perseusrun and the
-# runtime do, which TF's version does not change: they too run once. The
-# second pass runs the smaller model matrix (tests/model_matrix.py:
-# every model and entry point once, and the settings Keras takes part in).
-LAUNCHER_TESTS := test_runner.py test_slurm.py test_launch_mistakes.py test_multihost.py test_elastic.py \
-    test_bench.py
-
-test-old: native-old system-test
-	PERSEUS_SKIP_BAZEL_TEST=1 PERSEUS_TEST_MATRIX=second $(PY_OLD) -m pytest tests -q \
-	    --durations=25 $(addprefix --ignore=tests/,$(TF_INDEPENDENT_TESTS) $(LAUNCHER_TESTS))
+check: native system-test
+	$(PYTHON) tools/run_tests.py check
 
 system:
 	@$(MAKE) --no-print-directory install-packages PACKAGES="$(SYSTEM_PACKAGES)"

@@ -55,15 +55,32 @@ def collect(procs, timeout):
     return outs
 
 
-def read_results(out, np_):
-    """{rank: {check: outcome}} from the rank<R>.json files run_checks.py wrote."""
+def read_results(out, np_, kind=""):
+    """{rank: {check: outcome}} from the rank<R>.json files run_checks.py wrote
+    (kind ".seconds": {rank: {check: seconds}})."""
     results = {}
     for rank in range(np_):
-        path = os.path.join(out, f"rank{rank}.json")
+        path = os.path.join(out, f"rank{rank}{kind}.json")
         if os.path.exists(path):
             with open(path) as f:
                 results[rank] = json.load(f)
     return results
+
+
+def record_check_times(module, np_, env, seconds):
+    """Appends each check's slowest rank's wall time to the file named by
+    PERSEUS_CHECK_TIMES (one JSON object a line; tools/ci_report.py --checks
+    lists the slowest), so a slow check shows by name, not only its file."""
+    path = os.environ.get("PERSEUS_CHECK_TIMES")
+    if not path:
+        return
+    names = sorted({n for per_rank in seconds.values() for n in per_rank})
+    config = ",".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+    with open(path, "a") as f:
+        for name in names:
+            worst = max(per_rank.get(name, 0.0) for per_rank in seconds.values())
+            f.write(json.dumps({"module": module, "np": np_, "env": config, "check": name,
+                                "seconds": worst}) + "\n")
 
 
 def launch(np_, argv, env=None, timeout=300, hosts=None):
@@ -100,12 +117,16 @@ class CheckResults:
                 "\n--- output tail ---\n" + self.proc.stdout[-3000:] + self.proc.stderr[-3000:])
 
 
-def run_checks(module, np_, env=None, timeout=600, hosts=None):
-    """Runs every check_* of tests/workers/<module>.py on np_ ranks."""
+def run_checks(module, np_, env=None, timeout=600, hosts=None, names=None):
+    """Runs every check_* of tests/workers/<module>.py on np_ ranks (only
+    those in `names`, when given)."""
+    if names is not None:
+        env = dict(env or {}, PERSEUS_CHECKS_NAMES=",".join(sorted(names)))
     with tempfile.TemporaryDirectory() as out:
         proc = launch(np_, [sys.executable, os.path.join(WORKERS, "run_checks.py"), module, out],
                       env=env, timeout=timeout, hosts=hosts)
         results = read_results(out, np_)
+        record_check_times(module, np_, env, read_results(out, np_, ".seconds"))
     return CheckResults(np_, results, proc)
 
 
@@ -117,6 +138,34 @@ def check_names(module):
             if line.startswith("def check_"):
                 names.append(line[4:line.index("(")])
     return names
+
+
+def four_rank_checks(module):
+    """The checks a worker module runs at 4 ranks as well as at 2: the names
+    in its AT_4_RANKS tuple (read without importing it), each a check that 4
+    ranks test something in that 2 cannot (roots 2 and 3, uneven splits,
+    process sets of 2 among 4, several joined ranks). Every name must be a
+    check of the module."""
+    import ast
+    with open(os.path.join(WORKERS, module + ".py")) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "AT_4_RANKS":
+            names = list(ast.literal_eval(node.value))
+            unknown = sorted(set(names) - set(check_names(module)))
+            assert not unknown, f"{module}.AT_4_RANKS names no check: {unknown}"
+            return names
+    return []
+
+
+def cases(module, rank_counts):
+    """(ranks, check) pairs: every check at 2 ranks, the module's
+    AT_4_RANKS at 4."""
+    out = []
+    for np_ in rank_counts:
+        names = check_names(module) if np_ == 2 else four_rank_checks(module)
+        out += [(np_, name) for name in names]
+    return out
 
 
 def cuda_devices():

@@ -131,8 +131,8 @@ def full():
 
 
 def _second_version():
-    """The launches of PAIRWISE a second TF version runs (PERSEUS_TEST_MATRIX=
-    second, `make test-old`): what differs between TF versions is Keras and
+    """The launches of PAIRWISE a second TF version runs (the TF 2.15 pass of
+    `make test`, tests/tiers.py): what differs between TF versions is Keras and
     tf.distribute, not the runtime, so every item (model and entry point)
     runs once there, and every value of the settings Keras takes part in
     (compression, accumulation, mixed precision) and both rank counts appear;

@@ -5,9 +5,13 @@ the offline plan's state machine, the allreduce algorithm choice, the
 simulated device's hazard checks, and NCCL loaded at run time (against a fake
 libnccl.so.2 built here from cc/testing/fake_nccl.cc: bootstrap, sums,
 non-blocking creation, asynchronous errors, deadlines and aborts).
-Built with g++ from the sources they test (no Gloo, no TensorFlow, no GPU)."""
+Built with g++ from the sources they test (no Gloo, no TensorFlow, no GPU),
+listed once in cc/testing/unit_tests.bzl (BUILD loads the same lists); a
+binary is compiled once per change of its inputs and kept in build/cc-unit/."""
 
+import ast
 import glob
+import hashlib
 import json
 import os
 import subprocess
@@ -16,22 +20,77 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["cc/core/common.cc", "cc/core/reduce.cc", "cc/core/timeline.cc",
-           "cc/runtime/message.cc", "cc/runtime/negotiation.cc", "cc/runtime/negotiation_plan.cc",
-           "cc/runtime/fusion.cc",
-           "cc/runtime/plan.cc", "cc/transport/allreduce_algorithms.cc",
-           "cc/device/sim_device.cc", "cc/transport/nccl.cc"]
-# Unit tests that need Gloo (-lgloo), each built into a binary of its own.
-GLOO_TESTS = ["cc/transport/gloo_abortable_test.cc"]
 FLAGS = ["-std=c++17", "-O1", "-Wall", "-Wno-sign-compare", "-pthread", "-I" + ROOT]
+# Built binaries are kept here, named by the hash of what went into them.
+CACHE = os.path.join(ROOT, "build", "cc-unit")
 
 
-def _build(out, sources, extra=(), libs=()):
-    cmd = (["g++"] + FLAGS + list(extra) + [os.path.join(ROOT, s) for s in sources] +
-           ["-o", str(out)] + list(libs) + ["-ldl"])
+def unit_test_lists():
+    """The lists of cc/testing/unit_tests.bzl (the ones BUILD loads)."""
+    with open(os.path.join(ROOT, "cc", "testing", "unit_tests.bzl")) as f:
+        tree = ast.parse(f.read())
+    return {node.targets[0].id: ast.literal_eval(node.value)
+            for node in tree.body if isinstance(node, ast.Assign)}
+
+
+LISTS = unit_test_lists()
+SOURCES = LISTS["UNIT_LIBRARY_SOURCES"]
+GLOO_TESTS = LISTS["GLOO_UNIT_TESTS"]
+
+
+def _inputs_hash(cmd, sources):
+    """What a build's output depends on: the command, the compiler, the
+    sources and every header of the tree (an include may reach any of them)."""
+    h = hashlib.sha256(json.dumps(cmd).encode())
+    h.update(subprocess.run(["g++", "--version"], capture_output=True).stdout)
+    headers = sorted(glob.glob(os.path.join(ROOT, "cc", "**", "*.h"), recursive=True))
+    for path in sorted(set(sources)) + headers:
+        h.update(path.encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:20]
+
+
+def _build(out, sources, extra=(), libs=(), cache=True):
+    """Compiles sources into `out` with g++; with `cache`, reuses a binary
+    built from the same inputs before (build/cc-unit/<hash>/), so only the
+    first run after a change compiles."""
+    paths = [s if os.path.isabs(s) else os.path.join(ROOT, s) for s in sources]
+    cmd = ["g++"] + FLAGS + list(extra) + paths + ["-o", "OUT"] + list(libs) + ["-ldl"]
+    if not cache:
+        return _compile(cmd, str(out))
+    kept = os.path.join(CACHE, _inputs_hash(cmd, paths), os.path.basename(str(out)))
+    if not os.path.exists(kept):
+        os.makedirs(os.path.dirname(kept), exist_ok=True)
+        partial = f"{kept}.{os.getpid()}.partial"
+        _compile(cmd, partial)
+        os.replace(partial, kept)  # whole or absent, even with two builds at once
+    return kept
+
+
+def _compile(cmd, out):
+    cmd = [out if a == "OUT" else a for a in cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-6000:]
     return out
+
+
+def test_unit_lists_name_files_that_exist():
+    for path in SOURCES + [LISTS["UNIT_MAIN"], LISTS["FAKE_NCCL"]] + \
+            [p for test, libs in GLOO_TESTS.items() for p in [test] + libs]:
+        assert os.path.exists(os.path.join(ROOT, path)), f"cc/testing/unit_tests.bzl: {path}"
+
+
+def test_the_build_is_reused_until_an_input_changes(tmp_path):
+    source = tmp_path / "reuse_test.cc"
+    source.write_text('#include "cc/testing/check.h"\nTEST(A) { CHECK(true); }\n'
+                      "PERSEUS_TEST_MAIN()\n")
+    first = _build(tmp_path / "reuse", [str(source)])
+    stamp = os.stat(first).st_mtime_ns
+    assert _build(tmp_path / "reuse", [str(source)]) == first
+    assert os.stat(first).st_mtime_ns == stamp  # not compiled again
+    source.write_text(source.read_text() + "// changed\n")
+    assert _build(tmp_path / "reuse", [str(source)]) != first
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +99,13 @@ def unit_binary(tmp_path_factory):
                    for p in glob.glob(os.path.join(ROOT, "cc", "**", "*_test.cc"), recursive=True))
     tests = [t for t in tests if t not in GLOO_TESTS]
     assert len(tests) >= 4, tests
-    return _build(tmp_path_factory.mktemp("cc") / "unit", SOURCES + tests + ["cc/testing/main.cc"])
+    return _build(tmp_path_factory.mktemp("cc") / "unit", SOURCES + tests + [LISTS["UNIT_MAIN"]])
 
 
 @pytest.fixture(scope="module")
 def fake_nccl(tmp_path_factory):
     """The fake libnccl.so.2 the NCCL tests load (PERSEUS_TEST_FAKE_NCCL)."""
-    return _build(tmp_path_factory.mktemp("nccl") / "libnccl.so.2", ["cc/testing/fake_nccl.cc"],
+    return _build(tmp_path_factory.mktemp("nccl") / "libnccl.so.2", [LISTS["FAKE_NCCL"]],
                   extra=["-shared", "-fPIC"])
 
 
@@ -66,10 +125,9 @@ def test_gloo_waits_end_when_aborted(tmp_path):
     ranks as threads): wrapped contexts run Gloo's collectives; an abort ends
     a receive nobody would send to at once, with its reason, and later calls
     throw; a job-wide abort spares contexts made after it."""
+    test = "cc/transport/gloo_abortable_test.cc"
     binary = _build(tmp_path / "gloo_abortable",
-                    ["cc/transport/gloo_abortable.cc", "cc/transport/gloo_abortable_test.cc",
-                     "cc/testing/main.cc"],
-                    libs=["-lgloo"])
+                    GLOO_TESTS[test] + [test, LISTS["UNIT_MAIN"]], libs=["-lgloo"])
     proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     assert "3 tests, 0 failed checks" in proc.stdout, proc.stdout
@@ -81,7 +139,7 @@ def test_a_failing_check_fails_the_run(tmp_path):
                        "TEST(Fails) { CHECK_EQ(1 + 1, 3); CHECK(false); }\n"
                        "TEST(Passes) { CHECK(true); }\n"
                        "PERSEUS_TEST_MAIN()\n")
-    binary = _build(tmp_path / "failing", [str(failing)])
+    binary = _build(tmp_path / "failing", [str(failing)], cache=False)
     proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "FAIL Fails" in proc.stdout and "ok   Passes" in proc.stdout, proc.stdout

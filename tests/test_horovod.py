@@ -1,5 +1,8 @@
-"""The Horovod-compatible API (perseus_tf.horovod and perseus_tf.horovod.keras)
-at 2 and 4 ranks: one perseusrun launch per worker module and rank count."""
+"""The Horovod-compatible API (perseus_tf.horovod and perseus_tf.horovod.keras):
+one perseusrun launch per worker module and rank count. Every check runs at 2
+ranks; the checks that 4 ranks test further (each module's AT_4_RANKS) at 4
+too. The second pass of `make test` (TF 2.15: Keras 2, tf.estimator) runs the
+2-rank launches."""
 
 import importlib.util
 import subprocess
@@ -7,35 +10,33 @@ import sys
 
 import pytest
 
-from harness import ROOT, check_names, rank_env, run_checks
+from harness import ROOT, cases, four_rank_checks, rank_env, run_checks
+from tiers import second_pass
 
 ESTIMATOR_ONLY = {"check_estimator_with_hook"}
 HAS_ESTIMATOR = importlib.util.find_spec("tensorflow_estimator") is not None
 MODULES = ["checks_horovod", "checks_horovod_keras"]
-CASES = [(m, c) for m in MODULES for c in check_names(m)]
-
-
-@pytest.fixture(scope="module", params=[2, 4])
-def ranks(request):
-    return request.param
-
+RANKS = [2] if second_pass() else [2, 4]
+CASES = [(m, np_, c) for m in MODULES for np_, c in cases(m, RANKS)]
 
 _launches = {}
 
 
 def launched(module, np_):
     if (module, np_) not in _launches:
-        _launches[(module, np_)] = run_checks(module, np_, timeout=900)
+        names = None if np_ == 2 else four_rank_checks(module)
+        _launches[(module, np_)] = run_checks(module, np_, timeout=900, names=names)
     return _launches[(module, np_)]
 
 
-@pytest.mark.parametrize("module,check", CASES, ids=[c for _, c in CASES])
-def test_horovod(ranks, module, check):
+@pytest.mark.parametrize("module,ranks,check", CASES, ids=[f"{n}-{c}" for _, n, c in CASES])
+def test_horovod(module, ranks, check):
     if check in ESTIMATOR_ONLY and not HAS_ESTIMATOR:
         pytest.skip("tf.estimator was removed in TF 2.16")
     launched(module, ranks).assert_ok(check)
 
 
+@pytest.mark.parametrize("ranks", RANKS)
 @pytest.mark.parametrize("module", MODULES)
 def test_clean_exit(ranks, module):
     proc = launched(module, ranks).proc

@@ -3,8 +3,8 @@ the pairwise cover of the matrix, each launch running its items on 2 or 4
 ranks. Every item must finish within the launch's bound, end with trainable
 weights identical on every rank, and, with compression off, equal one
 process (MirroredStrategy over one logical CPU per rank) on the same global
-batches to 1e-5. Under PERSEUS_TEST_MATRIX=second (the Makefile's second TF
-version) the smaller SECOND_VERSION set runs: every item once."""
+batches to 1e-5. In the second pass of `make test` (TF 2.15, tests/tiers.py)
+the smaller SECOND_VERSION set runs: every item once."""
 
 import json
 import os
@@ -15,9 +15,10 @@ import pytest
 
 from harness import WORKERS, launch
 from model_matrix import PAIRWISE, SECOND_VERSION, env_for, launch_id
+from tiers import second_pass
 
 WORKER = os.path.join(WORKERS, "model_matrix_worker.py")
-LAUNCHES = SECOND_VERSION if os.environ.get("PERSEUS_TEST_MATRIX") == "second" else PAIRWISE
+LAUNCHES = SECOND_VERSION if second_pass() else PAIRWISE
 
 
 @pytest.fixture(scope="module", params=LAUNCHES, ids=[launch_id(l) for l in LAUNCHES])

@@ -1,29 +1,45 @@
-"""TensorFlow ops at 2 and 4 ranks (one perseusrun launch per rank count).
+"""TensorFlow ops, against numpy (tests/workers/checks_ops.py).
 
-2 ranks run with default fusion, 4 ranks with fusion off
-(PERSEUS_FUSION_THRESHOLD=0), NaN checks on and shared memory off, so both the fused and the
-unfused path, and both shared memory and TCP (the reduce-scatter ring), are checked against
-numpy.
+Every check runs at 2 ranks twice: with default fusion and shared memory,
+and with fusion off (PERSEUS_FUSION_THRESHOLD=0), NaN checks on and shared
+memory off, so both the fused and the unfused path, and both shared memory
+and TCP (the reduce-scatter ring), are checked. The checks that 4 ranks test
+further (the module's AT_4_RANKS) run at 4 ranks with the second settings.
+The second pass of `make test` (TF 2.15: the op library built against it)
+runs the first launch only.
 """
 
 import pytest
 
-from harness import check_names, run_checks
+from harness import check_names, four_rank_checks, run_checks
+from tiers import second_pass
 
-CHECKS = check_names("checks_ops")
-CONFIGS = {2: {}, 4: {"PERSEUS_FUSION_THRESHOLD": "0", "PERSEUS_ALLREDUCE_NANCHECK": "1",
-                     "PERSEUS_SHM_ALLREDUCE": "0"}}
+UNFUSED = {"PERSEUS_FUSION_THRESHOLD": "0", "PERSEUS_ALLREDUCE_NANCHECK": "1",
+           "PERSEUS_SHM_ALLREDUCE": "0"}
+LAUNCHES = {"2ranks": (2, {}), "2ranks-unfused-tcp": (2, UNFUSED),
+            "4ranks-unfused-tcp": (4, UNFUSED)}
+if second_pass():
+    LAUNCHES = {"2ranks": LAUNCHES["2ranks"]}
+CASES = [(launch, check) for launch, (np_, _) in LAUNCHES.items()
+         for check in (check_names("checks_ops") if np_ == 2 else four_rank_checks("checks_ops"))]
 
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def launched(request):
-    return run_checks("checks_ops", request.param, env=CONFIGS[request.param])
-
-
-@pytest.mark.parametrize("check", CHECKS)
-def test_ops(launched, check):
-    launched.assert_ok(check)
+_launches = {}
 
 
-def test_launch_exit_status(launched):
-    assert launched.proc.returncode == 0, launched.proc.stderr[-3000:]
+def launched(launch):
+    if launch not in _launches:
+        np_, env = LAUNCHES[launch]
+        names = None if np_ == 2 else four_rank_checks("checks_ops")
+        _launches[launch] = run_checks("checks_ops", np_, env=env, names=names)
+    return _launches[launch]
+
+
+@pytest.mark.parametrize("launch,check", CASES, ids=[f"{l}-{c}" for l, c in CASES])
+def test_ops(launch, check):
+    launched(launch).assert_ok(check)
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+def test_launch_exit_status(launch):
+    proc = launched(launch).proc
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,6 +15,8 @@
 #            .bazelversion 4.2.3 because the binary is installed as bazel-4.
 #   BAZEL_STARTUP_OPTS  startup options, e.g. "--output_user_root=/tmp/bz"
 #   JOBS     parallel actions (default: number of CPUs)
+#   EXTRA_TARGETS  more targets of //: to build and copy, e.g. "cc_unit"
+#            (the C++ unit tests, tests/test_examples_and_build.py runs them)
 set -euo pipefail
 
 usage() {
@@ -56,13 +58,15 @@ startup=(${BAZEL_STARTUP_OPTS:-})
 echo "==> configure ($PYTHON)"
 "$PYTHON" tools/configure_bazel.py
 
-echo "==> $BAZEL build //:native"
-"$BAZEL" "${startup[@]}" build --jobs="$jobs" "$@" //:native
+# shellcheck disable=SC2206  # word splitting intended
+extra=(${EXTRA_TARGETS:-})
+echo "==> $BAZEL build //:native ${extra[*]/#/\/\/:}"
+"$BAZEL" "${startup[@]}" build --jobs="$jobs" "$@" //:native "${extra[@]/#/\/\/:}"
 
 # bazel-bin for the same flags (-c opt from .bazelrc changes the path).
 bin_dir=$("$BAZEL" "${startup[@]}" info "$@" bazel-bin 2>/dev/null)
 
-for lib in libperseus_core.so _perseus_ops.so _core.so; do
+for lib in libperseus_core.so _perseus_ops.so _core.so "${extra[@]}"; do
   # Bazel outputs are read-only; replace rather than overwrite.
   rm -f "$out_dir/$lib"
   cp "$bin_dir/$lib" "$out_dir/$lib"

@@ -21,6 +21,23 @@ from perseus_tf import ops
 
 from rank_checks import assert_barrier_waits, data, expect, same_on_all_ranks
 
+# The checks that run at 4 ranks too (tests/test_horovod.py; every check runs
+# at 2): two senders and two zero-row ranks in alltoall's
+# gradient; reduce-scatter offsets past the first short block; a barrier that
+# waits for only some ranks; process sets {0, 2} and {1, 3} (a root that is a
+# global rank, not its position); three ranks joining in turn; Adasum's
+# second tree level (and its refusal of 3-rank sets, which needs 4 ranks).
+# hvd.broadcast from every root is checks_ops.check_broadcast_from_every_root
+# (the same op, in 9 dtypes) and, through the shim, the graph-mode check here.
+AT_4_RANKS = ("check_alltoall_with_and_without_splits",
+              "check_graph_mode_gradients_and_zero_row_alltoall",
+              "check_reducescatter_average_by_default_and_grouped", "check_barrier",
+              "check_process_sets", "check_join", "check_adasum_allreduce_against_numpy",
+              "check_adasum_grouped_has_coefficients_per_tensor",
+              "check_adasum_gradient_tape_and_optimizers",
+              "check_adasum_refuses_a_non_power_of_two_set",
+              "check_tf1_adasum_optimizer_combines_weight_changes")
+
 R = N = None
 
 
@@ -306,12 +323,6 @@ def check_int16_and_uint16_in_every_collective():
             out.numpy(), [r + 40000 if dt == np.uint16 else -r for r in range(N)])
         scattered = hvd.reducescatter(tf.constant(np.ones([N, 2], dt) * dt(R + 1)), op=hvd.Sum)
         np.testing.assert_array_equal(scattered.numpy(), np.full([1, 2], N * (N + 1) // 2, dt))
-
-
-def check_broadcast_from_every_root():
-    for root in range(N):
-        got = hvd.broadcast(tf.constant(data(R, (4,), np.float64, seed=root)), root)
-        np.testing.assert_array_equal(got.numpy(), data(root, (4,), np.float64, seed=root))
 
 
 def check_alltoall_with_and_without_splits():

@@ -14,6 +14,17 @@ import perseus_tf as ptf
 
 from rank_checks import assert_barrier_waits, data, expect
 
+# The checks that run at 4 ranks too (tests/test_ops.py; every check runs at
+# 2): what 2 ranks cannot show. Roots 2 and 3; blocks at non-zero offsets;
+# zero splits to other ranks; the offset clamp of uneven rows (and the TCP
+# ring's reduce-scatter); a barrier that waits for only some ranks; process
+# sets of 2 among 4 with non-members; set positions that are not world ranks;
+# three ranks joining one after another; fp16 through a multi-step ring.
+AT_4_RANKS = ("check_broadcast_from_every_root", "check_allgather_different_first_dims",
+              "check_alltoall_with_and_without_splits", "check_reducescatter_uneven_rows",
+              "check_barrier", "check_process_sets", "check_process_set_errors",
+              "check_join_uneven_steps", "check_fp16_compression_against_numpy_model")
+
 R = N = None
 NUMERIC = [np.float16, tf.bfloat16.as_numpy_dtype, np.float32, np.float64, np.int32, np.int64,
            np.uint8, np.int8]

@@ -1,4 +1,6 @@
-"""PerseusStrategy with Keras and custom loops, at 2 and 4 ranks.
+"""PerseusStrategy with Keras and custom loops, at 2 ranks (none of these
+checks branches on the world size or has a case that only more ranks reach;
+`fit` under PerseusStrategy at 4 ranks runs in tests/test_model_matrix.py).
 
 Rank 0 also trains the same model without any strategy on the same global
 data: the distributed weights must equal that single-process result.

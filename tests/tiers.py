@@ -1,0 +1,156 @@
+"""What runs where: the fast tier (`make check`) and the whole suite in two
+TensorFlow versions (`make test`, what CI runs), as jobs for
+tools/run_tests.py.
+
+- check: everything that starts no multi-rank TensorFlow job: the C++ unit
+  tests, the tree's layout, configuration, the env contracts, the store, the
+  launcher's own tests, and the runtime through `_core` at 2 ranks. The loop
+  a developer runs before each commit (under 5 minutes from a built tree).
+- test, pass "tf2.21" (.venv: TF 2.21, Keras 3): every test file.
+- test, pass "tf2.15" (.venv-tf215: TF 2.15, Keras 2, tf.estimator): what
+  differs between the versions, not the runtime again. Keras 2 (PerseusStrategy,
+  the Horovod shim's Keras layer, BackupAndRestore, the Keras half of the
+  model matrix), tf.estimator and TF1 sessions (the Horovod shim), and the op
+  library built against TF 2.15 (its kernels, shapes and gradients at 2
+  ranks). Files that run the runtime, the launcher or the store without TF,
+  and the Bazel build, run in the first pass only: they run the same
+  binaries under either version. Inside a file, `second_pass()` picks the
+  part of it that the second pass runs.
+
+A job is a test file, or a named part of one (pytest -k) where one file
+would hold a lane alone for most of the run. Weights are a job's seconds in
+a recent CI run (tools/ci_report.py prints them): the lanes take the heaviest
+waiting job first, so the long ones start early and the short ones fill in.
+"""
+
+import os
+
+# Set-up phases of `make test`, in order: (phase name, make target).
+SETUP = [("set-up:system-packages", "system-test"),
+         ("set-up:tf2.21-venv+native", "native"),
+         ("build:cuda-kernels", "cuda"),
+         ("set-up:tf2.15-venv+native", "native-old")]
+
+FIRST, SECOND = "tf2.21", "tf2.15"
+
+
+def second_pass():
+    """Whether this pytest process runs the second (TF 2.15) pass."""
+    return os.environ.get("PERSEUS_TEST_PASS") == SECOND
+
+
+class Job:
+    """A test file, or the part of it that `select` (pytest -k) picks."""
+
+    def __init__(self, file, weight, select=None, part=None):
+        self.file = file
+        self.weight = weight
+        self.select = select
+        self.name = file + (f"[{part}]" if part else "")
+
+    def pytest_args(self):
+        args = [os.path.join("tests", self.file)]
+        if self.select:
+            args += ["-k", self.select]
+        return args
+
+
+class Run:
+    """A pass: a name, the venv whose Python runs it, its environment, jobs."""
+
+    def __init__(self, name, venv, env, jobs):
+        self.name, self.venv, self.env, self.jobs = name, venv, env, jobs
+
+    def subset(self, names):
+        return Run(self.name, self.venv, self.env,
+                   [j for j in self.jobs if j.name in names or j.file in names])
+
+
+# The fast tier: no multi-rank TensorFlow job. The runtime's own checks
+# through `_core` run at 2 ranks (fused, the simulated device, faults, bounded
+# waits, compression on one host, the soak); their 4-rank and two-host
+# launches run in `make test`.
+CHECK = [Job("test_cc_unit.py", 16), Job("test_layout.py", 2), Job("test_config.py", 12),
+         Job("test_contracts.py", 18), Job("test_store_protocol.py", 2),
+         Job("test_store_security.py", 16), Job("test_launch_mistakes.py", 6),
+         Job("test_runner.py", 39),
+         Job("test_core.py", 5, select="2ranks and not 4ranks and not 2hosts"),
+         Job("test_faults.py", 20, select="2ranks"),
+         Job("test_bounded.py", 10, select="2ranks"),
+         Job("test_compression.py", 10, select="1host"),
+         Job("test_soak.py", 20, select="2ranks"), Job("test_tiers.py", 3)]
+
+# Every file of the first pass, with its weight (seconds).
+FIRST_PASS = [
+    Job("test_backup_restore.py", 27),
+    Job("test_bench.py", 60),
+    Job("test_bounded.py", 16),
+    Job("test_cc_unit.py", 15),
+    Job("test_compression.py", 18),
+    Job("test_config.py", 5),
+    Job("test_contracts.py", 3),
+    Job("test_core.py", 20),
+    Job("test_cuda.py", 3),
+    Job("test_elastic.py", 40),
+    Job("test_examples_and_build.py", 160),
+    Job("test_failures.py", 125),
+    Job("test_faults.py", 160),
+    Job("test_horovod.py", 150),
+    Job("test_horovod_examples.py", 14),
+    Job("test_launch_mistakes.py", 25),
+    Job("test_layout.py", 1),
+    Job("test_malloc.py", 7),
+    Job("test_model_matrix.py", 180),
+    Job("test_multihost.py", 85),
+    Job("test_operability.py", 10),
+    Job("test_ops.py", 16),
+    Job("test_preemption.py", 61),
+    Job("test_runner.py", 36),
+    Job("test_slurm.py", 20),
+    Job("test_soak.py", 66),
+    Job("test_store_protocol.py", 1),
+    Job("test_store_security.py", 16),
+    Job("test_strategy.py", 63),
+    Job("test_tiers.py", 3),
+]
+
+# The second pass: the files where the TF version matters (module docstring),
+# and in some of them the tests where it does (pytest -k).
+SECOND_PASS = [
+    # Keras 2's BackupAndRestore, and PerseusStrategy's resume through it.
+    Job("test_backup_restore.py", 30),
+    Job("test_preemption.py", 60),
+    # GPU kernels registered by the op library built against TF 2.15 (the
+    # CUDA build itself does not depend on TF: first pass).
+    Job("test_cuda.py", 5, select="tf_kernels or gpu_tensor"),
+    # The examples under Keras 2, and one runtime shared by the TF 2.15 op
+    # library and _core. (Compression's accuracy, the Bazel build and the
+    # Makefile's plan are the runtime's and the build's: first pass.)
+    Job("test_examples_and_build.py", 40, select="examples_train or one_runtime_shared"),
+    # Failures seen through TF ops, tf.function and Keras fit/save; the
+    # runtime's own (through _core) are the first pass's.
+    Job("test_failures.py", 60, select="tf or fit or world_size_one or full_checkpoint"),
+    # The shim under Keras 2, tf.estimator and TF1 sessions (2-rank launches).
+    Job("test_horovod.py", 80),
+    Job("test_horovod_examples.py", 15),
+    # `import perseus_tf` before TF's first op chooses TF 2.15's allocator too.
+    Job("test_config.py", 5),
+    # TF 2.15 makes no mallopt call: the fix must leave glibc alone there.
+    Job("test_malloc.py", 7),
+    # The matrix's Keras half (tests/model_matrix.py SECOND_VERSION).
+    Job("test_model_matrix.py", 120),
+    # The op library built against TF 2.15 (its 2-rank launch).
+    Job("test_ops.py", 10),
+    # PerseusStrategy under Keras 2.
+    Job("test_strategy.py", 45),
+]
+
+
+def runs(tier):
+    """The passes of a tier, as Runs."""
+    if tier == "check":
+        return [Run("check", ".venv", {}, CHECK)]
+    # make test builds the CUDA kernels: test_cuda.py fails if they are missing.
+    return [Run(FIRST, ".venv", {"PERSEUS_TEST_PASS": FIRST, "PERSEUS_REQUIRE_NVCC": "1"},
+                FIRST_PASS),
+            Run(SECOND, ".venv-tf215", {"PERSEUS_TEST_PASS": SECOND}, SECOND_PASS)]
