@@ -101,26 +101,35 @@ def test_a_new_process_joins_the_survivors_next_round(np_):
     (2, {}),
     (4, {"PERSEUS_SHM_ALLREDUCE": "0"}),
 ], ids=["2ranks", "4ranks-tcp"])
-def test_abort_is_local_wakes_every_wait_and_the_job_goes_on_next_round(np_, env):
+def test_abort_is_local_wakes_every_wait_and_the_job_goes_on_next_round(np_, env, tmp_path):
     """perseus_tf.abort() on rank 0 while every rank waits in Gloo for a
     stopped rank: rank 0's pending collective fails and abort() returns
     within seconds, not GLOO_TIMEOUT_SECONDS (120 here; without the closed
     connections its threads would wait that long); the other ranks' pending
-    collectives fail too; then all init() into round 1 and sum right."""
+    collectives fail too, the stopped one's as soon as it resumes into a
+    round whose other ranks have all failed and gone (its heartbeat reads
+    their census and closed connections; before, its Gloo wait on a pair
+    closed while it was stopped lasted the whole timeout); then all init()
+    into round 1 and sum right."""
     import os
     import re
     import sys
     from harness import WORKERS, launch
     proc = launch(np_, [sys.executable, os.path.join(WORKERS, "abort_worker.py")],
-                  env=dict(env, GLOO_TIMEOUT_SECONDS="120", PERSEUS_STALL_CHECK_TIME_SECONDS="0"),
+                  env=dict(env, GLOO_TIMEOUT_SECONDS="120", PERSEUS_STALL_CHECK_TIME_SECONDS="0",
+                           ABORT_MARKS=str(tmp_path)),
                   timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    failed = dict((int(r), m) for r, m in re.findall(r"rank (\d+) held failed: (.*)", out))
+    failed = {int(r): (float(t), m)
+              for r, t, m in re.findall(r"rank (\d+) held failed at (\S+): (.*)", out)}
     assert sorted(failed) == list(range(np_)), out[-4000:]
-    assert "called abort()" in failed[0] and "rank 0 gives up" in failed[0], failed[0]
+    assert "called abort()" in failed[0][1] and "rank 0 gives up" in failed[0][1], failed[0]
     took = re.search(r"rank 0 abort took (\S+) s; the wait failed (\S+) s", out)
     assert took and float(took.group(1)) < 30 and float(took.group(2)) < 30, out[-4000:]
+    began = float(re.search(r"rank 0 abort began at (\S+)", out).group(1))
+    late = {r: round(t - began, 1) for r, (t, _) in failed.items() if t - began >= 30}
+    assert not late, f"waits that failed 30 s or more after rank 0's abort: {late}\n{out[-4000:]}"
     again = re.findall(r"rank (\d+) next round 1 sum (\S+)", out)
     assert sorted(int(r) for r, _ in again) == list(range(np_)), out[-4000:]
     assert {s for _, s in again} == {f"{np_ * (np_ + 1) // 2:g}"}, again

@@ -32,6 +32,10 @@ std::string LeftKey(const std::string& round, int rank) {
   return round + "/left/rank" + std::to_string(rank);
 }
 
+// LeftKey's value for a rank that called abort() (any other: it left by
+// shutdown between plan steps).
+constexpr char kLeftByAbort = 'a';
+
 // Set by a rank whose runtime shut down normally, before its store
 // connection closes: its closing is no failure.
 std::string DoneKey(const std::string& round, int rank) {
@@ -152,7 +156,7 @@ void Runtime::Abort(const std::string& why) {
   }
   if (was_running) {
     RecordFirstFailure({WorldRank(options_.rank)}, message);
-    AnnounceLeaving();  // the store's mark, shared memory's waits
+    AnnounceLeaving(/*aborted=*/true);  // the store's mark, shared memory's waits
     if (transport_) transport_->CloseAll(message);
     queue_cv_.notify_all();
     FailAllPending(Status::Error(StatusCode::kUnavailable, message));
@@ -160,10 +164,10 @@ void Runtime::Abort(const std::string& why) {
   Shutdown();  // the background thread sees the failed state and stops at once
 }
 
-void Runtime::AnnounceLeaving() {
+void Runtime::AnnounceLeaving(bool aborted) {
   if (options_.process_set_id == 0 && store_) {
     try {
-      store_->set(LeftKey(world_prefix_, WorldRank(options_.rank)), {'1'});
+      store_->set(LeftKey(world_prefix_, WorldRank(options_.rank)), {aborted ? kLeftByAbort : '1'});
     } catch (const std::exception&) {
       // the store is gone: the others still see the closed connections
     }
@@ -220,25 +224,40 @@ void Runtime::WatchClosedPeers() {
   // Dead: closed, and neither a survivor of a failure (census), nor gone
   // by shutdown or abort (done, left). Over the heartbeat's own connection.
   const std::string census = key_prefix_ + "/census/rank";
-  std::vector<char> ignored;
+  std::vector<char> value;  // the last key read's
   auto has = [&](const std::string& k) {
-    return heartbeat_store_->TryGet(k, std::chrono::milliseconds(0), &ignored);
+    return heartbeat_store_->TryGet(k, std::chrono::milliseconds(0), &value);
   };
-  std::vector<int> dead;
+  std::vector<int> dead, failed;
   for (int r = 0; r < options_.size; ++r) {
     const int w = WorldRank(r);
-    if (r != options_.rank && has(ClosedKey(world_prefix_, w)) &&
-        !has(census + std::to_string(r)) && !has(LeftKey(world_prefix_, w)) &&
-        !has(DoneKey(world_prefix_, w))) {
-      dead.push_back(w);
+    if (r == options_.rank || !has(ClosedKey(world_prefix_, w)) || has(DoneKey(world_prefix_, w))) {
+      continue;
     }
+    if (has(LeftKey(world_prefix_, w))) {
+      // Left between plan steps by shutdown: no failure (a collective still
+      // pending with it fails on its closed connections). Left by abort():
+      // the round is over for everyone.
+      if (value.size() == 1 && value[0] == kLeftByAbort) failed.push_back(w);
+      continue;
+    }
+    (has(census + std::to_string(r)) ? failed : dead).push_back(w);
   }
-  if (dead.empty()) return;
+  if (dead.empty() && failed.empty()) return;
   // Gloo may not wake a wait on a dead peer until GLOO_TIMEOUT_SECONDS (a
   // send it could not write; gloo_abortable.h): fail now, and end the
-  // waits of this process's other contexts (process sets) too.
-  const std::string what = std::string("the store saw ") + (dead.size() == 1 ? "its" : "their") +
-                           " connection close while this rank ran collectives";
+  // waits of this process's other contexts (process sets) too. A peer that
+  // failed in this round (its census) and closed has ended the round too:
+  // a rank that was not running when the others failed (stopped, swapped
+  // out) learns it here, not from a Gloo wait on a closed pair that only
+  // its timeout ends.
+  const std::vector<int>& gone = dead.empty() ? failed : dead;
+  const std::string what =
+      dead.empty() ? RankList(failed) + (failed.size() == 1 ? " has" : " have") +
+                         " failed or called abort() in this round and closed " +
+                         (failed.size() == 1 ? "its" : "their") + " connection"
+                   : std::string("the store saw ") + (gone.size() == 1 ? "its" : "their") +
+                         " connection close while this rank ran collectives";
   Fail(what);
   std::string failure;
   {

@@ -150,10 +150,10 @@ class Runtime {
   // Names the ranks that caused a failure (dead, stopped, left); their world
   // ranks go to *culprits.
   std::string IdentifyFailedRanks(std::vector<int>* culprits);
-  // This rank shuts down between plan steps without a last cycle: the store
-  // records it for the others' error messages, and shared-memory waiters
-  // for it are woken.
-  void AnnounceLeaving();
+  // This rank shuts down between plan steps without a last cycle, or
+  // aborts: the store records it (and which) for the others' error messages
+  // and heartbeats, and shared-memory waiters for it are woken.
+  void AnnounceLeaving(bool aborted = false);
   // A call refused here for a bad argument: its names go to the others as
   // rejected (kMetaRejected), so their requests fail at once.
   void RejectCall(const std::vector<std::shared_ptr<Request>>& requests, const std::string& why);
