@@ -107,7 +107,7 @@ def test_the_timing_table_sums_each_file_of_each_pass(tmp_path):
     assert ci_report.file_times(str(tmp_path / "tf2.21" / "job.xml")) == {
         "test_alpha.py": (12.5, 2, 1), "test_beta.py": (40.5, 2, 0)}
     phases = tmp_path / "phases.txt"
-    phases.write_text("set-up 61.0 ok\ntf2.21:test_beta.py 45.0 ok\ntotal 300.0 FAILED\n")
+    phases.write_text("set-up 61.0 ok\ntf2.21:test_beta.py 45.0 ok 80.6\ntotal 300.0 FAILED\n")
     times = tmp_path / "checks.jsonl"
     times.write_text(json.dumps({"module": "checks_x", "np": 4, "env": "A=1", "check": "check_slow",
                                  "seconds": 9.25}) + "\n")
@@ -117,6 +117,8 @@ def test_the_timing_table_sums_each_file_of_each_pass(tmp_path):
     lines = text.splitlines()
     assert any(l.split()[:2] == ["set-up", "61"] for l in lines), text
     assert any(l.split()[:2] == ["total", "300"] for l in lines), text
+    assert any(l.split()[:2] == ["tf2.21:test_beta.py", "45"] and "81 s CPU" in l
+               for l in lines), text
     assert "== pass tf2.21: 2 test files, 4 test ids, 1 failed, 53 s" in text, text
     assert "== pass tf2.15:" in text
     # --top 1: only the slowest file of each pass.
@@ -143,3 +145,49 @@ def test_lanes_run_every_job_once_heaviest_first(lanes):
     assert {lane for _, lane in log} <= set(range(lanes))
     if lanes == 1:
         assert [w for w, _ in log] == [50, 20, 7, 5, 1]
+
+
+def test_a_job_past_its_deadline_is_killed_with_what_it_started(tmp_path):
+    import time
+    child = tmp_path / "child.pid"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"p = subprocess.Popen(['sleep', '300']); open({str(child)!r}, 'w').write(str(p.pid))\n"
+         "time.sleep(300)"], start_new_session=True)
+    while not child.exists() or not child.read_text():
+        time.sleep(0.05)
+    start = time.monotonic()
+    rc, cpu = run_tests.wait_with_deadline(proc, time.monotonic() + 0.5)
+    assert rc is None and cpu >= 0 and time.monotonic() - start < 30
+    grandchild = int(child.read_text())
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{grandchild}") and time.monotonic() < deadline:
+        try:  # killed, waiting for init to reap it
+            with open(f"/proc/{grandchild}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.05)
+    else:
+        assert not os.path.exists(f"/proc/{grandchild}"), "the job's child outlived the kill"
+    rc, cpu = run_tests.wait_with_deadline(subprocess.Popen(["true"]), time.monotonic() + 30)
+    assert rc == 0
+
+
+def test_a_job_waits_for_the_set_up_it_needs_and_fails_unrun_when_it_failed():
+    log, lock, done = [], threading.Lock(), []
+    setup = run_tests.SetupState()
+    first = _FakeJob(5, log, lock)
+    later = _FakeJob(50, log, lock)
+    later.needs = ("slow-phase",)
+    broken = _FakeJob(1, log, lock)
+    broken.needs = ("bad-phase",)
+    skipped = []
+    broken.skip = lambda lane, why: skipped.append(why)
+    setup.finish("bad-phase", False)
+    threading.Timer(0.5, setup.finish, ("slow-phase", True)).start()
+    run_tests.schedule([first, later, broken], 1, "unused", done.append, setup)
+    # The heaviest job waited for its phase; the others ran meanwhile.
+    assert [w for w, _ in log] == [5, 50], log
+    assert skipped == ["set-up phase bad-phase failed"] and len(done) == 3

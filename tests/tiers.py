@@ -25,11 +25,14 @@ long ones start early and the short ones fill in.
 
 import os
 
-# Set-up phases of `make test`, in order: (phase name, make target).
-SETUP = [("set-up:system-packages", "system-test"),
-         ("set-up:tf2.21-venv+native", "native"),
-         ("build:cuda-kernels", "cuda"),
-         ("set-up:tf2.15-venv+native", "native-old")]
+# Set-up phases of `make test`, in order: (phase name, make target, whether
+# it may run beside the first tests). The system packages and the TF 2.21
+# venv come first; the CUDA kernels and the TF 2.15 venv build while the
+# lanes already run first-pass jobs (the jobs that need them wait: NEEDS).
+SETUP = [("set-up:system-packages", "system-test", False),
+         ("set-up:tf2.21-venv+native", "native", False),
+         ("build:cuda-kernels", "cuda", True),
+         ("set-up:tf2.15-venv+native", "native-old", True)]
 
 FIRST, SECOND = "tf2.21", "tf2.15"
 
@@ -40,13 +43,15 @@ def second_pass():
 
 
 class Job:
-    """A test file, or the part of it that `select` (pytest -k) picks."""
+    """A test file, or the part of it that `select` (pytest -k) picks; it
+    starts once the set-up phases it `needs` have passed."""
 
-    def __init__(self, file, weight, select=None, part=None):
+    def __init__(self, file, weight, select=None, part=None, needs=()):
         self.file = file
         self.weight = weight
         self.select = select
         self.name = file + (f"[{part}]" if part else "")
+        self.needs = tuple(needs)
 
     def pytest_args(self):
         args = [os.path.join("tests", self.file)]
@@ -56,14 +61,16 @@ class Job:
 
 
 class Run:
-    """A pass: a name, the venv whose Python runs it, its environment, jobs."""
+    """A pass: a name, the venv whose Python runs it, its environment, jobs,
+    and the set-up phases every job of it needs."""
 
-    def __init__(self, name, venv, env, jobs):
+    def __init__(self, name, venv, env, jobs, needs=()):
         self.name, self.venv, self.env, self.jobs = name, venv, env, jobs
+        self.needs = tuple(needs)
 
     def subset(self, names):
         return Run(self.name, self.venv, self.env,
-                   [j for j in self.jobs if j.name in names or j.file in names])
+                   [j for j in self.jobs if j.name in names or j.file in names], self.needs)
 
 
 # The fast tier: no multi-rank TensorFlow job. The runtime's own checks
@@ -90,7 +97,7 @@ FIRST_PASS = [
     Job("test_config.py", 10),
     Job("test_contracts.py", 9),
     Job("test_core.py", 23),
-    Job("test_cuda.py", 5),
+    Job("test_cuda.py", 5, needs=["build:cuda-kernels"]),
     Job("test_elastic.py", 57),
     Job("test_examples_and_build.py", 170),
     Job("test_failures.py", 161),
@@ -125,7 +132,7 @@ SECOND_PASS = [
     Job("test_preemption.py", 45, select="sigterm or loses_a_rank"),
     # GPU kernels registered by the op library built against TF 2.15 (the
     # CUDA build itself does not depend on TF: first pass).
-    Job("test_cuda.py", 3, select="tf_kernels or gpu_tensor"),
+    Job("test_cuda.py", 3, select="tf_kernels or gpu_tensor", needs=["build:cuda-kernels"]),
     # The examples under Keras 2, and one runtime shared by the TF 2.15 op
     # library and _core. (Compression's accuracy, the Bazel build and the
     # Makefile's plan are the runtime's and the build's: first pass.)
@@ -156,4 +163,5 @@ def runs(tier):
     # make test builds the CUDA kernels: test_cuda.py fails if they are missing.
     return [Run(FIRST, ".venv", {"PERSEUS_TEST_PASS": FIRST, "PERSEUS_REQUIRE_NVCC": "1"},
                 FIRST_PASS),
-            Run(SECOND, ".venv-tf215", {"PERSEUS_TEST_PASS": SECOND}, SECOND_PASS)]
+            Run(SECOND, ".venv-tf215", {"PERSEUS_TEST_PASS": SECOND}, SECOND_PASS,
+                needs=["set-up:tf2.15-venv+native"])]

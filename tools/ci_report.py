@@ -3,8 +3,8 @@ test files of each pytest pass.
 
     python tools/ci_report.py PHASES [--top 25] [--checks TIMES] [JUNIT_XML ...]
 
-PHASES holds one line per phase, `NAME SECONDS STATUS`, as tools/run_tests.py
-writes it. Each JUnit XML file is one pytest run (`--junitxml`), and the
+PHASES holds one line per phase, `NAME SECONDS STATUS [CPU_SECONDS]`, as
+tools/run_tests.py writes it. Each JUnit XML file is one pytest run (`--junitxml`), and the
 folder it lies in names its pass (tools/run_tests.py writes OUT/PASS/JOB.xml).
 A test file's time is the sum of its test ids' times: pytest counts a module
 fixture's work (a launch of ranks) in the first test that uses it, so the sum
@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 
 
 def read_phases(path):
-    """[(name, seconds, status)] in the order they ran."""
+    """[(name, seconds, status, CPU seconds or None)] in the order they ran."""
     phases = []
     if not os.path.exists(path):
         return phases
@@ -34,7 +34,8 @@ def read_phases(path):
         for line in f:
             parts = line.split()
             if len(parts) >= 3:
-                phases.append((parts[0], float(parts[1]), parts[2]))
+                cpu = float(parts[3]) if len(parts) >= 4 else None
+                phases.append((parts[0], float(parts[1]), parts[2], cpu))
     return phases
 
 
@@ -82,16 +83,17 @@ def minutes(seconds):
 
 
 def report(phases, xmls, top=25, checks=None):
-    lines = ["", "== CI timing: phases (wall time) =="]
+    lines = ["", "== CI timing: phases (wall time; CPU time of a job and all it started) =="]
     total = 0.0
-    for name, seconds, status in phases:
+    for name, seconds, status, cpu in phases:
         if name == "total":
             continue
         total += seconds
-        lines.append(f"  {name:<28} {seconds:7.0f} s  {minutes(seconds)}  {status}")
+        used = f"{cpu:7.0f} s CPU" if cpu is not None else " " * 13
+        lines.append(f"  {name:<40} {seconds:7.0f} s  {minutes(seconds)}  {used}  {status}")
     if phases:
-        whole = next((s for n, s, _ in phases if n == "total"), total)
-        lines.append(f"  {'total':<28} {whole:7.0f} s  {minutes(whole)}")
+        whole = next((s for n, s, _, _ in phases if n == "total"), total)
+        lines.append(f"  {'total':<40} {whole:7.0f} s  {minutes(whole)}")
     passes = collections.OrderedDict()
     for path in xmls:
         if not os.path.exists(path):

@@ -15,8 +15,11 @@ Jobs of one pass share nothing but the machine: each pytest run has its own
 scratch folder (tests/conftest.py), and the files that make network
 namespaces, Slurm clusters or Bazel builds name them per process.
 
+Every job has a deadline (PERSEUS_TEST_JOB_TIMEOUT, 1800 s): one that runs
+past it is killed with what it started and fails.
+
 What it writes under OUT (default build/ci, removed first):
-  phases.txt                 NAME SECONDS STATUS per phase (tools/ci_report.py)
+  phases.txt                 NAME SECONDS STATUS [CPU] per phase (tools/ci_report.py)
   <pass>/<job>.xml, .log     each job's JUnit XML and output
   check_times.jsonl          each batched check's time (tests/harness.py)
 
@@ -28,12 +31,16 @@ import argparse
 import heapq
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A job that runs longer is killed and fails (every wait in the tests has a
+# deadline of its own; this one catches what slips through).
+JOB_TIMEOUT = float(os.environ.get("PERSEUS_TEST_JOB_TIMEOUT", "1800"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import tiers  # noqa: E402  (tests/tiers.py: what runs in which tier and pass)
 
@@ -45,13 +52,14 @@ class Phases:
         self.path = path
         self.lock = threading.Lock()
 
-    def add(self, name, seconds, status):
+    def add(self, name, seconds, status, cpu=None):
         with self.lock, open(self.path, "a") as f:
-            f.write(f"{name} {seconds:.1f} {status}\n")
+            f.write(f"{name} {seconds:.1f} {status}" + (f" {cpu:.1f}" if cpu is not None else "")
+                    + "\n")
 
 
 def run_phase(phases, name, argv, env=None):
-    """Runs one set-up command in the foreground; returns whether it passed."""
+    """Runs one set-up command; returns whether it passed."""
     print(f"==> {name}: {' '.join(argv)}", flush=True)
     start = time.monotonic()
     rc = subprocess.call(argv, cwd=ROOT, env=env)
@@ -68,8 +76,16 @@ class Job:
         self.name = spec.name
         self.rc = None
         self.seconds = 0.0
+        self.cpu = 0.0
         self.summary = ""
         self.lane = None
+
+    @property
+    def needs(self):
+        return self.run.needs + self.spec.needs
+
+    def skip(self, lane, why):
+        self.lane, self.rc, self.summary = lane, "not run", why
 
     def paths(self, out):
         folder = os.path.join(out, self.run.name)
@@ -90,26 +106,85 @@ class Job:
         with open(log, "w") as f:
             f.write(" ".join(argv) + "\n")
             f.flush()
-            self.rc = subprocess.call(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            self.rc, self.cpu = wait_with_deadline(proc, start + JOB_TIMEOUT)
+            if self.rc is None:
+                f.write(f"\nrun_tests.py: the job ran past PERSEUS_TEST_JOB_TIMEOUT "
+                        f"({JOB_TIMEOUT:.0f} s) and was killed\n")
+                self.rc = "timeout"
         self.seconds = time.monotonic() - start
         with open(log) as f:
             lines = [l.strip() for l in f if l.strip()]
         self.summary = lines[-1] if lines else "(no output)"
 
 
-def schedule(jobs, lanes, out, on_done):
-    """Runs jobs on `lanes` worker threads, the heaviest waiting job first."""
-    queue = [(-j.spec.weight, i, j) for i, j in enumerate(jobs)]
-    heapq.heapify(queue)
-    lock = threading.Lock()
+def wait_with_deadline(proc, deadline):
+    """(exit status or None when killed at the deadline, CPU seconds of the
+    job and every descendant it waited for: os.wait4's rusage)."""
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)  # pytest and what it started in its session
+            _, _, usage = os.wait4(proc.pid, 0)
+            proc.returncode = -signal.SIGKILL
+            return None, usage.ru_utime + usage.ru_stime
+        time.sleep(0.2)
+
+
+class SetupState:
+    """The set-up phases that run beside the lanes: which have ended, and
+    how (a job that needs one waits for it)."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.ended = {}  # phase name -> passed
+
+    def finish(self, name, passed):
+        with self.cond:
+            self.ended[name] = passed
+            self.cond.notify_all()
+
+    def blocked(self, needs):
+        """None when every phase in `needs` passed; "wait" while one runs; the
+        name of a failed one."""
+        for name in needs:
+            if name not in self.ended:
+                return "wait"
+            if not self.ended[name]:
+                return name
+        return None
+
+
+def schedule(jobs, lanes, out, on_done, setup=None):
+    """Runs jobs on `lanes` worker threads: each takes the heaviest job whose
+    set-up phases have passed (a job whose phase failed fails unrun)."""
+    setup = setup or SetupState()
+    waiting = sorted(jobs, key=lambda j: -j.spec.weight)
+
+    def take():
+        with setup.cond:
+            while waiting:
+                for job in waiting:
+                    why = setup.blocked(getattr(job, "needs", ()))
+                    if why != "wait":
+                        waiting.remove(job)
+                        return job, why
+                setup.cond.wait(timeout=1.0)
+            return None, None
 
     def worker(lane):
         while True:
-            with lock:
-                if not queue:
-                    return
-                _, _, job = heapq.heappop(queue)
-            job.execute(out, lane)
+            job, failed_setup = take()
+            if job is None:
+                return
+            if failed_setup:
+                job.skip(lane, f"set-up phase {failed_setup} failed")
+            else:
+                job.execute(out, lane)
             on_done(job)
 
     threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(lanes)]
@@ -119,7 +194,7 @@ def schedule(jobs, lanes, out, on_done):
         t.join()
 
 
-def run_jobs(phases, runs, lanes, out):
+def run_jobs(phases, runs, lanes, out, setup=None):
     """Every job of every run in one queue; returns the jobs that failed."""
     jobs = [Job(run, spec) for run in runs for spec in run.jobs]
     print(f"==> {len(jobs)} test jobs on {lanes} lanes "
@@ -131,22 +206,26 @@ def run_jobs(phases, runs, lanes, out):
         status = "ok" if job.rc == 0 else f"FAILED(rc={job.rc})"
         with print_lock:
             print(f"  [lane {job.lane}] {job.run.name} {job.name}: {job.summary} "
-                  f"({job.seconds:.0f} s)", flush=True)
-        phases.add(f"{job.run.name}:{job.name}", job.seconds, status)
+                  f"({job.seconds:.0f} s, {job.cpu:.0f} s CPU)", flush=True)
+        phases.add(f"{job.run.name}:{job.name}", job.seconds, status, job.cpu)
 
-    schedule(jobs, lanes, out, done)
+    schedule(jobs, lanes, out, done, setup)
     wall = time.monotonic() - start
     for run in runs:
         mine = [j for j in jobs if j.run is run]
         phases.add(f"pass-{run.name}(summed)", sum(j.seconds for j in mine),
-                   "ok" if all(j.rc == 0 for j in mine) else "FAILED")
-    phases.add("tests(wall,all-lanes)", wall, "ok" if all(j.rc == 0 for j in jobs) else "FAILED")
+                   "ok" if all(j.rc == 0 for j in mine) else "FAILED", sum(j.cpu for j in mine))
+    phases.add("tests(wall,all-lanes)", wall, "ok" if all(j.rc == 0 for j in jobs) else "FAILED",
+               sum(j.cpu for j in jobs))
     return [j for j in jobs if j.rc != 0]
 
 
 def show_failures(failed, out):
     for job in failed:
         _, log = job.paths(out)
+        if not os.path.exists(log):
+            print(f"\n======== {job.run.name} {job.name} did not run: {job.summary} ========")
+            continue
         with open(log) as f:
             text = f.read()
         print(f"\n======== {job.run.name} {job.name} failed (log: {log}) ========")
@@ -186,11 +265,22 @@ def main(argv=None):
     phases = Phases(os.path.join(args.out, "phases.txt"))
     start = time.monotonic()
     ok = True
-    if args.tier == "test" and not args.no_setup:
-        for name, target in tiers.SETUP:
-            if not run_phase(phases, name, ["make", "--no-print-directory", target]):
+    setup = SetupState()
+    beside = []
+    for name, target, background in (tiers.SETUP if args.tier == "test" else []):
+        if args.no_setup:
+            setup.finish(name, True)
+            continue
+        argv = ["make", "--no-print-directory", target]
+        if not ok or not background:
+            if ok and not run_phase(phases, name, argv):
                 ok = False
-                break
+            continue
+
+        def side(name=name, argv=argv):
+            setup.finish(name, run_phase(phases, name, argv))
+        beside.append(threading.Thread(target=side, daemon=True))
+        beside[-1].start()
     failed = []
     if ok:
         runs = tiers.runs(args.tier)
@@ -200,8 +290,12 @@ def main(argv=None):
             if unknown:
                 parser.error(f"--only: no job named {', '.join(sorted(unknown))} in tier "
                              f"'{args.tier}' (names are test files: test_core.py)")
-        failed = run_jobs(phases, runs, args.lanes, args.out)
+        failed = run_jobs(phases, runs, args.lanes, args.out, setup)
         show_failures(failed, args.out)
+    for thread in beside:
+        thread.join()
+    if not all(setup.ended.get(name, True) for name, _, _ in tiers.SETUP):
+        ok = False
     phases.add("total", time.monotonic() - start, "ok" if ok and not failed else "FAILED")
     report(args.out, args.top)
     if not ok:
