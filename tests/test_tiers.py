@@ -191,3 +191,14 @@ def test_a_job_waits_for_the_set_up_it_needs_and_fails_unrun_when_it_failed():
     # The heaviest job waited for its phase; the others ran meanwhile.
     assert [w for w, _ in log] == [5, 50], log
     assert skipped == ["set-up phase bad-phase failed"] and len(done) == 3
+
+
+@pytest.mark.parametrize("variable,value", [("PERSEUS_TEST_LANES", "0"),
+                                            ("PERSEUS_TEST_JOB_TIMEOUT", "soon")])
+def test_bad_settings_of_the_runner_are_named(variable, value):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "run_tests.py"), "check",
+                           "--out", os.path.join(ROOT, "build", "ci-unused")],
+                          env=dict(os.environ, **{variable: value}), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode != 0
+    assert f"{variable}={value!r}: must be an integer of 1 or more" in proc.stderr, proc.stderr

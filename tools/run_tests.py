@@ -38,9 +38,26 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def env_number(name, default, minimum):
+    """An integer setting from the environment, checked."""
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise SystemExit(f"run_tests.py: {name}={text!r}: must be an integer of {minimum} or more")
+    return value
+
+
 # A job that runs longer is killed and fails (every wait in the tests has a
 # deadline of its own; this one catches what slips through).
-JOB_TIMEOUT = float(os.environ.get("PERSEUS_TEST_JOB_TIMEOUT", "1800"))
+JOB_TIMEOUT = env_number("PERSEUS_TEST_JOB_TIMEOUT", 1800, 1)
+# The sessions of the jobs running now: an interrupted run kills them (they
+# are not in the terminal's process group, so Ctrl-C does not reach them).
+RUNNING = set()
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 import tiers  # noqa: E402  (tests/tiers.py: what runs in which tier and pass)
 
@@ -108,7 +125,11 @@ class Job:
             f.flush()
             proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            self.rc, self.cpu = wait_with_deadline(proc, start + JOB_TIMEOUT)
+            RUNNING.add(proc.pid)
+            try:
+                self.rc, self.cpu = wait_with_deadline(proc, start + JOB_TIMEOUT)
+            finally:
+                RUNNING.discard(proc.pid)
             if self.rc is None:
                 f.write(f"\nrun_tests.py: the job ran past PERSEUS_TEST_JOB_TIMEOUT "
                         f"({JOB_TIMEOUT:.0f} s) and was killed\n")
@@ -247,8 +268,7 @@ def report(out, top):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tier", choices=["check", "test"])
-    parser.add_argument("--lanes", type=int,
-                        default=int(os.environ.get("PERSEUS_TEST_LANES", "2")),
+    parser.add_argument("--lanes", type=int, default=env_number("PERSEUS_TEST_LANES", 2, 1),
                         help="parallel pytest processes (default 2, or PERSEUS_TEST_LANES)")
     parser.add_argument("--only", nargs="*", default=None,
                         help="job names (test files, e.g. test_core.py) to run, nothing else")
@@ -308,5 +328,18 @@ def main(argv=None):
     return 0
 
 
+def stop_running_jobs(*_):
+    for pid in list(RUNNING):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit("run_tests.py: interrupted; the running test jobs were killed")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, stop_running_jobs)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        stop_running_jobs()

@@ -221,8 +221,10 @@ void Runtime::WatchClosedPeers() {
     // A shutdown agreed in negotiation: ranks that finish first close.
     if (state_.load() != State::kRunning || shutdown_requested_ || !shutdown_by_.empty()) return;
   }
-  // Dead: closed, and neither a survivor of a failure (census), nor gone
-  // by shutdown or abort (done, left). Over the heartbeat's own connection.
+  // Over the heartbeat's own connection, the ranks that closed it, but for
+  // those done (a normal shutdown) or left between plan steps by shutdown:
+  // dead, with no word; or failed, a survivor of a failure in this round
+  // (census) or gone by abort().
   const std::string census = key_prefix_ + "/census/rank";
   std::vector<char> value;  // the last key read's
   auto has = [&](const std::string& k) {
@@ -251,12 +253,11 @@ void Runtime::WatchClosedPeers() {
   // a rank that was not running when the others failed (stopped, swapped
   // out) learns it here, not from a Gloo wait on a closed pair that only
   // its timeout ends.
-  const std::vector<int>& gone = dead.empty() ? failed : dead;
   const std::string what =
       dead.empty() ? RankList(failed) + (failed.size() == 1 ? " has" : " have") +
                          " failed or called abort() in this round and closed " +
                          (failed.size() == 1 ? "its" : "their") + " connection"
-                   : std::string("the store saw ") + (gone.size() == 1 ? "its" : "their") +
+                   : std::string("the store saw ") + (dead.size() == 1 ? "its" : "their") +
                          " connection close while this rank ran collectives";
   Fail(what);
   std::string failure;
