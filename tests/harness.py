@@ -75,7 +75,8 @@ def record_check_times(module, np_, env, seconds):
     if not path:
         return
     names = sorted({n for per_rank in seconds.values() for n in per_rank})
-    config = ",".join(f"{k}={v}" for k, v in sorted((env or {}).items()))
+    config = ",".join(f"{k}={v}" for k, v in sorted((env or {}).items())
+                      if k != "PERSEUS_CHECKS_NAMES")
     with open(path, "a") as f:
         for name in names:
             worst = max(per_rank.get(name, 0.0) for per_rank in seconds.values())
@@ -158,14 +159,35 @@ def four_rank_checks(module):
     return []
 
 
-def cases(module, rank_counts):
-    """(ranks, check) pairs: every check at 2 ranks, the module's
+def checks_at(module, np_):
+    """The checks a worker module runs at np_ ranks: every one at 2, its
     AT_4_RANKS at 4."""
-    out = []
-    for np_ in rank_counts:
-        names = check_names(module) if np_ == 2 else four_rank_checks(module)
-        out += [(np_, name) for name in names]
-    return out
+    return check_names(module) if np_ == 2 else four_rank_checks(module)
+
+
+def run_checks_at(module, np_, **kwargs):
+    """run_checks of the checks `module` runs at np_ ranks (checks_at)."""
+    names = None if np_ == 2 else four_rank_checks(module)
+    return run_checks(module, np_, names=names, **kwargs)
+
+
+def cases(module, rank_counts):
+    """(ranks, check) pairs of checks_at for each rank count."""
+    return [(np_, name) for np_ in rank_counts for name in checks_at(module, np_)]
+
+
+def inputs_hash(paths, *also):
+    """A short hash of the files' names and contents and of the strings in
+    `also`: what a cached build was made from (test_cc_unit, the Bazel test)."""
+    import hashlib
+    h = hashlib.sha256()
+    for text in also:
+        h.update(text if isinstance(text, bytes) else str(text).encode())
+    for path in paths:
+        h.update(path.encode())
+        with open(path if os.path.isabs(path) else os.path.join(ROOT, path), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:20]
 
 
 def cuda_devices():

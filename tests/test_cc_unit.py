@@ -11,13 +11,14 @@ binary is compiled once per change of its inputs and kept in build/cc-unit/."""
 
 import ast
 import glob
-import hashlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+
+from harness import inputs_hash
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["-std=c++17", "-O1", "-Wall", "-Wno-sign-compare", "-pthread", "-I" + ROOT]
@@ -41,14 +42,9 @@ GLOO_TESTS = LISTS["GLOO_UNIT_TESTS"]
 def _inputs_hash(cmd, sources):
     """What a build's output depends on: the command, the compiler, the
     sources and every header of the tree (an include may reach any of them)."""
-    h = hashlib.sha256(json.dumps(cmd).encode())
-    h.update(subprocess.run(["g++", "--version"], capture_output=True).stdout)
     headers = sorted(glob.glob(os.path.join(ROOT, "cc", "**", "*.h"), recursive=True))
-    for path in sorted(set(sources)) + headers:
-        h.update(path.encode())
-        with open(path, "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:20]
+    return inputs_hash(sorted(set(sources)) + headers, json.dumps(cmd),
+                       subprocess.run(["g++", "--version"], capture_output=True).stdout)
 
 
 def _build(out, sources, extra=(), libs=(), cache=True):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, launch, rank_env
+from harness import ROOT, inputs_hash, launch, rank_env
 
 
 @pytest.mark.parametrize("script,metric", [("keras_digits.py", "val_accuracy"),
@@ -129,21 +129,13 @@ def _bazel_inputs_hash():
     configure and build scripts, and the TensorFlow and Python it builds
     against."""
     import glob
-    import hashlib
-    h = hashlib.sha256()
-    h.update(f"{sys.executable} {sys.version}".encode())
-    h.update(importlib.metadata.version("tensorflow").encode())
-    h.update(" ".join(BAZEL_TARGETS).encode())
     files = ["BUILD", "WORKSPACE", ".bazelrc", ".bazelversion", "tools/bazel_build.sh",
              "tools/configure_bazel.py"]
     for pattern in ("cc/**/*", "third_party/**/*"):
         files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(
             os.path.join(ROOT, pattern), recursive=True) if os.path.isfile(p))
-    for name in files:
-        h.update(name.encode())
-        with open(os.path.join(ROOT, name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:20]
+    return inputs_hash(files, f"{sys.executable} {sys.version}",
+                       importlib.metadata.version("tensorflow"), " ".join(BAZEL_TARGETS))
 
 
 def bazel_build():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, cases, four_rank_checks, rank_env, run_checks
+from harness import ROOT, cases, rank_env, run_checks_at
 from tiers import second_pass
 
 ESTIMATOR_ONLY = {"check_estimator_with_hook"}
@@ -24,8 +24,7 @@ _launches = {}
 
 def launched(module, np_):
     if (module, np_) not in _launches:
-        names = None if np_ == 2 else four_rank_checks(module)
-        _launches[(module, np_)] = run_checks(module, np_, timeout=900, names=names)
+        _launches[(module, np_)] = run_checks_at(module, np_, timeout=900)
     return _launches[(module, np_)]
 
 

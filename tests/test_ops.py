@@ -11,7 +11,7 @@ runs the first launch only.
 
 import pytest
 
-from harness import check_names, four_rank_checks, run_checks
+from harness import checks_at, run_checks_at
 from tiers import second_pass
 
 UNFUSED = {"PERSEUS_FUSION_THRESHOLD": "0", "PERSEUS_ALLREDUCE_NANCHECK": "1",
@@ -21,7 +21,7 @@ LAUNCHES = {"2ranks": (2, {}), "2ranks-unfused-tcp": (2, UNFUSED),
 if second_pass():
     LAUNCHES = {"2ranks": LAUNCHES["2ranks"]}
 CASES = [(launch, check) for launch, (np_, _) in LAUNCHES.items()
-         for check in (check_names("checks_ops") if np_ == 2 else four_rank_checks("checks_ops"))]
+         for check in checks_at("checks_ops", np_)]
 
 _launches = {}
 
@@ -29,8 +29,7 @@ _launches = {}
 def launched(launch):
     if launch not in _launches:
         np_, env = LAUNCHES[launch]
-        names = None if np_ == 2 else four_rank_checks("checks_ops")
-        _launches[launch] = run_checks("checks_ops", np_, env=env, names=names)
+        _launches[launch] = run_checks_at("checks_ops", np_, env=env)
     return _launches[launch]
 
 

@@ -63,7 +63,7 @@ import tiers  # noqa: E402  (tests/tiers.py: what runs in which tier and pass)
 
 
 class Phases:
-    """Appends `NAME SECONDS STATUS` lines to OUT/phases.txt."""
+    """Appends `NAME SECONDS STATUS [CPU_SECONDS]` lines to OUT/phases.txt."""
 
     def __init__(self, path):
         self.path = path
