@@ -7,7 +7,6 @@ environment would not have.
 """
 
 import os
-import shutil
 import sys
 
 from setuptools import Extension, find_packages, setup
@@ -28,11 +27,10 @@ class BuildNative(build_ext):
         if getattr(self, "editable_mode", False) or self.inplace:
             # `pip install -e .`: the package is imported from the source tree,
             # so all three libraries belong there too (setuptools would only
-            # carry over the one extension it knows about).
-            source = os.path.join(HERE, "perseus_tf")
-            if os.path.abspath(source) != expected:
-                for path in built:
-                    shutil.copy2(path, os.path.join(source, os.path.basename(path)))
+            # carry over the one extension it knows about), each renamed into
+            # place so that a job running from this tree keeps its mapping.
+            for path in built:
+                build_native.place(path, os.path.join(HERE, "perseus_tf"))
 
 
 setup(

@@ -213,3 +213,30 @@ def test_horovod_example_porting_edits():
         "ModelCheckpoint('./checkpoint-{epoch}.keras')\n")
     assert port("import horovod.tensorflow as hvd\nopt.variables()\n", keras3=False) == \
         "import perseus_tf.horovod as hvd\nopt.variables()\n"
+
+
+def test_installing_again_keeps_the_libraries_of_a_running_job_intact(tmp_path):
+    # A job maps the tree's libraries; `pip install -e .` (for instance the
+    # TF 2.15 venv's, beside a running TF 2.21 job) places new builds there.
+    # Written into the old file, the job dies of SIGBUS at its next page.
+    code = f"""
+import mmap, os, sys
+sys.path.insert(0, {os.path.join(ROOT, "tools")!r})
+import build_native
+tree, out = {str(tmp_path / "tree")!r}, {str(tmp_path / "out")!r}
+os.makedirs(tree); os.makedirs(out)
+old = bytes(range(256)) * 4096
+open(os.path.join(tree, "libperseus_core.so"), "wb").write(old)
+open(os.path.join(out, "libperseus_core.so"), "wb").write(b"new" * 100)
+with open(os.path.join(tree, "libperseus_core.so"), "rb") as f:
+    mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+placed = build_native.place(os.path.join(out, "libperseus_core.so"), tree)
+assert mapped[:] == old, "the running job's mapping changed"
+assert open(placed, "rb").read() == b"new" * 100
+assert sorted(os.listdir(tree)) == ["libperseus_core.so"], os.listdir(tree)
+print("PLACED OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "PLACED OK" in proc.stdout, (proc.returncode,
+                                                                proc.stderr[-3000:])

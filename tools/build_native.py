@@ -18,6 +18,7 @@ Used by setup.py (pip install) and runnable by hand:
 
 import concurrent.futures
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -39,6 +40,21 @@ def _link(cxx, target, args):
     partial = target + ".partial"
     _run([cxx, "-shared", "-o", partial] + args)
     os.replace(partial, target)
+
+
+def place(path, folder):
+    """Copies the built library `path` into `folder` through a new file that
+    is renamed over the old one. Writing into the old file instead (what
+    shutil.copy does) truncates a library that running processes have mapped:
+    a training job on this tree dies with SIGBUS when its next page is read
+    (a `pip install -e .` of a second TF version beside a running job did)."""
+    target = os.path.join(folder, os.path.basename(path))
+    if os.path.abspath(path) == os.path.abspath(target):
+        return target
+    partial = target + ".partial"
+    shutil.copy2(path, partial)
+    os.replace(partial, target)
+    return target
 
 
 def tf_tag():
@@ -139,7 +155,6 @@ CUDA_ARCHS = ["-gencode=arch=compute_80,code=sm_80",
 def find_nvcc():
     """PERSEUS_NVCC, else the CUDA 13 compiler wheels in the tree's .cuda/
     (`make cuda` installs them), else nvcc on PATH; None when there is none."""
-    import shutil
     env = os.environ.get("PERSEUS_NVCC")
     if env:
         return env
