@@ -390,3 +390,122 @@ def check_sync_batch_normalization_sees_the_global_batch():
         np.testing.assert_allclose(total, expected.numpy(), rtol=1e-4, atol=1e-4)
     # Inference uses the moving statistics: no collective, same everywhere.
     same_on_all_ranks([layer(tf.constant(full[:4]), training=False).numpy()])
+
+
+# Mixed precision: a batch that overflows float16 on one rank only. Rank 0's
+# third batch and the last rank's sixth hold a value float16 cannot carry, so
+# their gradients are not finite; every rank must skip those steps together,
+# as one process training on the global batches does.
+BAD_STEPS = {2: 0, 5: -1}  # batch in the epoch -> the rank whose shard holds the bad row
+
+
+def _overflowing_data():
+    x, y = X.copy(), Y / 4.0  # small targets: no other step overflows, at any batch size
+    for step, rank in BAD_STEPS.items():
+        x[step * GLOBAL_BATCH + (rank % N) * (GLOBAL_BATCH // N)] = 1e5
+    return x, y
+
+
+def _loss_scale(opt):
+    scale = getattr(opt, "dynamic_scale", None)  # Keras 3
+    return float(np.asarray(scale if scale is not None else opt.loss_scale))
+
+
+class _mixed_float16:
+    def __enter__(self):
+        keras.mixed_precision.set_global_policy("mixed_float16")
+
+    def __exit__(self, *exc):
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _mixed_reference(epochs):
+    """One process on the global batches: (weights, loss scale, iterations)."""
+    x, y = _overflowing_data()
+    with _mixed_float16():
+        ref = make_model(seed=0)
+        ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+        ref.fit(x, y, batch_size=GLOBAL_BATCH, epochs=epochs, shuffle=False, verbose=0)
+    opt = ref.optimizer
+    return weights(ref), _loss_scale(opt), int(opt.iterations.numpy())
+
+
+def _expect_mixed_reference(model, reference, what, opt=None):
+    want_weights, want_scale, want_iterations = reference
+    opt = opt or model.optimizer
+    got = [_loss_scale(opt), int(opt.iterations.numpy())]
+    everyone = ptf.allgather(tf.constant([got], tf.float64)).numpy()
+    # Every rank skipped the same steps: the loss scale halved once per skip.
+    assert (everyone == [[want_scale, want_iterations]] * N).all(), (what, everyone.tolist(),
+                                                                      want_scale, want_iterations)
+    assert want_scale == 2.0 ** 15 / 2 ** (2 * len(BAD_STEPS)), want_scale  # 2 epochs
+    same_on_all_ranks(weights(model))
+    for a, r in zip(weights(model), want_weights):
+        np.testing.assert_allclose(a, r, rtol=1e-2, atol=2e-3, err_msg=what)
+
+
+def check_mixed_precision_fit_skips_a_step_that_overflows_on_one_rank_everywhere():
+    """`fit` under the mixed_float16 policy (Keras wraps the DistributedOptimizer
+    in a LossScaleOptimizer), without and with fp16 compression; Keras 2's
+    legacy optimizers too."""
+    reference = _mixed_reference(epochs=2)
+    b = GLOBAL_BATCH // N
+    x, y = _overflowing_data()
+    legacy = getattr(getattr(keras.optimizers, "legacy", None), "SGD", None)
+    runs = [(keras.optimizers.SGD, hvd.Compression.none), (keras.optimizers.SGD,
+                                                           hvd.Compression.fp16)]
+    if legacy is not None and not hasattr(keras.optimizers.Optimizer, "stateless_apply"):
+        runs.append((legacy, hvd.Compression.none))  # Keras 2 only
+    for optimizer, compression in runs:
+        with _mixed_float16():
+            model = make_model(seed=R)
+            model.compile(optimizer=hvd.DistributedOptimizer(optimizer(0.05),
+                                                             compression=compression),
+                          loss="mse")
+            model.fit(my_shard(x, b), my_shard(y, b), batch_size=b, epochs=2, shuffle=False,
+                      verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+        _expect_mixed_reference(model, reference, f"{optimizer.__module__}, "
+                                                  f"{compression.__name__}")
+
+
+def check_mixed_precision_custom_loop_skips_a_step_that_overflows_on_one_rank_everywhere():
+    """A tf.function loop with LossScaleOptimizer(DistributedOptimizer(opt)),
+    as the shim's error message recommends, Keras 2 and 3; and with local
+    gradient accumulation, where a pass that overflows skips the step its
+    sum belongs to on every rank."""
+    reference = _mixed_reference(epochs=2)
+    b = GLOBAL_BATCH // N
+    x, y = _overflowing_data()
+    keras3 = hasattr(keras.optimizers.Optimizer, "stateless_apply")
+    with _mixed_float16():  # the other way round is refused, naming this one
+        expect(ValueError, lambda: hvd.DistributedOptimizer(
+            keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
+            "LossScaleOptimizer(...) around it")
+    for passes in (1, 2):
+        with _mixed_float16():
+            model = make_model(seed=0)
+            opt = keras.mixed_precision.LossScaleOptimizer(hvd.DistributedOptimizer(
+                keras.optimizers.SGD(0.05), backward_passes_per_step=passes,
+                average_aggregated_gradients=True))
+
+            @tf.function
+            def step(xb, yb):
+                with tf.GradientTape() as tape:
+                    out = tf.cast(model(xb, training=True), tf.float32)
+                    loss = tf.reduce_mean((out - yb) ** 2)
+                    scaled = opt.scale_loss(loss) if keras3 else opt.get_scaled_loss(loss)
+                grads = tape.gradient(scaled, model.trainable_variables)
+                if not keras3:
+                    grads = opt.get_unscaled_gradients(grads)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+
+            mine_x, mine_y = my_shard(x, b), my_shard(y, b)
+            for _ in range(2):
+                for t in range(0, len(mine_x), b):
+                    step(mine_x[t:t + b], mine_y[t:t + b])
+        if passes == 1:
+            _expect_mixed_reference(model, reference, "custom loop", opt)
+        else:  # steps of 2 passes: the 2nd (bad 3rd pass) and 3rd (bad 6th) skip
+            scale = ptf.allgather(tf.constant([_loss_scale(opt)], tf.float64)).numpy()
+            assert (scale == 2.0 ** 15 / 2 ** 4).all(), scale.tolist()
+            same_on_all_ranks(weights(model))

@@ -9,7 +9,23 @@ public method through which gradients reach the update:
     call it), for both the current and the `legacy` optimizers.
 The subclass keeps the class's name and module, so saved models load
 without Perseus-TF; `load_model` here maps them back onto the subclass.
+
+Mixed precision: a LossScaleOptimizer around a DistributedOptimizer (what
+Keras builds in `compile` under the mixed_float16 policy) decides from the
+gradients it is given whether to apply a step or skip it, before it calls
+the inner optimizer. Were the gradients reduced inside the inner optimizer,
+a rank whose local gradients overflowed would skip the step, and with it
+the collective, while the others went on: from then on each rank's step k
+would be averaged with another rank's step k+1. So the LossScaleOptimizer's
+entry point (Keras 3 `apply`, Keras 2 `apply_gradients`) is wrapped once to
+reduce first (as Keras 2's own loss scaling does through the inner
+optimizer's gradient aggregation): every rank then decides from the same
+reduced gradients, and the inner optimizer applies them without reducing
+again. With local accumulation, the step's summed gradients are what is
+checked.
 """
+
+import sys
 
 import tensorflow as tf
 
@@ -58,6 +74,9 @@ class _State:
                                                 settings.average_aggregated_gradients,
                                                 self.reducer)
         self.variables = None
+        # > 0 while a LossScaleOptimizer around this optimizer applies
+        # gradients it has already reduced through it.
+        self.reduced_outside = 0
 
 
 class _DistributedMixin:
@@ -80,6 +99,8 @@ class _DistributedMixin:
         """Reduces `grads` and calls `apply_fn(reduced)`; with local
         accumulation, only every k-th call (the others count an iteration)."""
         state = self._perseus()
+        if state.reduced_outside:
+            return apply_fn(grads)
         if state.accumulator is None:
             return apply_fn(state.reducer(grads, variables))
         is_step, summed = state.accumulator.accumulate(grads, variables)
@@ -132,8 +153,84 @@ class _Keras2Mixin(_DistributedMixin):
             lambda reduced: base_apply(list(zip(reduced, variables)), *args, **kwargs))
 
 
+def _reduced_through(inner, apply_fn):
+    """apply_fn(reduced), run with `inner` told that its gradients arrive
+    reduced."""
+    def apply(reduced):
+        state = inner._perseus()
+        state.reduced_outside += 1
+        try:
+            return apply_fn(reduced)
+        finally:
+            state.reduced_outside -= 1
+    return apply
+
+
+def _keras3_loss_scale_apply(original):
+    def apply(self, grads, trainable_variables=None):
+        inner = getattr(self, "inner_optimizer", None)
+        if not is_distributed(inner):
+            return original(self, grads, trainable_variables)
+        grads = list(grads)
+        if trainable_variables is not None:
+            variables = list(trainable_variables)
+        else:
+            variables = inner._perseus().variables
+        if not self.built:  # its variables, outside the tf.cond of accumulation
+            self.build(variables)
+            self.built = True
+        return inner._perseus_apply(grads, variables, _reduced_through(
+            inner, lambda reduced: original(self, reduced, trainable_variables)))
+    apply.__doc__ = original.__doc__
+    return apply
+
+
+def _keras2_loss_scale_apply_gradients(original):
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        inner = getattr(self, "inner_optimizer", None)
+        grads_and_vars = list(grads_and_vars)
+        if not is_distributed(inner) or not grads_and_vars:
+            return original(self, grads_and_vars, *args, **kwargs)
+        grads, variables = (list(x) for x in zip(*grads_and_vars))
+        return inner._perseus_apply(grads, variables, _reduced_through(
+            inner, lambda reduced: original(self, list(zip(reduced, variables)), *args,
+                                            **kwargs)))
+    apply_gradients.__doc__ = original.__doc__
+    return apply_gradients
+
+
+_loss_scale_wrapped = set()
+
+
+def reduce_before_loss_scaling():
+    """Wraps the LossScaleOptimizer classes importable here (Keras 3's, and
+    Keras 2's current and legacy ones) once, so that around a
+    DistributedOptimizer they reduce the gradients before deciding whether
+    they are finite (see the module's docstring). Around any other optimizer
+    they behave as before."""
+    targets = []
+    try:
+        import keras
+        if keras.__version__.startswith("3."):
+            targets.append((keras.optimizers.LossScaleOptimizer, "apply",
+                            _keras3_loss_scale_apply))
+    except ImportError:  # pragma: no cover
+        pass
+    base = getattr(getattr(tf.keras, "mixed_precision", None), "LossScaleOptimizer", None)
+    module = sys.modules.get(getattr(base, "__module__", ""), None)
+    for name in ("LossScaleOptimizer", "LossScaleOptimizerV3"):
+        cls = getattr(module, name, None)
+        if isinstance(cls, type) and not _is_keras3(cls) and "apply_gradients" in vars(cls):
+            targets.append((cls, "apply_gradients", _keras2_loss_scale_apply_gradients))
+    for cls, method, wrap in targets:
+        if (cls, method) not in _loss_scale_wrapped:
+            setattr(cls, method, wrap(vars(cls)[method]))
+            _loss_scale_wrapped.add((cls, method))
+
+
 def distributed_class(optimizer_class, settings):
     """A subclass of `optimizer_class` that reduces gradients with `settings`."""
+    reduce_before_loss_scaling()
     if issubclass(optimizer_class, _DistributedMixin):
         raise ValueError(f"{optimizer_class.__name__} is already a DistributedOptimizer")
     if getattr(optimizer_class, "inner_optimizer", None) is not None or \
