@@ -25,7 +25,7 @@ from perseus_tf.horovod._process_sets import (
 from perseus_tf.horovod.compression import Compression
 from perseus_tf.horovod import elastic
 from perseus_tf.horovod.functions import (
-    broadcast_variables, broadcast_global_variables, broadcast_object, broadcast_object_fn,
+    broadcast_, broadcast_variables, broadcast_global_variables, broadcast_object, broadcast_object_fn,
     allgather_object)
 from perseus_tf.horovod.hooks import BroadcastGlobalVariablesHook
 from perseus_tf.horovod.optimizer import DistributedOptimizer
@@ -43,7 +43,7 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
     "reducescatter", "grouped_reducescatter", "barrier", "join",
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Compression",
-    "broadcast_variables", "broadcast_global_variables", "broadcast_object",
+    "broadcast_", "broadcast_variables", "broadcast_global_variables", "broadcast_object",
     "broadcast_object_fn", "allgather_object", "BroadcastGlobalVariablesHook",
     "DistributedOptimizer", "DistributedGradientTape", "PartialDistributedGradientTape",
     "SyncBatchNormalization",

@@ -35,6 +35,27 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
                       for var in variables])
 
 
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Horovod's in-place broadcast: assigns `root_rank`'s values to
+    `variables` (one variable or a list) on every rank of `process_set`, and
+    returns their new values (one tensor, or a list in the same order).
+    Eagerly and in `tf.function`; in a TF1 graph the returned tensors carry
+    the assignment."""
+    single = not isinstance(variables, (list, tuple))
+    variables = [variables] if single else list(variables)
+    for i, var in enumerate(variables):
+        if not hasattr(var, "assign") or not hasattr(var, "read_value"):
+            raise TypeError(f"hvd.broadcast_ assigns to variables; item {i} is a "
+                            f"{type(var).__name__} (use hvd.broadcast for tensors)")
+    values = []
+    for i, var in enumerate(variables):
+        value = broadcast(tf.convert_to_tensor(var), root_rank,
+                          name=None if name is None else f"{name}.{i}", process_set=process_set)
+        with tf.control_dependencies([var.assign(value, read_value=False)]):
+            values.append(var.read_value())
+    return values[0] if single else values
+
+
 def broadcast_global_variables(root_rank):
     """The op that broadcasts every global variable of the default graph (TF1 graphs).
 

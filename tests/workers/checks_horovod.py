@@ -506,6 +506,36 @@ def check_broadcast_variables_and_objects():
     expect(RuntimeError, lambda: hvd.broadcast_global_variables(0), "eager")
 
 
+def check_inplace_broadcast_of_variables_from_every_root():
+    """hvd.broadcast_ (Horovod's in-place broadcast): one variable or a list,
+    eagerly, in tf.function and in a TF1 graph, in the dtypes Horovod's own
+    test uses; it returns the new values."""
+    dtypes = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64,
+              tf.bool)
+    for root in range(N):
+        made = [tf.Variable(tf.cast(tf.fill([3, 2], R % 2 if d == tf.bool else R + 1), d))
+                for d in dtypes]
+        values = hvd.broadcast_(made, root_rank=root)
+        for d, var, value in zip(dtypes, made, values):
+            want = np.full([3, 2], root % 2 if d == tf.bool else root + 1)
+            np.testing.assert_array_equal(var.numpy().astype(np.int64), want, err_msg=str(d))
+            np.testing.assert_array_equal(value.numpy().astype(np.int64), want, err_msg=str(d))
+    one = tf.Variable(normal(R, (5,)))
+    traced = tf.function(lambda: hvd.broadcast_(one, root_rank=N - 1, name="one"))()
+    np.testing.assert_array_equal(traced.numpy(), normal(N - 1, (5,)))
+    np.testing.assert_array_equal(one.numpy(), normal(N - 1, (5,)))
+    with tf.Graph().as_default():
+        v = tf.compat.v1.get_variable("v", initializer=tf.constant(normal(R, (4,))))
+        out = hvd.broadcast_([v], root_rank=0)
+        with tf.compat.v1.Session() as sess:
+            sess.run(v.initializer)
+            got, = sess.run(out)
+            now = sess.run(v)
+    np.testing.assert_array_equal(got, normal(0, (4,)))
+    np.testing.assert_array_equal(now, normal(0, (4,)))
+    expect(TypeError, lambda: hvd.broadcast_([tf.constant(1.0)], 0), "hvd.broadcast for tensors")
+
+
 def check_broadcast_global_variables_in_a_graph():
     with tf.Graph().as_default():
         a = tf.compat.v1.get_variable("a", initializer=tf.constant(normal(R, (4,))))
