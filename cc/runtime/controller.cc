@@ -335,6 +335,25 @@ void Controller::Dispatch(Response response, bool lone, bool any_in_plan, bool j
         for (const std::string& name : *q->call) {
           auto it = rt_.pending_.find(name);
           if (it == rt_.pending_.end() || it->second->call != q->call) continue;
+          if (response.siblings_run) {
+            // Every rank has this tensor of the call: it runs as negotiated
+            // (queued or sent, it stays so) and then fails with the call.
+            Request& sibling = *it->second;
+            if (sibling.failed_with_call.ok()) {
+              sibling.failed_with_call = Status::Error(
+                  response.error.code, std::string("Perseus ") + OpTypeName(sibling.meta.op) +
+                                           " of tensor '" + name + "' is not applied: '" +
+                                           response.names[0] +
+                                           "' of the same grouped call failed: " +
+                                           response.error.message);
+              auto done = std::move(sibling.done);
+              const Status failed = sibling.failed_with_call;
+              sibling.done = [done, failed](const Status& status) {
+                done(status.ok() ? failed : status);
+              };
+            }
+            continue;
+          }
           if (rt_.plan_.active() && (it->second->meta.flags & kMetaPlannable)) continue;
           if (!unsent.count(name)) rt_.abandoned_.insert(name);  // the others know of it
           drop.insert(name);

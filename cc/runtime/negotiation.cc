@@ -290,6 +290,15 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
       resp.real_request[r] = e.have[r] && !(e.metas[r].flags & kMetaRejected);
     }
   }
+  if (!resp.error.ok() && !rejected_.count(name)) {
+    resp.siblings_run = true;
+    for (int r = 0; r < size_; ++r) {
+      if (!e.have[r] || e.metas[r].group <= 0 || e.metas[r].group != e.metas[first].group ||
+          e.metas[r].op == OpType::kJoin) {
+        resp.siblings_run = false;
+      }
+    }
+  }
   if (resp.error.ok()) {
     if (resp.op == OpType::kAllgather) {
       std::vector<int64_t> dims;

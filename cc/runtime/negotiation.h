@@ -62,6 +62,12 @@ struct Response {
   // request of the name; a rank that refused the call itself may already
   // have its next call of the name pending. Empty: every rank.
   std::vector<bool> real_request;
+  // An error response whose every rank sent the name in a grouped call of
+  // the same size (and none refused it or has joined): every rank holds the
+  // call's other tensors too, so they still run everywhere and fail with
+  // this error afterwards, instead of being given up on some ranks while
+  // the others run them.
+  bool siblings_run = false;
   // Offline plan bucket: >= 0 is this rank's vote, carried as one extra
   // summed element (1 = this rank's data does not fit: abort and leave).
   int carrier_vote = -1;

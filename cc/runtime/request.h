@@ -37,6 +37,9 @@ struct Request {
   // The names of the grouped call it came in (null for a single call):
   // when one of them fails, the others fail with it (runtime.cc).
   std::shared_ptr<const std::vector<std::string>> call;
+  // Not OK once another tensor of its grouped call failed on every rank
+  // (Response::siblings_run): it still runs, and completes with this error.
+  Status failed_with_call;
 };
 
 }  // namespace perseus

@@ -423,6 +423,43 @@ def check_fp16_compression_against_numpy_model():
            "mm.comp", "compression", "rank 0 has float16")
 
 
+def _grouped_step_with_a_nan_fails_and_the_next_steps_run():
+    """A NaN in one tensor of a grouped call fails that step on every rank;
+    a loop that catches it and goes on runs its next steps (eagerly, in a
+    tf.function, and through the Horovod shim's DistributedGradientTape).
+    Once, the call's other tensors were given up on every rank while
+    negotiation ran them, and every later collective failed."""
+    import perseus_tf.horovod as hvd
+
+    w = [tf.Variable(np.full(n, 1.0, np.float32)) for n in (4, 300, 1)]
+
+    def grouped(bad):  # bad: the index of the tensor that holds a NaN on the last rank
+        xs = [np.full(n, R + 1.0, np.float32) for n in (4, 300, 1)]
+        if bad >= 0 and R == N - 1:
+            xs[bad][-1] = np.nan
+        return ptf.grouped_allreduce([tf.constant(x) for x in xs], name="nan.group")
+
+    def tape(bad):
+        with tf.GradientTape() as t:
+            losses = [tf.reduce_sum(v) * (np.nan if i == bad and R == N - 1 else R + 1.0)
+                      for i, v in enumerate(w)]
+            loss = tf.add_n(losses)
+        return hvd.DistributedGradientTape(t, op=hvd.Sum).gradient(loss, w)
+
+    traced = tf.function(grouped)
+    for what, step in (("eager", grouped), ("tf.function", traced), ("tape", tape)):
+        for bad in (-1, 0, -1, 1, -1, 2, -1):
+            if bad >= 0:
+                expect(tf.errors.InvalidArgumentError, lambda: step(bad),
+                       f"rank {N - 1} has NaN or Inf", "not applied on any rank")
+                continue
+            got = [g.numpy() for g in step(-1)]
+            want = N * (N + 1) / 2
+            for g in got:
+                np.testing.assert_array_equal(g, np.full(g.shape, want, np.float32),
+                                              err_msg=what)
+
+
 def check_nancheck_names_tensor_and_rank():
     from perseus_tf import _native
 
@@ -436,6 +473,7 @@ def check_nancheck_names_tensor_and_rank():
         inf = np.float16([1, np.inf]) if R == 0 else np.float16([1, 1])
         expect(tf.errors.InvalidArgumentError,
                lambda: ptf.allreduce(tf.constant(inf), name="inf.grad"), "rank 0 has NaN or Inf")
+        _grouped_step_with_a_nan_fails_and_the_next_steps_run()
     else:  # off: NaN passes through like any value
         got = ptf.allreduce(tf.constant(x), name="nan.grad").numpy()
         assert np.isnan(got[2]) and got[0] == N, got
