@@ -7,6 +7,7 @@ runtime tested) where TensorFlow is not installed.
 import atexit
 import functools
 import os
+import sys
 import threading
 
 from perseus_tf import config as _config
@@ -200,7 +201,34 @@ def shared_settings(cfg, topo):
         if field not in _PER_RANK_SETTINGS:
             value = getattr(cfg, field)
             lines.append(f"{variable}={'unset' if value is None else value}")
+    lines += [f"{name} version={version}" for name, version in software_versions()]
     return "\n".join(lines)
+
+
+def software_versions():
+    """(name, version) of what every rank must run alike: ranks with different
+    TensorFlow or Keras versions name their gradients and variables
+    differently (a job then stalls at its first fused step), and a different
+    Perseus-TF may speak another protocol. Python is compared by its minor
+    version (a patch release changes nothing that crosses ranks). Read from
+    the installed packages' metadata: nothing is imported."""
+    import importlib.metadata
+    import platform
+
+    def installed(*names):
+        for name in names:
+            try:
+                return importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return "not installed"
+
+    tf_module = sys.modules.get("tensorflow")
+    tensorflow = getattr(tf_module, "__version__", None) or installed(
+        "tensorflow", "tensorflow-cpu", "tf-nightly")
+    return [("Perseus-TF", installed("perseus-tf")), ("TensorFlow", tensorflow),
+            ("Keras", installed("keras", "tf-keras")),
+            ("Python", ".".join(platform.python_version_tuple()[:2]))]
 
 
 def timeline_path(template, rank):

@@ -66,9 +66,9 @@ def _left_behind(before, prefix=""):
         time.sleep(0.2)
 
 
-def _start(envs, store_port=None):
+def _start(envs, store_port=None, pythons=None):
     procs = []
-    for extra in envs:
+    for i, extra in enumerate(envs):
         env = dict(os.environ, PYTHONPATH=str(REPO), GLOO_TIMEOUT_SECONDS="10",
                    PERSEUS_JOB_ID=f"mistake{os.getpid()}")
         for name in list(env):
@@ -79,7 +79,8 @@ def _start(envs, store_port=None):
                        PERSEUS_RENDEZVOUS_PORT=str(store_port),
                        PERSEUS_RENDEZVOUS_SECRET=SECRET.hex())
         env.update(extra)
-        procs.append(subprocess.Popen([sys.executable, "-c", CHILD], env=env, cwd=REPO,
+        python = pythons[i] if pythons else sys.executable
+        procs.append(subprocess.Popen([python, "-c", CHILD], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     return procs, collect(procs, 60)
@@ -141,6 +142,30 @@ def test_settings_that_must_agree_are_compared_at_init(store, variable, values):
         assert "ranks disagree on settings" in out, out
         assert (f"{variable}: rank {rank} has {values[rank]}, "
                 f"rank {other} has {values[other]}") in out, out
+        assert _seconds(out) < 8, out
+    assert _left_behind(before) == set()
+
+
+OLD_VENV = REPO / ".venv-tf215" / "bin" / "python"
+
+
+@pytest.mark.skipif(not OLD_VENV.exists() and not os.environ.get("PERSEUS_TEST_PASS"),
+                    reason="make check without the TF 2.15 venv (make test builds it first)")
+def test_ranks_with_different_tensorflow_versions_fail_at_init_naming_them(store):
+    # Rank 0 in this venv (TF 2.21, Keras 3), rank 1 in the TF 2.15 one
+    # (Keras 2): once an eager allreduce worked and fit stalled for 1800 s.
+    before = _shm()
+    envs = [{"PERSEUS_RANK": str(r), "PERSEUS_SIZE": "2"} for r in range(2)]
+    procs, outs = _start(envs, store, pythons=[sys.executable, str(OLD_VENV)])
+    import importlib.metadata
+    mine = importlib.metadata.version("tensorflow")
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 3, out
+        assert "ranks run different software" in out, out
+        versions = {0: mine, 1: "2.15."}
+        assert f"TensorFlow version: rank {rank} has {versions[rank]}" in out, out
+        assert f"rank {1 - rank} has {versions[1 - rank]}" in out, out
+        assert "Keras version" in out and "Install the same versions" in out, out
         assert _seconds(out) < 8, out
     assert _left_behind(before) == set()
 

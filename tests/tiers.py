@@ -104,7 +104,8 @@ FIRST_PASS = [
     Job("test_faults.py", 40),
     Job("test_horovod.py", 100),
     Job("test_horovod_examples.py", 28),
-    Job("test_launch_mistakes.py", 6),
+    # (Its ranks of two TF versions start one rank in the TF 2.15 venv.)
+    Job("test_launch_mistakes.py", 6, needs=["set-up:tf2.15-venv+native"]),
     Job("test_layout.py", 1),
     Job("test_malloc.py", 15),
     Job("test_model_matrix.py", 261),

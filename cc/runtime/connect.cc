@@ -76,14 +76,25 @@ Status Runtime::RollCall(const InitOptions& o, const std::string& prefix,
       }
       seen[r] = true;
       const auto theirs = ParseSettings(std::string(value.begin(), value.end()));
-      std::string diff;
+      std::string diff, versions;
       for (const auto& kv : mine) {
         auto it = theirs.find(kv.first);
         const std::string other = it == theirs.end() ? "(unset)" : it->second;
         if (other != kv.second) {
-          diff += (diff.empty() ? "" : "; ") + kv.first + ": rank " + me + " has " + kv.second +
-                  ", rank " + std::to_string(r) + " has " + other;
+          // "<package> version" lines: what each rank has installed.
+          const bool version = kv.first.size() > 8 &&
+                               kv.first.compare(kv.first.size() - 8, 8, " version") == 0;
+          (version ? versions : diff) +=
+              std::string((version ? versions : diff).empty() ? "" : "; ") + kv.first +
+              ": rank " + me + " has " + kv.second + ", rank " + std::to_string(r) + " has " +
+              other;
         }
+      }
+      if (!versions.empty()) {
+        return Status::Error(StatusCode::kFailedPrecondition,
+                             "Perseus: ranks run different software: " + versions +
+                                 ". Install the same versions for every rank (one Python "
+                                 "environment, or the same packages on every host).");
       }
       if (!diff.empty()) {
         return Status::Error(StatusCode::kInvalidArgument,

@@ -12,8 +12,8 @@ written. Two patches make it safe:
     average over the ranks: one grouped allreduce, while every rank is still
     in `fit`. After `fit`, every rank holds the same statistics.
   * While Keras saves (`Model.save`, `Model.save_weights`,
-    `keras.saving.save_model`), sync-on-read variables read this rank's own
-    copy: no collective. Saved after `fit`, that copy is the average, so
+    `keras.saving.save_model`) or a model or layer's `get_weights` reads,
+    sync-on-read variables read this rank's own copy: no collective. Saved after `fit`, that copy is the average, so
     every rank saves the same model; a save in the middle of an epoch (a
     ModelCheckpoint with save_freq in batches) holds the saving rank's own
     statistics since the last epoch end.
@@ -72,6 +72,17 @@ def _average_into_local_copies(model, is_ours, allreduce_average):
         local.assign(value)
 
 
+def _steps_everywhere(steps, name):
+    """Every rank's step count (-1: unknown on that rank), or None when some
+    rank does not know its count or all agree."""
+    from perseus_tf import ops
+    mine = -1 if steps is None else int(steps)
+    every = ops.allgather(tf.constant([mine], tf.int64), name=name).numpy().tolist()
+    if min(every) < 0 or len(set(every)) == 1:
+        return None  # unknown somewhere (a generator, a filter): nothing to compare
+    return every
+
+
 def _check_steps_agree(model, params, is_ours):
     """fit(): every rank must run the same number of steps per epoch, or the
     one that runs out first leaves the epoch while the others still reduce
@@ -82,18 +93,56 @@ def _check_steps_agree(model, params, is_ours):
     from perseus_tf import ops
     if ops.size() < 2:
         return
-    steps = (params or {}).get("steps")
-    mine = -1 if steps is None else int(steps)
-    every = ops.allgather(tf.constant([mine], tf.int64),
-                          name="perseus.fit.steps_per_epoch").numpy().tolist()
-    if min(every) < 0 or len(set(every)) == 1:
-        return  # unknown somewhere (a generator, a filter): nothing to compare
+    every = _steps_everywhere((params or {}).get("steps"), "perseus.fit.steps_per_epoch")
+    if every is None:
+        return
     listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(every))
     raise ValueError(
         f"PerseusStrategy fit(): the ranks would run different numbers of steps per epoch "
         f"({listing}) because their datasets have different lengths. Give every rank the same "
         f"number of batches: shard the data evenly, or repeat() it and pass "
         f"steps_per_epoch={min(every)}")
+
+
+def _validation_steps(model, params, in_fit):
+    """The steps of the evaluation about to start, where Keras knows them:
+    in fit, from the validation data's iterator (Keras 3) or data handler
+    (Keras 2), which fit's callbacks' params do not describe; in evaluate(),
+    from its params."""
+    if not in_fit:
+        return (params or {}).get("steps")
+    iterator = getattr(model, "_eval_epoch_iterator", None)  # Keras 3
+    if iterator is not None:
+        return getattr(iterator, "num_batches", None)
+    handler = getattr(model, "_eval_data_handler", None)  # Keras 2
+    return None if handler is None else getattr(handler, "inferred_steps", None)
+
+
+def _check_validation_steps_agree(model, params, is_ours, in_fit):
+    """fit()'s validation and evaluate(): checked like fit's training steps;
+    ranks with validation sets of different lengths would otherwise pair one
+    rank's metric reductions with another's end-of-data exchange."""
+    if not is_ours(getattr(model, "distribute_strategy", None)):
+        return
+    from perseus_tf import ops
+    if ops.size() < 2:
+        return
+    every = _steps_everywhere(_validation_steps(model, params, in_fit),
+                              "perseus.evaluate.steps")
+    if every is None:
+        return
+    if in_fit:  # fit keeps its validation data for the next fit when it fails
+        for cached in ("_eval_epoch_iterator", "_eval_data_handler"):
+            if getattr(model, cached, None) is not None:
+                setattr(model, cached, None)
+    listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(every))
+    where, knob = (("fit() validation", "validation_steps") if in_fit
+                   else ("evaluate()", "steps"))
+    raise ValueError(
+        f"PerseusStrategy {where}: the ranks would run different numbers of evaluation steps "
+        f"({listing}) because their validation datasets have different lengths (the training "
+        f"data's lengths are checked the same way). Give every rank the same number of "
+        f"batches: shard the validation data evenly, or pass {knob}={min(every)}")
 
 
 def install(is_ours, allreduce_average):
@@ -126,8 +175,16 @@ def _reading_locally(fn):
 
 
 def _patch_saving(keras):
-    for model_class in {keras.Model, tf.keras.Model}:
-        for method in ("save", "save_weights"):
+    # get_weights too: `if rank == 0: model.get_weights()` is a Horovod habit,
+    # and a collective read there would wait for ranks that never come.
+    classes = [(model_class, ("save", "save_weights", "get_weights"))
+               for model_class in {keras.Model, tf.keras.Model}]
+    classes += [(layer_class, ("get_weights",))
+                for layer_class in {keras.layers.Layer, tf.keras.layers.Layer}]
+    for model_class, methods in classes:
+        for method in methods:
+            if method not in vars(model_class):
+                continue  # inherited: patched where it is defined
             fn = getattr(model_class, method, None)
             if fn is not None and not getattr(fn, "_perseus_local_reads", False):
                 setattr(model_class, method, _reading_locally(fn))
@@ -151,13 +208,20 @@ def _patch_epoch_ends(keras, is_ours, allreduce_average):
     class AverageOnReadVariables(keras.callbacks.Callback):
         """Every rank averages the model's sync-on-read statistics."""
 
+        in_fit = False
+
         def on_train_begin(self, logs=None):
+            self.in_fit = True
             _check_steps_agree(self.model, self.params, is_ours)
+
+        def on_test_begin(self, logs=None):
+            _check_validation_steps_agree(self.model, self.params, is_ours, self.in_fit)
 
         def on_epoch_end(self, epoch, logs=None):
             _average_into_local_copies(self.model, is_ours, allreduce_average)
 
         def on_train_end(self, logs=None):
+            self.in_fit = False
             _average_into_local_copies(self.model, is_ours, allreduce_average)
 
     init = callback_list.__init__

@@ -563,10 +563,19 @@ def check_model_saved_by_rank_0_alone_is_whole_and_quick():
             saved = [w for w in loaded.layers[1].weights if name in w.name][0]
             np.testing.assert_allclose(np.asarray(saved.numpy(), np.float64), _local(variable),
                                        rtol=1e-6)
-        # (Mirrored variables read locally; predict and get_weights would be
-        # collectives, which rank 0 alone must not run.)
+        # (Mirrored variables read locally; predict would be a collective,
+        # which rank 0 alone must not run.)
         for a, b in zip(loaded.trainable_weights, model.trainable_weights):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
+        # get_weights reads locally too (once it was a collective that rank 0
+        # alone waited in): the model's and the batch-norm layer's.
+        start = time.monotonic()
+        got, layer = model.get_weights(), bn.get_weights()
+        assert time.monotonic() - start < 20
+        np.testing.assert_array_equal(layer[2], np.asarray(_local(bn.moving_mean)))
+        for a, b in zip(got, loaded.get_weights()):
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                       rtol=1e-6)
     # Every rank meets here; the averaged statistics are the same everywhere.
     same_on_all_ranks([_local(bn.moving_mean), _local(bn.moving_variance)])
 
@@ -584,4 +593,15 @@ def check_fit_refuses_different_steps_per_epoch_on_every_rank():
     # Told how many steps, the ranks agree: no false alarm.
     model.fit(mine, epochs=1, steps_per_epoch=4, verbose=0)
     model.fit(mine.repeat(), epochs=1, steps_per_epoch=3, verbose=0)
+    same_on_all_ranks([w.numpy() for w in model.weights])
+    # Validation data of different lengths: named the same way (once it was
+    # "ranks disagree on the dtype"), in fit and in evaluate.
+    same = dataset(64)
+    expect(ValueError, lambda: model.fit(same, validation_data=mine, epochs=1, verbose=0),
+           "fit() validation", "different numbers of evaluation steps", "rank 0: 4",
+           "rank 1: 6", "validation_steps=4")
+    expect(ValueError, lambda: model.evaluate(mine, verbose=0), "evaluate()", "rank 0: 4",
+           "rank 1: 6", "steps=4")
+    model.fit(same, validation_data=mine, validation_steps=4, epochs=1, verbose=0)
+    model.evaluate(mine, steps=4, verbose=0)
     same_on_all_ranks([w.numpy() for w in model.weights])
