@@ -117,6 +117,76 @@ def test_a_discovered_slot_joins_at_the_next_commit(tmp_path):
     print(f"2 -> 3 ranks in {took:.1f} s; reset s: {times}")
 
 
+KERAS_WORKER = [sys.executable, os.path.join(WORKERS, "keras_elastic_worker.py")]
+KERAS_ENV = dict(ENV, PERSEUS_ALLREDUCE_DTYPE="1")  # float32 gradients: one process's
+
+
+def _keras_run(args, out, epochs, steps, kills="", env=None):
+    cmd = PERSEUSRUN + args + ["--"] + KERAS_WORKER + [str(out), str(epochs), str(steps), kills]
+    proc = subprocess.run(cmd, env=rank_env(dict(KERAS_ENV, **(env or {}))),
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return proc, _results(out)
+
+
+def _same_as_one_process(results):
+    for worker, r in results.items():
+        for got, want in zip(r["weights"], r["reference"]):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=worker)
+
+
+def test_keras_fit_resumes_an_interrupted_epoch_at_its_next_batch(tmp_path):
+    # Horovod's Keras elastic example: a worker dies as epoch 1's batch 5
+    # begins; the last commit was after batch 3 (every 2 batches). The
+    # survivor's next fit trains batches 4 to 7 of epoch 1 and goes on: each
+    # batch once, the weights of one process training uninterrupted. Once
+    # the resumed epoch ran all 8 batches again.
+    proc, results = _keras_run(["-np", "2", "--min-np", "1", "--max-np", "2"], tmp_path,
+                               epochs=3, steps=8, kills="localhost:1@1.5")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert sorted(results) == ["localhost:0"], text[-3000:]
+    r = results["localhost:0"]
+    assert r["resets"] == [1] and r["state"] == [3, 0], r
+    epoch1 = [b for e, b in r["trained"] if e == 1]
+    assert epoch1 == [0, 1, 2, 3, 4, 4, 5, 6, 7], r["trained"]  # batch 4: rolled back, again
+    assert [b for e, b in r["trained"] if e != 1] == list(range(8)) * 2, r["trained"]
+    _same_as_one_process(results)
+    assert "resumed at epoch 1, batch 4" in text, text[-3000:]
+
+
+def test_a_keras_worker_joining_before_its_first_step_syncs_at_once(tmp_path):
+    # The joining worker has compiled its model but not trained, so its
+    # optimizer has no momentum slots nor step counter yet, while the
+    # others have them. Once the state sync broadcast different lists and
+    # the job stalled (the stall inspector after 60 s); now the newcomer
+    # builds them first and the job goes on at 3.
+    script = tmp_path / "discover.sh"
+    touch = tmp_path / "commits"
+    touch.mkdir()
+    script.write_text("#!/bin/sh\n"
+                      f"if [ -e {touch}/epoch1 ]; then echo localhost:3; "
+                      "else echo localhost:2; fi\n")
+    script.chmod(0o755)
+    proc, results = _keras_run(["-np", "2", "--min-np", "2", "--max-np", "3",
+                                "--host-discovery-script", str(script),
+                                "--discovery-interval", "0.2"],
+                               tmp_path, epochs=400, steps=8,
+                               env={"UNTIL_SIZE": "3", "TOUCH_DIR": str(touch)})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert sorted(results) == ["localhost:0", "localhost:1", "localhost:2"], text[-3000:]
+    assert "joined: localhost:2" in text, text[-3000:]
+    sizes = results["localhost:0"]["sizes"]
+    assert sizes[-1] == 3 and sizes[0] == 2, sizes
+    for r in results.values():
+        assert r["sizes"] == sizes and r["state"] == [len(sizes), 0], r
+    newcomer = results["localhost:2"]
+    assert newcomer["resets"] == [] and newcomer["trained"], newcomer
+    assert newcomer["seconds"] < 30, newcomer["seconds"]  # its sync and its epochs
+    assert "stall" not in text.lower(), text[-3000:]
+    _same_as_one_process(results)
+
+
 def test_fewer_than_min_np_fails_within_the_elastic_timeout(tmp_path):
     proc, took = _run(["-np", "2", "--min-np", "2", "-H", "localhost:2", "--elastic-timeout", "3",
                        "--blacklist-cooldown", "600"], tmp_path, 8, kills="localhost:1@2")

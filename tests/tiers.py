@@ -127,6 +127,8 @@ FIRST_PASS = [
 SECOND_PASS = [
     # Keras 2's BackupAndRestore, and PerseusStrategy's resume through it.
     Job("test_backup_restore.py", 56),
+    # Keras 2's part of elastic fit: a resumed epoch, a worker joining.
+    Job("test_elastic.py", 25, select="keras"),
     # (Keras 2's part of preemption: the agreed stop and its rerun, and a
     # restart from the last backup; the elastic launcher's own cases, a
     # slot left out, a slot added, none left, are the first pass's.)

@@ -180,6 +180,23 @@ def _rank():
     return rank()
 
 
+def _build_optimizer(optimizer, model):
+    """Creates the optimizer's slots and step counter if it has none yet:
+    Keras builds them at the first step, so a worker joining a running job
+    (Horovod's Keras elastic example) has none while the others have theirs,
+    and the state sync must broadcast the same variables everywhere."""
+    trainable = list(getattr(model, "trainable_variables", []))
+    if not trainable:
+        return
+    if hasattr(optimizer, "stateless_apply"):  # Keras 3
+        if not optimizer.built:
+            optimizer.build(trainable)
+    elif hasattr(optimizer, "_create_all_weights"):  # Keras 2 legacy (OptimizerV2)
+        optimizer._create_all_weights(trainable)
+    elif hasattr(optimizer, "build") and not getattr(optimizer, "_built", False):
+        optimizer.build(trainable)  # Keras 2's current optimizers
+
+
 def _variables_of(optimizer):
     variables = optimizer.variables
     return list(variables() if callable(variables) else variables)
@@ -205,10 +222,28 @@ class TensorFlowKerasState(ObjectState):
         super().restore()
 
     def sync(self):
-        from perseus_tf.horovod.functions import broadcast_variables
-        broadcast_variables(self.model.variables, root_rank=0)
-        if self.optimizer is not None and _variables_of(self.optimizer):
-            broadcast_variables(_variables_of(self.optimizer), root_rank=0)
+        from perseus_tf.horovod.functions import allgather_object, broadcast_variables
+        if self.optimizer is not None:
+            _build_optimizer(self.optimizer, self.model)
+        variables = list(self.model.variables)
+        if self.optimizer is not None:
+            variables += _variables_of(self.optimizer)
+        # What each rank would broadcast, compared first: a worker that
+        # joins with a model or optimizer built differently would otherwise
+        # pair other variables with rank 0's (a stall, or wrong values).
+        mine = [(i, tuple(int(d) for d in v.shape), getattr(v.dtype, "name", str(v.dtype)))
+                for i, v in enumerate(variables)]
+        everyone = allgather_object(mine)
+        if any(theirs != everyone[0] for theirs in everyone):
+            differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+            raise ValueError(
+                "hvd.elastic state sync: the ranks' models and optimizers hold different "
+                "variables (" + "; ".join(
+                    f"rank {r}: {len(everyone[r])} variables, first shapes "
+                    f"{[s for _, s, _ in everyone[r][:3]]}" for r in [0] + differ) +
+                "). Build the model (call it once, or give it an Input) and compile it "
+                "the same way on every worker before hvd.elastic.run")
+        broadcast_variables(variables, root_rank=0)
         self._save_model()
         super().sync()
 

@@ -144,7 +144,14 @@ def _check_same_restore(model):
 # was never interrupted. The skip is one host-side `next` per batch, on every
 # rank alike (each rank reads its own shard).
 
-_pending_skip = [0]   # Keras 3: batches the next training epoch iterator drops
+_pending_skip = [0]   # batches the next training epoch drops (Keras 3's iterator, Keras 2's handler)
+
+
+def skip_batches_of_next_epoch(count):
+    """The next `fit` starts its first epoch at batch `count`: the batches
+    before it are read and dropped, not trained (elastic's resumed epoch).
+    Needs install_step_resume()."""
+    _pending_skip[0] = int(count)
 
 
 def _drop_batches(iterator, count):
@@ -182,6 +189,9 @@ def _install_step_resume_keras2():
     def enumerate_epochs(self):
         first = True
         for epoch, iterator in original(self):
+            if first:
+                skip, _pending_skip[0] = _pending_skip[0], 0
+                self._initial_step = max(int(self._initial_step), skip)
             if first and self._initial_step > 0:
                 # steps() starts at _initial_step; feed it the batches after it
                 _drop_batches(iterator, int(self._initial_step))

@@ -185,9 +185,12 @@ def check_keras_elastic_callbacks_keep_the_state_current():
         hvd_keras.elastic.UpdateEpochStateCallback(state),
         hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=2)])
     assert (state.epoch, state.batch) == (2, 0), (state.epoch, state.batch)
-    # Every 2 batches (3 a epoch: after batch 1, and after batch 1 of the
-    # next epoch's count, which carries on), and at each epoch's end.
-    assert len(commits) == 5, commits
+    # Every 2 batches (3 an epoch: after batch 1, then after batch 0 of the
+    # next epoch, the count carrying on) and at each epoch's end, each made
+    # once the callbacks have seen that end (as the next batch or epoch
+    # begins): the state says how many batches of which epoch the weights
+    # hold. The last epoch's batch 2 and its end are one commit.
+    assert commits == [(0, 2), (1, 0), (1, 1), (2, 0)], commits
 
 
 # ---- allreduce -------------------------------------------------------------
