@@ -6,7 +6,8 @@ are sharded per rank, variables start from rank 0's values, and every
 reduction goes through PerseusCrossDeviceOps across processes.
 
 The package also holds the Keras patches the strategy installs:
-keras_mixed (mixed-precision step skipping agreed by all ranks),
+keras_mixed (mixed-precision step skipping agreed by all ranks), keras_xla
+(no XLA around the collectives),
 keras_files (one writer for checkpoints and backups, restore checks, step
 resume), keras_preempt (a SIGTERM stops every rank after the same batch with
 a backup, for a restart at the next size) and keras_save (saving on one rank: averaged statistics at epoch
@@ -43,7 +44,7 @@ from perseus_tf import _native
 from perseus_tf import config
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import keras_files, keras_mixed, keras_preempt, keras_save
+from perseus_tf.strategy import keras_files, keras_mixed, keras_preempt, keras_save, keras_xla
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -253,6 +254,12 @@ def _cluster_resolver():
         task_id=perseus_ops.rank(), num_accelerators={}, rpc_layer="")
 
 
+def _trains_under_perseus(model):
+    """Whether a compiled model trains under a PerseusStrategy (its
+    reductions are Perseus collectives)."""
+    return isinstance(getattr(model, "distribute_strategy", None), PerseusStrategy)
+
+
 class PerseusStrategy(tf.distribute.MirroredStrategy):
     """Data parallelism across processes, one replica per process.
 
@@ -305,6 +312,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         if cluster_resolver is not None:
             extended._cluster_resolver = cluster_resolver
         keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))
+        keras_xla.install(_trains_under_perseus)
         keras_save.install(lambda strategy: isinstance(strategy, PerseusStrategy),
                            lambda tensors: perseus_ops.grouped_allreduce(
                                tensors, op=perseus_ops.Average,

@@ -509,3 +509,49 @@ def check_mixed_precision_custom_loop_skips_a_step_that_overflows_on_one_rank_ev
             scale = ptf.allgather(tf.constant([_loss_scale(opt)], tf.float64)).numpy()
             assert (scale == 2.0 ** 15 / 2 ** 4).all(), scale.tolist()
             same_on_all_ranks(weights(model))
+
+
+class _reports_a_gpu:
+    """TF says it has a GPU, as Keras 3 asks when it resolves
+    jit_compile="auto" (the collectives run on the CPU all the same)."""
+
+    def __enter__(self):
+        self.real = tf.config.list_physical_devices
+        fake = tf.config.PhysicalDevice(name="/physical_device:GPU:0", device_type="GPU")
+
+        def list_physical_devices(device_type=None):
+            found = self.real(device_type)
+            return found + [fake] if device_type in (None, "GPU") else found
+        tf.config.list_physical_devices = list_physical_devices
+
+    def __exit__(self, *exc):
+        tf.config.list_physical_devices = self.real
+
+
+def check_jit_compile_is_turned_off_around_the_gradient_allreduce():
+    """A default Keras 3 script on a GPU machine (jit_compile="auto" turns
+    XLA on by itself) and an explicit jit_compile=True (Keras 2 and 3): the
+    model trains, without XLA, after one warning line that says why. Once
+    the first step failed with "Graph execution error"."""
+    b = GLOBAL_BATCH // N
+    keras3 = hasattr(keras.optimizers.Optimizer, "stateless_apply")
+    for asked in (["auto", True] if keras3 else [True]):
+        model = make_model(seed=0)
+        with _reports_a_gpu(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kwargs = {} if asked == "auto" else {"jit_compile": asked}
+            model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)),
+                          loss="mse", **kwargs)
+            model.fit(my_shard(X, b), my_shard(Y, b), batch_size=b, epochs=1, shuffle=False,
+                      verbose=0)
+        said = [str(w.message) for w in caught if "Perseus-TF: jit_compile" in str(w.message)]
+        assert len(said) == 1 and "\n" not in said[0], [str(w.message) for w in caught]
+        assert "jit_compile=True is turned off" in said[0] and "no XLA kernels" in said[0], said
+        assert not model.jit_compile
+        same_on_all_ranks(weights(model))
+    # A model without the shim's optimizer keeps what Keras chose.
+    plain = make_model(seed=0)
+    with _reports_a_gpu():
+        plain.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", jit_compile=True)
+        plain.make_train_function()
+    assert plain.jit_compile

@@ -605,3 +605,20 @@ def check_fit_refuses_different_steps_per_epoch_on_every_rank():
     model.fit(same, validation_data=mine, validation_steps=4, epochs=1, verbose=0)
     model.evaluate(mine, steps=4, verbose=0)
     same_on_all_ranks([w.numpy() for w in model.weights])
+
+
+def check_jit_compile_true_trains_without_xla_after_one_warning():
+    # Its reductions have no XLA kernels: once, the first step failed with
+    # "Graph execution error". Now fit and evaluate run without XLA.
+    import warnings
+    with STRATEGY.scope():
+        model = make_model(seed=5)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(dataset(64), epochs=1, verbose=0)
+        model.evaluate(dataset(64), verbose=0)
+    said = [str(w.message) for w in caught if "Perseus-TF: jit_compile" in str(w.message)]
+    assert len(said) == 1 and "no XLA kernels" in said[0], [str(w.message) for w in caught]
+    assert not model.jit_compile
+    same_on_all_ranks([w.numpy() for w in model.weights])

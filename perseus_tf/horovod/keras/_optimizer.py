@@ -228,9 +228,17 @@ def reduce_before_loss_scaling():
             _loss_scale_wrapped.add((cls, method))
 
 
+def _holds_shim_collectives(model):
+    """Whether a compiled model's train step reduces its gradients here."""
+    optimizer = getattr(model, "optimizer", None)
+    return is_distributed(optimizer) or is_distributed(getattr(optimizer, "inner_optimizer", None))
+
+
 def distributed_class(optimizer_class, settings):
     """A subclass of `optimizer_class` that reduces gradients with `settings`."""
     reduce_before_loss_scaling()
+    from perseus_tf.strategy import keras_xla
+    keras_xla.install(_holds_shim_collectives)
     if issubclass(optimizer_class, _DistributedMixin):
         raise ValueError(f"{optimizer_class.__name__} is already a DistributedOptimizer")
     if getattr(optimizer_class, "inner_optimizer", None) is not None or \
