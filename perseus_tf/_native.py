@@ -58,6 +58,11 @@ def init(cluster=None, **overrides):
             return
         cfg = _config.load_config(overrides)
         topo = _config.load_topology(cluster=cluster)
+        global _warned_unknown
+        if topo.rank == 0 and not _warned_unknown:  # once per job, not per rank or round
+            _warned_unknown = True
+            _config.warn_unknown_variables()
+        _check_timeline(cfg.timeline, timeline_path(cfg.timeline, topo.rank))
         cfg.gpu_transport = _resolve_gpu_transport(cfg.gpu_transport)
         if cfg.nccl_iface:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", cfg.nccl_iface)
@@ -229,6 +234,24 @@ def software_versions():
     return [("Perseus-TF", installed("perseus-tf")), ("TensorFlow", tensorflow),
             ("Keras", installed("keras", "tf-keras")),
             ("Python", ".".join(platform.python_version_tuple()[:2]))]
+
+
+_warned_unknown = False
+
+
+def _check_timeline(template, path):
+    """PERSEUS_TIMELINE is written at exit: a path this rank cannot write
+    would lose the whole trace then, so it is tried now."""
+    if not path:
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise _config.ConfigError(
+            f"PERSEUS_TIMELINE={template!r}: this rank cannot write its timeline "
+            f"{path!r} ({e.strerror}); give a path in a writable directory that exists on "
+            f"every host") from None
 
 
 def timeline_path(template, rank):

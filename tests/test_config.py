@@ -108,3 +108,45 @@ def test_import_makes_tensorflow_pool_cpu_memory_unless_the_user_chose():
     assert pool("perseus") == "POOL True"
     assert pool("plain") == "POOL None"
     assert pool("perseus", TF_CPU_ALLOCATOR_USE_BFC="false") == "POOL None"
+
+
+def test_misspelled_variables_are_named_with_the_closest_known_one():
+    import io
+    from perseus_tf.config import unknown_variables, warn_unknown_variables
+    env = {"PERSEUS_ALLREDUCE_STREAM": "2", "PERSEUS_FUSION_THRESHOLDS": "0",
+           "PERSEUS_COMPLETELY_MADE_UP_THING": "1", "PERSEUS_ALLREDUCE_STREAMS": "2",
+           "PERSEUS_RANK": "0", "PERSEUS_TEST_PASS": "x", "OTHER": "1"}
+    assert unknown_variables(env) == [
+        ("PERSEUS_ALLREDUCE_STREAM", "PERSEUS_ALLREDUCE_STREAMS"),
+        ("PERSEUS_COMPLETELY_MADE_UP_THING", None),
+        ("PERSEUS_FUSION_THRESHOLDS", "PERSEUS_FUSION_THRESHOLD")]
+    out = io.StringIO()
+    warn_unknown_variables(env, out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0] == ("Perseus-TF: PERSEUS_ALLREDUCE_STREAM is not a Perseus-TF variable and "
+                        "is ignored; did you mean PERSEUS_ALLREDUCE_STREAMS?"), lines
+
+
+def test_every_variable_the_sources_read_is_known():
+    # The list the warning compares with is complete: every PERSEUS_* name in
+    # the package, the native code and the tools is in it (or a test hook).
+    import os
+    import re
+    from perseus_tf.config import settings
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    known = settings.known_variables()
+    missing = {}
+    for folder in ("perseus_tf", "cc", "tools"):
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for name in files:
+                if not name.endswith((".py", ".cc", ".h", ".cu", ".sh")):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path, errors="replace") as f:
+                    text = f.read()
+                for found in re.findall(r"\bPERSEUS_[A-Z0-9_]*[A-Z0-9]\b", text):
+                    if found not in known and not found.startswith(settings.TEST_PREFIXES) \
+                            and found not in ("PERSEUS_PAUSE",):  # a C++ macro
+                        missing.setdefault(found, os.path.relpath(path, root))
+    assert not missing, missing

@@ -170,6 +170,20 @@ def test_ranks_with_different_tensorflow_versions_fail_at_init_naming_them(store
     assert _left_behind(before) == set()
 
 
+def test_a_misspelled_variable_is_named_once_and_an_unwritable_timeline_at_init(tmp_path):
+    one = {"PERSEUS_RANK": "0", "PERSEUS_SIZE": "1", "PERSEUS_ALLREDUCE_STREAM": "2"}
+    procs, outs = _start([one])
+    assert procs[0].returncode == 0 and "INIT OK" in outs[0], outs[0]
+    assert outs[0].count("PERSEUS_ALLREDUCE_STREAM is not a Perseus-TF variable") == 1, outs[0]
+    assert "did you mean PERSEUS_ALLREDUCE_STREAMS?" in outs[0], outs[0]
+    # Written at exit, once the whole trace was lost there; now named at init.
+    bad = str(tmp_path / "no-such-dir" / "trace.json")
+    procs, outs = _start([dict(one, PERSEUS_TIMELINE=bad)])
+    assert procs[0].returncode == 3, outs[0]
+    assert "PERSEUS_TIMELINE=" in outs[0] and "cannot write its timeline" in outs[0], outs[0]
+    assert "No such file or directory" in outs[0], outs[0]
+
+
 def test_a_missing_rank_is_named_while_waiting(store):
     env = {"PERSEUS_RANK": "0", "PERSEUS_SIZE": "2", "GLOO_TIMEOUT_SECONDS": "1"}
     proc = subprocess.Popen(

@@ -22,10 +22,12 @@ from perseus_tf.config.contracts import (
 from perseus_tf.config.netaddr import can_bind, interface_address, route_address
 from perseus_tf.config.rendezvous import Topology, load_topology, store_bind_address
 from perseus_tf.config.settings import (
-    VARIABLES, Config, ConfigError, auto_streams, load_config)
+    VARIABLES, Config, ConfigError, auto_streams, load_config, unknown_variables,
+    warn_unknown_variables)
 
 __all__ = [
     "Config", "ConfigError", "VARIABLES", "load_config", "auto_streams",
+    "unknown_variables", "warn_unknown_variables",
     "Contract", "LAUNCHERS", "SCHEDULERS", "find_contract", "cluster_contract",
     "cluster_from_resolver",
     "route_address", "interface_address", "can_bind",

@@ -194,3 +194,54 @@ def env_int(environ, name, lo, hi):
         raise ConfigError(f"{name}={value} is out of range: it must be from {lo} to {hi}")
     return value
 
+
+
+# PERSEUS_* variables read outside Config: the launch contract perseusrun
+# (or a user) sets for each rank, the rendezvous store, elastic jobs, the
+# native libraries' locations, perseusrun's own and the build's. With
+# VARIABLES, every name Perseus-TF reads (tests/test_config.py checks the
+# sources against this list).
+OTHER_VARIABLES = frozenset({
+    "PERSEUS_RANK", "PERSEUS_SIZE", "PERSEUS_LOCAL_RANK", "PERSEUS_LOCAL_SIZE",
+    "PERSEUS_CROSS_RANK", "PERSEUS_CROSS_SIZE", "PERSEUS_HOST_ADDR", "PERSEUS_JOB_ID",
+    "PERSEUS_MASTER_ADDR", "PERSEUS_MASTER_PORT", "PERSEUS_RENDEZVOUS_ADDR",
+    "PERSEUS_RENDEZVOUS_PORT", "PERSEUS_RENDEZVOUS_SECRET", "PERSEUS_RENDEZVOUS_SECRET_FILE",
+    "PERSEUS_ELASTIC_WORKER", "PERSEUS_ELASTIC_KEY", "PERSEUS_ELASTIC_TIMEOUT",
+    "PERSEUS_LAUNCHER_PID", "PERSEUS_FAILURE_RECORD", "PERSEUS_TF_LOGS",
+    "PERSEUS_NCCL_LIBRARY", "PERSEUS_CUDA_LIBRARY", "PERSEUS_NVCC", "PERSEUS_REQUIRE_NVCC",
+    "PERSEUS_TF_INCLUDE", "PERSEUS_TF_LIBDIR", "PERSEUS_TF_FRAMEWORK_LIB", "PERSEUS_TF_DEFINES",
+    "PERSEUS_PYTHON_INCLUDE", "PERSEUS_PYBIND11_INCLUDE",
+})
+# The test suite's hooks (tests/, and the runtime's fault injection).
+TEST_PREFIXES = ("PERSEUS_TEST_", "PERSEUS_CHECK")
+
+
+def known_variables():
+    return {variable for variable, *_ in VARIABLES.values()} | OTHER_VARIABLES
+
+
+def unknown_variables(environ=None):
+    """[(name, closest known name or None)] of the PERSEUS_* variables in
+    environ that Perseus-TF does not read: a misspelled one would otherwise
+    be ignored in silence."""
+    import difflib
+    environ = os.environ if environ is None else environ
+    known = known_variables()
+    found = []
+    for name in sorted(environ):
+        if name.startswith("PERSEUS_") and name not in known and \
+                not name.startswith(TEST_PREFIXES):
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+            found.append((name, close[0] if close else None))
+    return found
+
+
+def warn_unknown_variables(environ=None, stream=None):
+    """Writes one line per PERSEUS_* variable nobody reads, naming the closest
+    known one."""
+    import sys
+    stream = stream or sys.stderr
+    for name, close in unknown_variables(environ):
+        hint = f"; did you mean {close}?" if close else " (README lists them)"
+        stream.write(f"Perseus-TF: {name} is not a Perseus-TF variable and is ignored{hint}\n")
+    stream.flush()
