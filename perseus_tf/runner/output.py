@@ -81,6 +81,32 @@ def _take_records(segments: list, on_record) -> list:
     return kept
 
 
+# One lock per output stream, shared by every rank's forwarder and by
+# perseusrun's own messages (write_line), and whether what was last written
+# there ended a line: a rank's progress bar ends its updates in \r only.
+_locks = {}
+_locks_guard = threading.Lock()
+_mid_line = {}
+
+
+def stream_lock(stream) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(id(stream), threading.Lock())
+
+
+def write_line(stream, text: str) -> None:
+    """One of perseusrun's own lines on `stream`, whole and on a line of its
+    own: never inside a rank's line, nor after a rank's \r-ended update."""
+    with stream_lock(stream):
+        lead = "\n" if _mid_line.get(id(stream)) else ""
+        try:
+            stream.write(lead + text + "\n")
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+        _mid_line[id(stream)] = False
+
+
 def forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock,
                    quiet: bool = False, on_record=None) -> None:
     """Copies pipe to stream, each line or \\r-ended update (a progress bar
@@ -124,6 +150,7 @@ def forward_lines(pipe, stream, prefix: bytes, lock: threading.Lock,
                         else:
                             stream.write(data.decode("utf-8", "replace"))
                             stream.flush()
+                        _mid_line[id(stream)] = not data.endswith(b"\n")
                     except (BrokenPipeError, ValueError):
                         # Our reader went away (e.g. `perseusrun ... | head`);
                         # keep draining, or the rank would block on a full pipe.

@@ -13,7 +13,7 @@ import threading
 import time
 
 from perseus_tf.config.elastic import EXIT_RESTART, RESTART_CODES
-from perseus_tf.runner.output import forward_lines
+from perseus_tf.runner.output import forward_lines, stream_lock, write_line
 
 # The name on the command line, and at the start of perseusrun's own messages.
 PROG = "perseusrun"
@@ -27,8 +27,9 @@ POLL_INTERVAL_S = 0.05
 
 
 def log(message: str) -> None:
-    """One of perseusrun's own messages, on stderr, after "perseusrun: "."""
-    print(f"{PROG}: {message}", file=sys.stderr, flush=True)
+    """One of perseusrun's own messages, on stderr, after "perseusrun: ", on
+    a line of its own (output.write_line)."""
+    write_line(sys.stderr, f"{PROG}: {message}")
 
 
 def describe_status(returncode: int, remote: bool = False) -> str:
@@ -93,8 +94,8 @@ class RankGroup:
         self._readers = []
         self._verbose = verbose
         self._quiet = quiet  # drop TF's C++ log noise from the output
-        self._stdout_lock = threading.Lock()
-        self._stderr_lock = threading.Lock()
+        self._stdout_lock = stream_lock(sys.stdout)
+        self._stderr_lock = stream_lock(sys.stderr)
         # Ranks' failure records (perseus_tf/_failure_record.py) by rank.
         self.records = {}
         self._records_lock = threading.Lock()
@@ -227,6 +228,10 @@ class RankGroup:
         if failed is None:
             return EXIT_RESTART if restarting else 0
         failed = self._report_first_failure(failed)
+        if self._interrupts:
+            # Stopped by Ctrl-C: the shell's convention (128 + SIGINT), not
+            # the SIGTERM or SIGKILL that stopped the ranks after it.
+            return 128 + int(signal.SIGINT)
         status = self.children[failed].proc.returncode
         return status if status > 0 else 128 - status
 
