@@ -271,6 +271,28 @@ def full_directory(tmp_path):
         subprocess.run(["umount", "-l", str(target)], check=False)
 
 
+@pytest.mark.skipif(KERAS_2, reason="Keras 2 writes the other ranks' copies beside the "
+                    "target (the strategy's checkpoint task id), not in a scratch directory")
+def test_full_scratch_directory_is_named_with_what_where_and_how_much(full_directory,
+                                                                      tmp_path):
+    # Rank 1 writes its scratch copy of each checkpoint under TMPDIR, here a
+    # full disk, while rank 0 writes the real one into a roomy directory.
+    # Once rank 1 failed with a bare "No space left on device".
+    target = tmp_path / "checkpoints"
+    target.mkdir()
+    proc = launch(2, [sys.executable, os.path.join(WORKERS, "full_disk_worker.py"),
+                      str(target)], env={"GLOO_TIMEOUT_SECONDS": "20",
+                                         "TMPDIR": str(full_directory)}, timeout=240)
+    assert proc.returncode != 0
+    reports = _survivor_reports(proc, 2)
+    assert 1 in reports, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = reports[1][1]
+    assert "Perseus-TF rank 1: no space left in its scratch directory" in said, reports
+    assert str(full_directory) in said and "checkpoint m" in said and "MiB" in said, said
+    assert "set TMPDIR" in said, said
+    assert os.listdir(target), "rank 0 wrote no checkpoint"
+
+
 def test_full_checkpoint_directory_is_named_on_every_rank(full_directory):
     # Rank 0's ModelCheckpoint gets ENOSPC. The others fail at once naming
     # rank 0 (not a timeout naming nobody), and perseusrun names rank 0 and

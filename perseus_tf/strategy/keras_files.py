@@ -8,6 +8,7 @@ not, so PerseusStrategy installs these small redirections when size > 1.
 """
 
 import atexit
+import errno
 import os
 import shutil
 
@@ -15,6 +16,42 @@ from perseus_tf.runner.scratch import rank_scratch
 from perseus_tf.strategy.keras_preempt import read_marker
 
 _installed = False
+
+
+def _out_of_room(error):
+    return isinstance(error, OSError) and (
+        error.errno == errno.ENOSPC or "No space left" in str(error))
+
+
+def _model_mib(model):
+    import numpy as np
+    total = 0
+    for w in getattr(model, "weights", []):
+        total += int(np.prod(w.shape)) * np.dtype(getattr(w.dtype, "name", w.dtype)).itemsize
+    return total / 2**20
+
+
+def _writing_scratch(what, directory, rank, write, model):
+    """write(), with a full scratch disk named: what was being written,
+    where, how much room it needs and what to do (a bare "No space left on
+    device" on a rank that writes nothing the user asked for says none)."""
+    try:
+        return write()
+    except Exception as e:  # noqa: BLE001 - only a full disk is translated
+        if not _out_of_room(e):
+            raise
+        try:
+            free = shutil.disk_usage(directory).free / 2**20
+        except OSError:
+            free = 0.0
+        raise OSError(
+            errno.ENOSPC,
+            f"Perseus-TF rank {rank}: no space left in its scratch directory {directory} for "
+            f"its copy of {what} (the model's weights alone are about "
+            f"{_model_mib(model):.1f} MiB, with optimizer state more; {free:.1f} MiB are "
+            f"free there). Under PerseusStrategy the ranks other than 0 write their copies "
+            f"there while rank 0 writes yours: free space in {os.path.dirname(directory)}, "
+            f"or set TMPDIR to a directory with room on every host") from e
 
 
 def install(rank):
@@ -40,6 +77,15 @@ def install(rank):
         return os.path.join(scratch, "checkpoints", os.path.basename(path))
 
     callbacks.ModelCheckpoint._get_file_path = _get_file_path
+    checkpoint_save = callbacks.ModelCheckpoint._save_model
+
+    def _checkpoint_save_model(self, *args, **kwargs):
+        return _writing_scratch(
+            f"the checkpoint {os.path.basename(str(self.filepath))}",
+            os.path.join(scratch, "checkpoints"), rank,
+            lambda: checkpoint_save(self, *args, **kwargs), self.model)
+
+    callbacks.ModelCheckpoint._save_model = _checkpoint_save_model
 
     tb_init = callbacks.TensorBoard.__init__
 
@@ -68,7 +114,8 @@ def install(rank):
         for k, v in paths.items():
             setattr(self, k, v)
         try:
-            save_model(self)
+            _writing_scratch("the BackupAndRestore backup", write_dir, rank,
+                             lambda: save_model(self), self.model)
         finally:
             for k, v in real.items():
                 setattr(self, k, v)

@@ -2,7 +2,8 @@
 PerseusStrategy: rank 0 writes the checkpoints and gets ENOSPC; the others
 print REPORTED <seconds> <message> for the error they got.
 
-Usage: full_disk_worker.py DIRECTORY
+Usage: full_disk_worker.py DIRECTORY. (With TMPDIR on the small disk and
+DIRECTORY elsewhere, the ranks other than 0 fill their scratch copies.)
 """
 
 import os
