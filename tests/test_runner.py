@@ -243,6 +243,12 @@ TF_NOISE = [
     "Unable to register cuDNN factory: Attempting to register factory for plugin cuDNN",
     "2026-11-25 08:00:00.123456: I tensorflow/core/platform/cpu_feature_guard.cc:182] This "
     "TensorFlow binary is optimized to use available CPU instructions",
+    # The first float16 op on a CPU without AVX-512 (TF 2.15's format and absl's).
+    "2025-03-11 22:30:58.742701: E tensorflow/core/util/util.cc:131] oneDNN supports DT_HALF "
+    "only on platforms with AVX-512. Falling back to the default Eigen-based implementation "
+    "if present.",
+    "E0000 00:00:1795595150.673293   13913 util.cc:131] oneDNN supports DT_HALF only on "
+    "platforms with AVX-512. Falling back to the default Eigen-based implementation if present.",
 ]
 TF_REAL_ERROR = ("E0000 00:00:1795595149.673293   13913 some_kernel.cc:52] OOM when allocating "
                  "tensor with shape [1024,1024]")

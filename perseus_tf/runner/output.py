@@ -23,8 +23,11 @@ _TF_LOG_LINE = re.compile(
 _ABSL_NOTE = b"WARNING: All log messages before absl::InitializeLog() is called"
 # Errors TensorFlow logs at every start on a machine without a GPU (or with
 # a CUDA build beside another): noise, not the user's problem.
+# And oneDNN's note, at the first float16 op on a CPU without AVX-512, that
+# TF uses its own (Eigen) kernels instead: nothing fails.
 _TF_BENIGN_ERRORS = (b"failed call to cuInit", b"Unable to register cuDNN factory",
-                     b"Unable to register cuFFT factory", b"Unable to register cuBLAS factory")
+                     b"Unable to register cuFFT factory", b"Unable to register cuBLAS factory",
+                     b"oneDNN supports DT_HALF only on platforms with AVX-512")
 
 
 def tf_log_noise(segment: bytes) -> bool:

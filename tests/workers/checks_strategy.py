@@ -622,3 +622,28 @@ def check_jit_compile_true_trains_without_xla_after_one_warning():
     assert len(said) == 1 and "no XLA kernels" in said[0], [str(w.message) for w in caught]
     assert not model.jit_compile
     same_on_all_ranks([w.numpy() for w in model.weights])
+
+
+class _CountBatches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def check_data_of_unknown_length_runs_to_the_longest_rank():
+    # Lengths Keras cannot know (a filter): nothing to compare before the
+    # first step. tf.distribute gives the rank that runs out first empty
+    # batches until every rank has, so every rank runs the longest rank's
+    # count of steps (README says so), with the same weights everywhere.
+    with STRATEGY.scope():
+        model = make_model(seed=5)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    batches = 4 + (R % 2) * 2  # 4 on even ranks, 6 on odd ones
+    mine = dataset(batches * GLOBAL_BATCH).filter(lambda x, y: True)
+    count = _CountBatches()
+    model.fit(mine, epochs=2, verbose=0, callbacks=[count])
+    assert count.batches == 2 * 6, count.batches
+    same_on_all_ranks([w.numpy() for w in model.weights])
