@@ -1,5 +1,6 @@
 # Everything a fresh Debian/Ubuntu machine needs, then the job or the tests.
 #   make demo   set up, then train the example on 2 local ranks
+#   make docs   the documentation site (MkDocs) into build/site
 #   make check  the fast tier: no multi-rank TensorFlow launch (under 5 minutes
 #               from a built tree; run it before each commit)
 #   make test   set up, then the whole suite: TF 2.21 (Keras 3) and, in a
@@ -13,6 +14,8 @@ TF_VERSION ?= 2.21.*
 VENV_OLD ?= .venv-tf215
 TF_VERSION_OLD ?= 2.15.*
 PY := $(VENV)/bin/python
+# The documentation site's tools (mkdocs.yml; README says why these).
+DOCS_PACKAGES := mkdocs mkdocs-material "mkdocstrings[python]"
 PY_OLD := $(VENV_OLD)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # What building and running needs; the test suite also builds with Bazel
@@ -26,7 +29,7 @@ NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') s
     tools/build_native.py \
     tools/gen_store_protocol.py perseus_tf/runner/store_protocol.py
 
-.PHONY: demo check test system system-test install-packages native native-old bazel clean cuda
+.PHONY: demo check test docs system system-test install-packages native native-old bazel clean cuda
 
 demo: native
 	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
@@ -35,6 +38,13 @@ demo: native
 # native, cuda, native-old), then the test jobs of both passes.
 test:
 	$(PYTHON) tools/run_tests.py test
+
+# The documentation site, into build/site (strict: what CI's tests/test_docs.py builds).
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+$(VENV)/.docs: $(VENV)/.deps
+	$(PY) -m pip install -q $(DOCS_PACKAGES)
+	touch $@
 
 check: native system-test
 	$(PYTHON) tools/run_tests.py check
@@ -55,7 +65,7 @@ install-packages:
 $(VENV)/.deps: | system
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest scikit-learn tensorboard setuptools wheel
+	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest scikit-learn tensorboard setuptools wheel $(DOCS_PACKAGES)
 	touch $@
 
 # Rebuilt only when a native source changed (a second `make demo` starts at once).

@@ -18,7 +18,7 @@ Horovod's `compression=` argument), fusion and cycle time as shipped. The
 first step's result is checked against the exact average on every rank.
 
 Needs an interpreter with TensorFlow and Horovod (0.28 was built for this:
-see README, "Benchmarks"). Usage:
+see docs/performance.md). Usage:
   .venv-hvd/bin/python benchmarks/horovod_compare.py --np 2 \\
       --workloads gradients:resnet50,small,keras
 """

@@ -26,7 +26,7 @@ rounds:
                   `fit` fails under it)
   horovod         Horovod's own horovod.tensorflow.keras.DistributedOptimizer
                   (float32) over Gloo, where Horovod imports (the .venv-hvd of
-                  README, TF 2.15); its Gloo rendezvous server runs on host 0
+                  docs/performance.md, TF 2.15); its Gloo rendezvous server runs on host 0
 
 Every contender runs with TF_CPU_ALLOCATOR_USE_BFC=true (what `import
 perseus_tf` sets), the baselines included. A step is the time between Keras's batch-end callbacks (rank 0, the median
@@ -407,7 +407,7 @@ def main(argv=None):
             import horovod.tensorflow  # noqa: F401
         except ImportError:
             contenders.remove("horovod")
-            print("# horovod: not importable by this Python (README: .venv-hvd), left out")
+            print("# horovod: not importable by this Python (docs/performance.md: .venv-hvd), left out")
     print(f"# TF {tf.__version__}; 2 hosts (network namespaces), 1 rank each pinned to one "
           f"core; per-replica batch {args.batch}; rank 0's median step of {args.steps} after "
           f"{args.warmup} warm-up; median over {args.rounds} interleaved rounds")

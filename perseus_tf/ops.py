@@ -190,7 +190,8 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
       tensor: a dense tensor (float16/bfloat16/float32/float64/int32/int64/
         uint8/int8/uint16/int16; bool with Min or Max).
       op: Sum (default), Average, Min, Max or Product.
-      prescale_factor / postscale_factor: multiply before / after the reduction.
+      prescale_factor: multiply by this before the reduction.
+      postscale_factor: multiply by this after the reduction.
       name: pairs this call across ranks (defaults to the op's node name).
       process_set_id: reduce among a process set's members only (see
         add_process_set); 0, the default, is every rank.

@@ -196,7 +196,7 @@ def test_bazel_builds_and_passes_the_cc_unit_tests():
 
 def test_horovod_example_porting_edits():
     """tools/run_horovod_examples.py changes Horovod's scripts only where
-    README's porting notes say."""
+    porting notes in docs/horovod.md say."""
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
         from run_horovod_examples import port

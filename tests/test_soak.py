@@ -2,7 +2,7 @@
 plannable allreduces whose sets change, mixed with every other collective
 and a process set, random dtypes and shapes (empty included), each result
 checked against numpy. 2 and 4 ranks, shared memory and TCP. The long run is
-`python tools/soak.py --np 4 --steps 10000` (README, Tests)."""
+`python tools/soak.py --np 4 --steps 10000` (docs/testing.md)."""
 
 import os
 import re

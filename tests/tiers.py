@@ -98,6 +98,7 @@ FIRST_PASS = [
     Job("test_contracts.py", 9),
     Job("test_core.py", 23),
     Job("test_cuda.py", 5, needs=["build:cuda-kernels"]),
+    Job("test_docs.py", 50),
     Job("test_elastic.py", 57),
     Job("test_examples_and_build.py", 170),
     Job("test_failures.py", 161),
@@ -143,6 +144,8 @@ SECOND_PASS = [
     # Failures seen through TF ops, tf.function and Keras fit/save; the
     # runtime's own (through _core) are the first pass's.
     Job("test_failures.py", 51, select="tf or fit or world_size_one or full_checkpoint"),
+    # README's quick start under Keras 2 (the site itself: first pass).
+    Job("test_docs.py", 25, select="quick_start"),
     # The shim under Keras 2, tf.estimator and TF1 sessions (2-rank launches).
     Job("test_horovod.py", 52),
     Job("test_horovod_examples.py", 33),

@@ -1,5 +1,5 @@
 """Runs Horovod's own TF2 example scripts on Perseus-TF, changed only where
-the porting notes in README say (the import line, and the Keras 3 edits that
+the porting notes in docs/horovod.md say (the import line, and the Keras 3 edits that
 Horovod itself needs on TF >= 2.16), and prints how long each took.
 
     python tools/run_horovod_examples.py HOROVOD_SRC/examples/tensorflow2 [-np 2]

@@ -242,6 +242,6 @@ def warn_unknown_variables(environ=None, stream=None):
     import sys
     stream = stream or sys.stderr
     for name, close in unknown_variables(environ):
-        hint = f"; did you mean {close}?" if close else " (README lists them)"
+        hint = f"; did you mean {close}?" if close else " (docs/configuration.md lists them)"
         stream.write(f"Perseus-TF: {name} is not a Perseus-TF variable and is ignored{hint}\n")
     stream.flush()

@@ -6,8 +6,8 @@ Change one line of a Horovod script:
 
 and start it with `perseusrun -np N -- python train.py`. Every collective and
 the gradient path of DistributedOptimizer / DistributedGradientTape run on
-the same native runtime as PerseusStrategy. See README.md, section
-"Horovod API", for what is supported and what is not.
+the same native runtime as PerseusStrategy. See docs/horovod.md for what is
+supported and what is not.
 """
 
 from perseus_tf.horovod._basics import (

@@ -96,11 +96,13 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
     Args:
       tensor: tf.Tensor, tf.Variable or tf.IndexedSlices, same shape on every rank.
       average: deprecated; use `op`.
-      device_dense / device_sparse: device for the dense / sparse path ('' = default).
+      device_dense: device for the dense path ('' = default).
+      device_sparse: device for the sparse path ('' = default).
       compression: `Compression.none` or `Compression.fp16`.
       op: Average (default), Sum, Adasum (float tensors, a power-of-two
         number of ranks; see perseus_tf/_adasum.py), Min, Max or Product.
-      prescale_factor / postscale_factor: multiply before / after the reduction.
+      prescale_factor: multiply by this before the reduction.
+      postscale_factor: multiply by this after the reduction.
       name: pairs the call across ranks (defaults to the op's node name).
       process_set: reduce among this process set's ranks only.
       ignore_name_scope: accepted for compatibility (names are not scoped here).

@@ -173,7 +173,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
       optimizer: a `tf.compat.v1.train.Optimizer` or a Keras optimizer.
       name: name prefix of the reduction ops (default "Distributed" + class name).
       use_locking: passed to tf.compat.v1.train.Optimizer.
-      device_dense / device_sparse: devices of the dense / sparse reductions.
+      device_dense: device of the dense reductions.
+      device_sparse: device of the sparse reductions.
       compression: `Compression.none` or `Compression.fp16`.
       sparse_as_dense: reduce tf.IndexedSlices gradients as dense tensors.
       backward_passes_per_step: sum gradients locally over this many calls

@@ -522,7 +522,7 @@ class _LastBatchStatistics(keras.callbacks.Callback if keras else object):
 
 
 def check_batch_norm_moving_statistics_are_averaged_when_read():
-    """Decision (README): each rank updates its own batch-norm moving
+    """Decision (docs/strategy.md): each rank updates its own batch-norm moving
     statistics during training (no communication); reading them outside a
     replica (get_weights) gives their average over the ranks, on Keras 2 and
     Keras 3 alike, and at each epoch's end in fit every rank's copy becomes
@@ -637,7 +637,7 @@ def check_data_of_unknown_length_runs_to_the_longest_rank():
     # Lengths Keras cannot know (a filter): nothing to compare before the
     # first step. tf.distribute gives the rank that runs out first empty
     # batches until every rank has, so every rank runs the longest rank's
-    # count of steps (README says so), with the same weights everywhere.
+    # count of steps (docs/strategy.md says so), with the same weights everywhere.
     with STRATEGY.scope():
         model = make_model(seed=5)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")

@@ -46,7 +46,7 @@ elif api == "tf_function":
 
     # Inside a tf.function, TF's executor turns UnavailableError from any op
     # that is not one of its own Send/Recv/collective ops into InternalError
-    # (same message); README says so.
+    # (same message); docs/ say so.
     expected_error = tf.errors.InternalError
 else:
     from perseus_tf._native import _core

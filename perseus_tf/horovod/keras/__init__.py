@@ -2,8 +2,8 @@
 
     import perseus_tf.horovod.keras as hvd   # instead of: import horovod.tensorflow.keras as hvd
 
-Works with Keras 3 (TF >= 2.16) and Keras 2 (TF 2.15). See README.md,
-section "Horovod API", for what is supported.
+Works with Keras 3 (TF >= 2.16) and Keras 2 (TF 2.15). See
+docs/horovod.md for what is supported.
 """
 
 import tensorflow as tf

@@ -115,7 +115,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
       initial_lr: the base learning rate (required).
       multiplier: a constant c (the rate is initial_lr * c ** (epoch - start_epoch))
         or a function of the (possibly fractional) epoch.
-      start_epoch, end_epoch: the epochs, [start, end), it acts in.
+      start_epoch: the first epoch it acts in.
+      end_epoch: the epoch it stops acting at (not included).
       staircase: adjust once per epoch (True) or every batch with a
         fractional epoch (False).
       momentum_correction: scale the momentum by new_lr / old_lr for the
@@ -224,7 +225,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     Args:
       initial_lr: the learning rate reached at the end of the warmup (required).
       warmup_epochs: length of the warmup.
-      momentum_correction, steps_per_epoch: as in LearningRateScheduleCallback.
+      momentum_correction: as in LearningRateScheduleCallback.
+      steps_per_epoch: as in LearningRateScheduleCallback.
       verbose: print a line on rank 0 when the warmup ends.
     """
 
