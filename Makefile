@@ -29,7 +29,7 @@ NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') s
     tools/build_native.py \
     tools/gen_store_protocol.py perseus_tf/runner/store_protocol.py
 
-.PHONY: demo check test docs system system-test install-packages native native-old bazel clean cuda
+.PHONY: demo check test docs ray system system-test install-packages native native-old bazel clean cuda
 
 demo: native
 	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
@@ -44,6 +44,14 @@ docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 $(VENV)/.docs: $(VENV)/.deps
 	$(PY) -m pip install -q $(DOCS_PACKAGES)
+	touch $@
+
+# Ray Train, for the test that runs PerseusStrategy under it (tests/test_ray.py;
+# make test installs it beside the first jobs).
+RAY_PACKAGES := "ray[train]==2.60.*"
+ray: $(VENV)/.ray
+$(VENV)/.ray: $(VENV)/.deps
+	$(PY) -m pip install -q $(RAY_PACKAGES)
 	touch $@
 
 check: native system-test

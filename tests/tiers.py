@@ -27,12 +27,13 @@ import os
 
 # Set-up phases of `make test`, in order: (phase name, make target, whether
 # it may run beside the first tests). The system packages and the TF 2.21
-# venv come first; the CUDA kernels and the TF 2.15 venv build while the
-# lanes already run first-pass jobs (the jobs that need them wait: NEEDS).
+# venv come first; the CUDA kernels, the TF 2.15 venv and Ray install while
+# the lanes already run first-pass jobs (the jobs that need them wait).
 SETUP = [("set-up:system-packages", "system-test", False),
          ("set-up:tf2.21-venv+native", "native", False),
          ("build:cuda-kernels", "cuda", True),
-         ("set-up:tf2.15-venv+native", "native-old", True)]
+         ("set-up:tf2.15-venv+native", "native-old", True),
+         ("set-up:ray", "ray", True)]
 
 FIRST, SECOND = "tf2.21", "tf2.15"
 
@@ -114,6 +115,7 @@ FIRST_PASS = [
     Job("test_operability.py", 15),
     Job("test_ops.py", 22),
     Job("test_preemption.py", 110),
+    Job("test_ray.py", 60, needs=["set-up:ray"]),
     Job("test_runner.py", 42),
     Job("test_slurm.py", 36),
     Job("test_soak.py", 83),

@@ -10,14 +10,20 @@ else MASTER_ADDR; port PERSEUS_MASTER_PORT, else the contract's (Slurm: from
 the job and step ids; torchrun: MASTER_PORT, plus 1 under torchrun itself;
 TF_CONFIG: the first address's), else MASTER_PORT, else 6666. Its secret is
 PERSEUS_RENDEZVOUS_SECRET (as UTF-8 text) or the contents of
-PERSEUS_RENDEZVOUS_SECRET_FILE (mode 600). Without one the store may only be
-on loopback (one machine); a store on the network with no secret is refused.
+PERSEUS_RENDEZVOUS_SECRET_FILE (mode 600); under Ray (Ray Train's workers)
+rank 0 draws one and hands it to the others through Ray's key-value store.
+Without one the store may only be on loopback (one machine); a store on the
+network with no secret is refused.
 """
 
 import dataclasses
 import hashlib
+import json
 import os
+import secrets
 import stat
+import sys
+import time
 
 from perseus_tf.config import elastic as _elastic
 from perseus_tf.config.contracts import find_contract
@@ -117,6 +123,56 @@ def _foreign_secret(environ):
     return secret
 
 
+RAY_SECRET_WAIT_S = 120.0
+
+
+def _ray_secret(environ, c, t):
+    """The job's secret under Ray (Ray Train's TensorflowTrainer starts the
+    workers and sets TF_CONFIG), with no step of the user's: rank 0 draws one
+    and keeps it in Ray's own key-value store (the GCS), which only the Ray
+    cluster's processes reach (and they can run code on every node anyway);
+    the other ranks read it there. b"" when this process is not a Ray
+    worker. Ray is never imported here: only a process that runs Ray has it."""
+    ray = sys.modules.get("ray")
+    if ray is None or not getattr(ray, "is_initialized", lambda: False)():
+        return b""
+    try:
+        from ray.experimental import internal_kv
+    except ImportError:  # pragma: no cover - another Ray
+        return b""
+    if not internal_kv._internal_kv_initialized():
+        return b""
+    try:
+        job = ray.get_runtime_context().get_job_id()
+    except Exception:  # noqa: BLE001 - a Ray without it: the contract alone names the run
+        job = ""
+    # TF_CONFIG's cluster (not its task, this worker's own): its addresses
+    # and ports are drawn afresh for each run.
+    try:
+        cluster = json.dumps(json.loads(environ.get("TF_CONFIG") or "{}").get("cluster"),
+                             sort_keys=True)
+    except (ValueError, AttributeError):
+        cluster = ""
+    run = "|".join([job, c.source, cluster, f"{t.store_addr}:{t.store_port}"])
+    key = "rendezvous-secret-" + hashlib.sha256(run.encode()).hexdigest()[:32]
+    if t.rank == 0:
+        # The first value put wins (a retried rank 0 keeps the one the others read).
+        internal_kv._internal_kv_put(key, secrets.token_hex(16), overwrite=False,
+                                     namespace="perseus")
+    deadline = time.monotonic() + RAY_SECRET_WAIT_S
+    while True:
+        value = internal_kv._internal_kv_get(key, namespace="perseus")
+        if value:
+            return bytes(value)
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"rank {t.rank} (a Ray worker, {c.names}): rank 0 did not put the job's "
+                f"rendezvous secret in Ray's key-value store within {RAY_SECRET_WAIT_S:.0f} s; "
+                f"is rank 0 running? Or give every worker the same PERSEUS_RENDEZVOUS_SECRET "
+                f"(Ray's runtime_env env_vars)")
+        time.sleep(0.05)
+
+
 def load_topology(environ=None, cluster=None) -> Topology:
     """Finds this process's place in the job and how to reach the others.
 
@@ -156,7 +212,7 @@ def load_topology(environ=None, cluster=None) -> Topology:
     else:
         # A foreign launcher: rank 0 serves the store itself.
         _foreign_store(environ, c, t)
-        t.secret = _foreign_secret(environ)
+        t.secret = _foreign_secret(environ) or _ray_secret(environ, c, t)
         if not t.secret and not _store_is_loopback(t.store_addr, t.cross_size):
             raise ConfigError(
                 f"rank 0 would serve the rendezvous store to the network "
