@@ -69,7 +69,7 @@ def init(cluster=None, **overrides):
         if cfg.streams is None:
             cfg.streams = _config.auto_streams(topo.local_size)
         if topo.host_store and _store_server is None:
-            from perseus_tf.runner.store import StoreServer
+            from perseus_tf.common.store import StoreServer
             bind = _config.store_bind_address(topo, cfg.gloo_iface)
             server = StoreServer(host=bind, port=topo.store_port, secret=topo.secret)
             try:

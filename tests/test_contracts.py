@@ -15,7 +15,7 @@ import pytest
 
 from perseus_tf import config
 from perseus_tf.config import ConfigError, find_contract, load_topology, netaddr
-from perseus_tf.runner import slurm
+from perseus_tf.common import slurm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECRET = {"PERSEUS_RENDEZVOUS_SECRET": "s3cret", "PERSEUS_HOST_ADDR": "10.1.1.1"}

@@ -14,7 +14,7 @@ import pytest
 
 from harness import collect
 
-from perseus_tf.runner.store import StoreServer
+from perseus_tf.common.store import StoreServer
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = r"""

@@ -134,7 +134,8 @@ def _python_modules():
             for m, imported in modules.items()}
 
 
-@pytest.mark.parametrize("package", ["perseus_tf.config", "perseus_tf.runner"])
+@pytest.mark.parametrize("package", ["perseus_tf.config", "perseus_tf.runner",
+                                     "perseus_tf.common"])
 def test_python_modules_of_a_package_import_without_a_circle(package):
     """Inside config/ and runner/ each module has one job and the modules
     import each other one way: a circle would mean two of them share one."""
@@ -152,16 +153,47 @@ def test_python_modules_of_a_package_import_without_a_circle(package):
             visit(nxt, trail + [node])
         state[node] = "done"
 
-    assert len(graph) >= 4, sorted(graph)
+    assert len(graph) >= 3, sorted(graph)
     for node in sorted(graph):
         visit(node, [])
 
 
-def test_the_runner_leaves_the_rest_of_the_package_alone():
-    """perseusrun and remote.py start without TensorFlow: runner/ imports,
-    of perseus_tf, only config/ and the failure records."""
-    allowed = ("perseus_tf.runner", "perseus_tf.config", "perseus_tf._failure_record")
-    wrong = [f"{m} imports {i}" for m, imported in _python_modules().items()
-             if m.startswith("perseus_tf.runner") for i in imported
-             if not i.startswith(allowed) and i != "perseus_tf"]
+def _all_imports(module_path):
+    """Every perseus_tf module a file imports, inside functions too."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(open(module_path).read())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("perseus_tf"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
+                node.module.startswith("perseus_tf"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+# The Python layers, lowest first: a package may import its own modules and
+# those of the layers below it, never one above (imports inside functions
+# count too). common/ is the standard library's only; config/ reads the
+# environment; runner/ is the launcher; the rest of the package (TensorFlow's
+# side) may use all three but the launcher never reaches up to it.
+PYTHON_LAYERS = [("perseus_tf.common", ()),
+                 ("perseus_tf.config", ("perseus_tf.common",)),
+                 ("perseus_tf.runner", ("perseus_tf.common", "perseus_tf.config",
+                                        "perseus_tf._failure_record"))]
+
+
+@pytest.mark.parametrize("package,below", PYTHON_LAYERS, ids=[p for p, _ in PYTHON_LAYERS])
+def test_python_packages_import_only_the_layers_below(package, below):
+    folder = os.path.join(ROOT, *package.split("."))
+    wrong = []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                for imported in sorted(_all_imports(path)):
+                    if imported == "perseus_tf" or imported.startswith(package) or \
+                            imported.startswith(below):
+                        continue
+                    wrong.append(f"{os.path.relpath(path, ROOT)} imports {imported}")
     assert not wrong, "\n".join(wrong)

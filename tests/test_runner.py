@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from perseus_tf.runner import cli, launcher, mpi, output, placement, ssh, supervise
-from perseus_tf.runner.store import StoreClient, StoreServer
+from perseus_tf.common.store import StoreClient, StoreServer
 
 REPO = Path(__file__).resolve().parents[1]
-# The ranks import perseus_tf.runner.store to talk to the store.
+# The ranks import perseus_tf.common.store to talk to the store.
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
     filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 SECRET = b"s" * 32
@@ -63,7 +63,7 @@ def pid_is_gone(pid):
 # was pointed at works: every rank publishes a key and reads all the others'.
 ENV_REPORTER = r"""
 import json, os
-from perseus_tf.runner.store import StoreClient
+from perseus_tf.common.store import StoreClient
 env = {k: v for k, v in os.environ.items()
        if k.startswith(("PERSEUS_", "HOROVOD_"))
        or k in ("PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL")}
@@ -629,7 +629,7 @@ def test_scratch_of_a_rank_killed_by_a_signal_is_removed(tmp_path, how):
     they could not, and /tmp/perseus-rank<N>-* stayed behind. perseusrun
     removes what its ranks left once they have exited."""
     child = ("import os, signal, sys, time\n"
-             "from perseus_tf.runner.scratch import rank_scratch\n"
+             "from perseus_tf.common.scratch import rank_scratch\n"
              "rank = int(os.environ['PERSEUS_RANK'])\n"
              "path = rank_scratch(rank)\n"
              "open(os.path.join(path, 'copy.weights.h5'), 'w').write('x')\n"

@@ -1,5 +1,5 @@
 """The rendezvous store's wire protocol has one definition
-(perseus_tf/runner/store_protocol.py), and both sides speak it.
+(perseus_tf/common/store_protocol.py), and both sides speak it.
 
 The C++ client's header (cc/rendezvous/store_protocol.h) is what the
 generator writes from that module; the Python server answers a client built
@@ -18,8 +18,8 @@ import socket
 import struct
 from pathlib import Path
 
-from perseus_tf.runner import store_protocol as protocol
-from perseus_tf.runner.store import StoreClient, StoreServer
+from perseus_tf.common import store_protocol as protocol
+from perseus_tf.common.store import StoreClient, StoreServer
 from test_store_security import SECRET, RecordingProxy, start_ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_checked_in_header_is_what_the_generator_writes():
     header = (REPO / "cc" / "rendezvous" / "store_protocol.h").read_text()
     assert header == _generator().render(str(REPO)), (
         "cc/rendezvous/store_protocol.h is out of date: run python tools/gen_store_protocol.py")
-    assert header.startswith("// Generated from perseus_tf/runner/store_protocol.py")
+    assert header.startswith("// Generated from perseus_tf/common/store_protocol.py")
 
 
 def test_every_constant_reaches_the_header_with_its_value():

@@ -27,8 +27,8 @@ import pytest
 from harness import collect
 
 from perseus_tf import _core
-from perseus_tf.runner import store as store_module
-from perseus_tf.runner.store import StoreClient, StoreServer
+from perseus_tf.common import store as store_module
+from perseus_tf.common.store import StoreClient, StoreServer
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = os.urandom(32)

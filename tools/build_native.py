@@ -9,7 +9,7 @@ Both front ends load the same libperseus_core.so (found through
 rpath=$ORIGIN), so a process has exactly one runtime.
 
 Before compiling it writes cc/rendezvous/store_protocol.h from
-perseus_tf/runner/store_protocol.py when that changed (gen_store_protocol.py),
+perseus_tf/common/store_protocol.py when that changed (gen_store_protocol.py),
 so the C++ client always speaks the protocol the Python store defines.
 
 Used by setup.py (pip install) and runnable by hand:

@@ -1,4 +1,4 @@
-"""Writes cc/rendezvous/store_protocol.h from perseus_tf/runner/store_protocol.py.
+"""Writes cc/rendezvous/store_protocol.h from perseus_tf/common/store_protocol.py.
 
 The rendezvous store's wire protocol is defined once, in Python; the C++
 client includes this header instead of literals of its own. Each upper-case
@@ -26,7 +26,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = "perseus_tf/runner/store_protocol.py"
+SOURCE = "perseus_tf/common/store_protocol.py"
 HEADER = "cc/rendezvous/store_protocol.h"
 
 

@@ -25,7 +25,7 @@ namespace perseus {
 namespace {
 
 // Every constant of the wire protocol (store_protocol.h, generated from
-// perseus_tf/runner/store_protocol.py).
+// perseus_tf/common/store_protocol.py).
 namespace protocol = store_protocol;
 
 // How long connecting may keep failing before the constructor gives up.

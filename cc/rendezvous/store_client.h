@@ -2,7 +2,7 @@
 // launcher) hosts. Gloo exchanges connection addresses through it, and the
 // runtime uses it to find out which rank failed.
 //
-// The wire protocol is defined once, in perseus_tf/runner/store_protocol.py
+// The wire protocol is defined once, in perseus_tf/common/store_protocol.py
 // (its docstring describes the messages); store_protocol.h, generated from
 // it, holds every constant this client uses. In short (little-endian):
 //   handshake (the secret never crosses the network):

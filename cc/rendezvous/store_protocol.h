@@ -1,4 +1,4 @@
-// Generated from perseus_tf/runner/store_protocol.py by tools/gen_store_protocol.py: do not edit.
+// Generated from perseus_tf/common/store_protocol.py by tools/gen_store_protocol.py: do not edit.
 // The rendezvous store's wire protocol (that module's docstring describes
 // it); the C++ client, store_client.cc, takes every constant from here.
 #pragma once

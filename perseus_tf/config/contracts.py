@@ -132,7 +132,7 @@ def _slurm(environ):
     heterogeneous (its task counts would not add up: an error). A salloc
     interactive step is a step of one task: world size 1.
     """
-    from perseus_tf.runner import slurm
+    from perseus_tf.common import slurm
 
     size_var = _first_set(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
     if size_var is None or "SLURM_PROCID" not in environ:

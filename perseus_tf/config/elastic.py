@@ -54,7 +54,7 @@ def is_elastic(environ=None) -> bool:
 
 
 def _client(environ, **kwargs):
-    from perseus_tf.runner.store import StoreClient
+    from perseus_tf.common.store import StoreClient
     return StoreClient(environ["PERSEUS_RENDEZVOUS_ADDR"],
                        int(environ["PERSEUS_RENDEZVOUS_PORT"]),
                        bytes.fromhex(environ["PERSEUS_RENDEZVOUS_SECRET"]), **kwargs)

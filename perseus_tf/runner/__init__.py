@@ -1,10 +1,10 @@
-"""The ``perseusrun`` launcher and the rendezvous store it serves to the ranks.
+"""The ``perseusrun`` launcher. The rendezvous store it serves to the ranks
+is perseus_tf.common.store (the library uses it too).
 
 Standard library only: ``python -m perseus_tf.runner`` must start without
 importing TensorFlow.
 """
 
 from perseus_tf.runner.launcher import main
-from perseus_tf.runner.store import StoreClient, StoreServer
 
-__all__ = ["main", "StoreClient", "StoreServer"]
+__all__ = ["main"]

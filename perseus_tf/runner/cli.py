@@ -201,7 +201,7 @@ def slurm_hosts(environ) -> list:
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodelist:
         return []
-    from perseus_tf.runner import slurm
+    from perseus_tf.common import slurm
     try:
         names = slurm.expand_hostlist(nodelist)
         tasks = environ.get("SLURM_TASKS_PER_NODE")

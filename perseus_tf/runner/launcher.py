@@ -40,9 +40,9 @@ from perseus_tf.runner.mpi import run_mpi
 from perseus_tf.runner.placement import (
     addresses, forwarded_env, interface_address, place_ranks, rank_contract, rank_env,
     resolve_hosts)
-from perseus_tf.runner.scratch import remove_job_scratch
+from perseus_tf.common.scratch import remove_job_scratch
 from perseus_tf.runner.ssh import check_hosts, remote_invocation
-from perseus_tf.runner.store import StoreClient, StoreServer
+from perseus_tf.common.store import StoreClient, StoreServer
 from perseus_tf.runner.supervise import PROG, RankGroup, log
 
 

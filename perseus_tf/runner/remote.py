@@ -206,10 +206,10 @@ def main(argv=None) -> int:
             continue
     for t in readers:
         t.join(2.0)
-    # A rank killed by a signal left its scratch directory (runner/scratch.py).
+    # A rank killed by a signal left its scratch directory (common/scratch.py).
     rank = env.get("PERSEUS_RANK") or env.get("OMPI_COMM_WORLD_RANK")
     if env.get("PERSEUS_JOB_ID") and rank is not None:
-        from perseus_tf.runner.scratch import remove_job_scratch
+        from perseus_tf.common.scratch import remove_job_scratch
         remove_job_scratch(env["PERSEUS_JOB_ID"], rank)
     if mpi and proc.returncode != 0:
         # mpirun names the rank but not where it ran: say it, as perseusrun does.

@@ -12,7 +12,7 @@ import errno
 import os
 import shutil
 
-from perseus_tf.runner.scratch import rank_scratch
+from perseus_tf.common.scratch import rank_scratch
 from perseus_tf.strategy.keras_preempt import read_marker
 
 _installed = False
@@ -66,7 +66,7 @@ def install(rank):
         return  # Keras 2 uses the strategy's should_checkpoint / task id
     scratch = rank_scratch(rank)
     # Full checkpoint copies: removed when the process exits (and by
-    # perseusrun or remote.py when a signal kills it: runner/scratch.py).
+    # perseusrun or remote.py when a signal kills it: common/scratch.py).
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     callbacks = keras.callbacks
 

@@ -41,7 +41,7 @@ import struct
 import threading
 import time
 
-from perseus_tf.runner.store_protocol import (
+from perseus_tf.common.store_protocol import (
     ACCEPTED, CLIENT_PROOF_LABEL, CLOSED_COUNT_SUFFIX, CLOSED_PREFIX, CMD_ADD, CMD_GET, CMD_OWN,
     CMD_SET, HANDSHAKE_TIMEOUT_S, HELLO, MAC_LEN, MAX_KEY_LEN, MAX_VALUE_LEN, NONCE_LEN,
     PROTOCOL_VERSION, REJECTED, SERVER_PROOF_LABEL, STATUS_OK, STATUS_TIMEOUT)
