@@ -27,6 +27,31 @@ import tensorflow as tf
 # Tests and benchmarks turn it off to compare with the old order.
 ENABLED = True
 
+# Gradient groups: about this many, none smaller than _MIN_GROUP_BYTES.
+_GROUPS = 4
+_MIN_GROUP_BYTES = 1 << 20
+
+
+def backprop_groups(indices, tensors):
+    """Splits `indices` (forward order) into up to _GROUPS runs of similar
+    bytes, returned last run first (the order backprop produces them)."""
+    sizes = []
+    for i in indices:
+        n = tensors[i].shape.num_elements()
+        sizes.append((n if n is not None else 0) * tensors[i].dtype.size)
+    total = sum(sizes)
+    target = max(_MIN_GROUP_BYTES, total // _GROUPS + 1)
+    groups, current, acc = [], [], 0
+    for i, b in zip(reversed(indices), reversed(sizes)):
+        current.append(i)
+        acc += b
+        if acc >= target:
+            groups.append(current[::-1])
+            current, acc = [], 0
+    if current:
+        groups.append(current[::-1])
+    return groups
+
 
 def _region(ops, stop):
     """The ops that `ops` depend on (themselves included) outside `stop`."""

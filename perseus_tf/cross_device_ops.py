@@ -60,32 +60,6 @@ def _mirrored(value, destinations):
     return cross_device_ops_lib.simple_broadcast(value, destinations, always_mirrored=True)
 
 
-# Gradient groups: about this many, none smaller than _MIN_GROUP_BYTES.
-_GROUPS = 4
-_MIN_GROUP_BYTES = 1 << 20
-
-
-def _backprop_groups(indices, tensors):
-    """Splits `indices` (forward order) into up to _GROUPS runs of similar
-    bytes, returned last run first (the order backprop produces them)."""
-    sizes = []
-    for i in indices:
-        n = tensors[i].shape.num_elements()
-        sizes.append((n if n is not None else 0) * tensors[i].dtype.size)
-    total = sum(sizes)
-    target = max(_MIN_GROUP_BYTES, total // _GROUPS + 1)
-    groups, current, acc = [], [], 0
-    for i, b in zip(reversed(indices), reversed(sizes)):
-        current.append(i)
-        acc += b
-        if acc >= target:
-            groups.append(current[::-1])
-            current, acc = [], 0
-    if current:
-        groups.append(current[::-1])
-    return groups
-
-
 class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
     """Cross-device and cross-process reductions over the native fused allreduce.
 
@@ -127,8 +101,9 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
             for i, t in enumerate(locals_):
                 by_dtype.setdefault(t.dtype, []).append(i)
             if _gradients.active():
+                groups = _backprop_order.backprop_groups
                 by_dtype = {(dtype, n): chunk for dtype, idx in by_dtype.items()
-                            for n, chunk in enumerate(_backprop_groups(idx, locals_))}
+                            for n, chunk in enumerate(groups(idx, locals_))}
             else:
                 by_dtype = {(dtype, 0): idx for dtype, idx in by_dtype.items()}
             reduced = list(locals_)

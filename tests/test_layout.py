@@ -26,8 +26,10 @@ ALLOWED = {
 }
 # The data path: executing a bucket returns an outcome, it never reads plan state.
 DATA_PATH = ["cc/runtime/executor.cc", "cc/runtime/collectives.cc",
+             "cc/runtime/fused_allreduce.cc", "cc/runtime/staging.cc",
              "cc/runtime/compression/fp16.cc", "cc/runtime/compression/topk.cc",
-             "cc/runtime/compression/downsample.cc", "cc/transport/allreduce_algorithms.cc"]
+             "cc/runtime/compression/downsample.cc", "cc/runtime/compression/compressors.cc",
+             "cc/transport/allreduce_algorithms.cc"]
 
 
 def _files():
@@ -89,8 +91,72 @@ def _includes_closure(path):
 def test_data_path_never_includes_the_plan(path):
     assert path in FILES
     reached = _includes_closure(path)
-    for header in ("cc/runtime/plan.h", "cc/runtime/runtime.h", "cc/runtime/controller.h"):
+    for header in ("cc/runtime/plan.h", "cc/runtime/runtime.h", "cc/runtime/controller.h",
+                   "cc/runtime/request_table.h"):
         assert header not in reached, f"{path} reaches {header}"
+
+
+# The runtime's parts reach the rest of a round through their own interfaces
+# (a context of callbacks and the objects they are handed), never the facade.
+PARTS = ["cc/runtime/controller.cc", "cc/runtime/offline.cc", "cc/runtime/health.cc",
+         "cc/runtime/request_table.cc", "cc/runtime/request_table_plan.cc",
+         "cc/runtime/executor.cc"]
+
+
+@pytest.mark.parametrize("path", PARTS)
+def test_the_runtimes_parts_never_include_the_facade(path):
+    assert path in FILES
+    assert "cc/runtime/runtime.h" not in _includes_closure(path), \
+        f"{path} reaches cc/runtime/runtime.h: talk to the part's interface instead"
+
+
+def _class_body(text, name):
+    start = re.search(r"^class %s \{$" % name, text, re.M)
+    assert start, f"no class {name}"
+    end = text.index("\n};", start.end())
+    return text[start.end():end]
+
+
+def test_runtime_has_no_friend_and_fewer_than_20_data_members():
+    text = FILES["cc/runtime/runtime.h"]
+    body = _class_body(text, "Runtime")
+    assert not re.search(r"\bfriend\b", body), "Runtime has a friend"
+    members = []
+    for line in body.split("\n"):
+        code = line.split("//")[0].strip()
+        m = re.match(r"^[\w:<>, ]+[ *&](\w+_)(\{[^}]*\})?;$", code)
+        if m:
+            members.append(m.group(1))
+    assert 10 <= len(members) < 20, members
+    for path, other in FILES.items():
+        if path.startswith("cc/runtime/"):
+            assert not re.search(r"^\s*friend\b", other, re.M), f"{path} declares a friend"
+
+
+def _definitions(text, owner):
+    """(name, lines) of each function of `owner` defined at column 0."""
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        m = re.match(r"^[\w:<>*&, ]*\b%s::(~?\w+)\(" % owner, line)
+        if not m:
+            continue
+        for j in range(i, len(lines)):
+            if lines[j] == "}":
+                out.append((m.group(1), j - i + 1))
+                break
+    return out
+
+
+def test_no_runtime_method_over_60_lines():
+    found = {}
+    for path, text in FILES.items():
+        if path.startswith("cc/runtime/") and path.endswith(".cc"):
+            for name, length in _definitions(text, "Runtime"):
+                found[f"{path}:{name}"] = length
+    assert len(found) > 20, found  # the parse found the methods
+    long = {k: v for k, v in found.items() if v > 60}
+    assert not long, f"Runtime methods over 60 lines: {long}"
 
 
 def test_no_file_over_600_lines_without_a_reason():
@@ -196,4 +262,37 @@ def test_python_packages_import_only_the_layers_below(package, below):
                             imported.startswith(below):
                         continue
                     wrong.append(f"{os.path.relpath(path, ROOT)} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_package_imports_a_private_name_of_another():
+    """`from perseus_tf.x import _name`, where _name is a function or class
+    (not a module) and x is in another package than the importer: what two
+    packages share lives where both may import it under a public name.
+    Within one package, private helpers are the package's own."""
+    import ast
+    package = os.path.join(ROOT, "perseus_tf")
+    wrong = []
+    for dirpath, _, names in os.walk(package):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and
+                        node.module.startswith("perseus_tf")):
+                    continue
+                folder = os.path.join(ROOT, *node.module.split("."))
+                home = folder if os.path.isdir(folder) else os.path.dirname(folder)
+                if home == dirpath:
+                    continue
+                for a in node.names:
+                    if not a.name.startswith("_") or a.name.startswith("__"):
+                        continue
+                    if os.path.exists(os.path.join(folder, a.name + ".py")) or \
+                            os.path.isdir(os.path.join(folder, a.name)) or \
+                            (os.path.isdir(folder) and
+                             any(f.startswith(a.name + ".") for f in os.listdir(folder))):
+                        continue  # a package-private module (or extension)
+                    wrong.append(f"{os.path.relpath(path, ROOT)}: from {node.module} import {a.name}")
     assert not wrong, "\n".join(wrong)

@@ -60,4 +60,35 @@ bool Timeline::Write(std::string* error) {
   return true;
 }
 
+void TimelineArgs::Key(const char* key) {
+  if (!text_.empty()) text_ += ", ";
+  text_ += '"';
+  text_ += key;
+  text_ += "\": ";
+}
+
+TimelineArgs& TimelineArgs::Int(const char* key, int64_t value) {
+  Key(key);
+  text_ += std::to_string(value);
+  return *this;
+}
+
+TimelineArgs& TimelineArgs::Bool(const char* key, bool value) {
+  Key(key);
+  text_ += value ? "true" : "false";
+  return *this;
+}
+
+TimelineArgs& TimelineArgs::Text(const char* key, const std::string& value) {
+  Key(key);
+  text_ += '"';
+  for (char c : value) {
+    if (c == '"' || c == '\\') text_ += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    text_ += c;
+  }
+  text_ += '"';
+  return *this;
+}
+
 }  // namespace perseus

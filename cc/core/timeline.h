@@ -44,6 +44,19 @@ class Timeline {
   std::vector<Event> events_;
 };
 
+// A span's "args" object, built field by field (strings escaped for JSON).
+class TimelineArgs {
+ public:
+  TimelineArgs& Int(const char* key, int64_t value);
+  TimelineArgs& Bool(const char* key, bool value);
+  TimelineArgs& Text(const char* key, const std::string& value);
+  const std::string& str() const { return text_; }
+
+ private:
+  void Key(const char* key);
+  std::string text_;
+};
+
 // Records [construction, destruction) of a scope when the timeline is on.
 class TimelineSpan {
  public:

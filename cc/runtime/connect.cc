@@ -36,6 +36,38 @@ std::string Join(const std::vector<int>& ranks) {
   return s;
 }
 
+// What rank `me` and rank `r` published in the roll call: an error naming
+// each setting (or installed version) that differs, with both values.
+Status CompareSettings(const std::map<std::string, std::string>& mine,
+                       const std::map<std::string, std::string>& theirs, const std::string& me,
+                       int r) {
+  std::string diff, versions;
+  for (const auto& kv : mine) {
+    auto it = theirs.find(kv.first);
+    const std::string other = it == theirs.end() ? "(unset)" : it->second;
+    if (other == kv.second) continue;
+    // "<package> version" lines: what each rank has installed.
+    const bool version =
+        kv.first.size() > 8 && kv.first.compare(kv.first.size() - 8, 8, " version") == 0;
+    std::string& out = version ? versions : diff;
+    out += std::string(out.empty() ? "" : "; ") + kv.first + ": rank " + me + " has " +
+           kv.second + ", rank " + std::to_string(r) + " has " + other;
+  }
+  if (!versions.empty()) {
+    return Status::Error(StatusCode::kFailedPrecondition,
+                         "Perseus: ranks run different software: " + versions +
+                             ". Install the same versions for every rank (one Python "
+                             "environment, or the same packages on every host).");
+  }
+  if (!diff.empty()) {
+    return Status::Error(StatusCode::kInvalidArgument,
+                         "Perseus: ranks disagree on settings that must be the same on "
+                         "every rank: " + diff + ". Set them alike for every rank "
+                         "(perseusrun passes its environment to all ranks).");
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 // Before any connection: every process claims its rank (a second claim of
@@ -75,33 +107,9 @@ Status Runtime::RollCall(const InitOptions& o, const std::string& prefix,
         continue;
       }
       seen[r] = true;
-      const auto theirs = ParseSettings(std::string(value.begin(), value.end()));
-      std::string diff, versions;
-      for (const auto& kv : mine) {
-        auto it = theirs.find(kv.first);
-        const std::string other = it == theirs.end() ? "(unset)" : it->second;
-        if (other != kv.second) {
-          // "<package> version" lines: what each rank has installed.
-          const bool version = kv.first.size() > 8 &&
-                               kv.first.compare(kv.first.size() - 8, 8, " version") == 0;
-          (version ? versions : diff) +=
-              std::string((version ? versions : diff).empty() ? "" : "; ") + kv.first +
-              ": rank " + me + " has " + kv.second + ", rank " + std::to_string(r) + " has " +
-              other;
-        }
-      }
-      if (!versions.empty()) {
-        return Status::Error(StatusCode::kFailedPrecondition,
-                             "Perseus: ranks run different software: " + versions +
-                                 ". Install the same versions for every rank (one Python "
-                                 "environment, or the same packages on every host).");
-      }
-      if (!diff.empty()) {
-        return Status::Error(StatusCode::kInvalidArgument,
-                             "Perseus: ranks disagree on settings that must be the same on "
-                             "every rank: " + diff + ". Set them alike for every rank "
-                             "(perseusrun passes its environment to all ranks).");
-      }
+      Status same = CompareSettings(mine, ParseSettings(std::string(value.begin(), value.end())),
+                                    me, r);
+      if (!same.ok()) return same;
     }
     if (missing.empty()) return Status::OK();
     if (store_->Add(claim, 0) > 1) return duplicate();

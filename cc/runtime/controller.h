@@ -5,31 +5,58 @@
 // buckets. Shutdown joins the thread and destroys the controller whole, so
 // no negotiation state, thread or learned plan outlives its round.
 //
-// The controller works on its runtime's request-side state (the queue, the
-// pending requests, the offline plan, all guarded by Runtime::mu_), which
-// Enqueue shares, and hands ready work to the runtime's executor.
+// It reaches the rest of the round only through ControllerContext: it takes
+// requests from the request table (request_table.h), hands ready work to the
+// executor, and reports a failure through one callback.
 //   controller.cc  the loop, one negotiation cycle, dispatching responses
-//   offline.cc     entering, running and leaving an offline plan
+//   offline.cc     running an offline plan's steps
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cc/core/timeline.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
+#include "cc/runtime/options.h"
 #include "cc/runtime/request.h"
+#include "cc/runtime/request_table.h"
+#include "cc/runtime/stats.h"
 
 namespace perseus {
 
-class Runtime;
+class Executor;
+class FaultInjector;
+class HealthMonitor;
+class Transport;
+
+struct ControllerContext {
+  InitOptions options;
+  RequestTable* requests = nullptr;
+  Executor* executor = nullptr;
+  Transport* control = nullptr;  // the control context (Transport::kControl)
+  HealthMonitor* health = nullptr;
+  StatsBook* stats = nullptr;
+  Timeline* timeline = nullptr;
+  const std::atomic<bool>* mark_cycles = nullptr;  // the timeline records cycles
+  FaultInjector* faults = nullptr;                 // test-only; null in production
+  // Whether the round still runs (not failed, not shut down).
+  std::function<bool()> running;
+  // Fails the round with this description.
+  std::function<void(const std::string& what)> fail;
+  // Every rank agreed to shut down and the executor has drained.
+  std::function<void()> stopped;
+};
 
 class Controller {
  public:
-  explicit Controller(Runtime& runtime);
+  explicit Controller(ControllerContext context);
   // Joins the thread if Join was not called.
   ~Controller();
   Controller(const Controller&) = delete;
@@ -65,23 +92,27 @@ class Controller {
   // extra stream on every rank). joined: this rank was in join() when the
   // cycle began (it may lack names).
   void Dispatch(Response response, bool lone, bool any_in_plan, bool joined);
-  std::shared_ptr<Request> StandIn(const Response& response, size_t index);
+  // Stream threads complete these with `status` (a failed response) and the
+  // rest of its grouped calls with the reason they did not run.
+  void Complete(const Response& response, const Requests& requests, const Requests& siblings);
+  int WorldRank(int r) const { return WorldRankOf(c_.options, r); }
 
   // Offline mode (offline.cc): runs the plan's buckets, negotiates the rest.
   void RunOffline(bool* stop);
   // How long plannable requests wait for a plan bucket this rank cannot
   // complete before it votes to leave the plan.
   std::chrono::milliseconds PlanDeadline() const;
-  void ReportPlanTimeoutLocked(Clock::time_point oldest);
   void EnterOffline();
-  void LeaveOfflineLocked();
+  // Attaches to a plan step's buckets what only this thread knows: the plan
+  // check's work and each bucket's outcome.
+  void Attach(RequestTable::PlanWork& work);
   // A plan bucket's collective finished with `votes`; false: do not deliver
   // (the real requests go back to pending, to be negotiated online). Runs
   // on a stream's thread.
-  bool PlanBucketFinished(int64_t votes, const std::vector<std::shared_ptr<Request>>& requests,
-                          int plan_index);
+  bool PlanBucketFinished(int64_t votes, const Requests& requests, int plan_index);
 
-  Runtime& rt_;
+  ControllerContext c_;
+  RequestTable& table_;
   std::unique_ptr<Negotiator> negotiator_;
   std::thread thread_;
   Clock::time_point started_;  // this rank's clock origin

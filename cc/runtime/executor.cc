@@ -1,6 +1,8 @@
-// The executor (executor.h): streams, the execute switch, the plain and fused
-// allreduce. Compressed allreduces are in compression/, the other
-// collectives in collectives.cc.
+// The executor (executor.h): streams, the execute switch, the plain
+// allreduce. The fused allreduce is in fused_allreduce.cc, moving requests
+// between host and device in staging.cc, compressed allreduces in
+// compression/, the other collectives in collectives.cc, NCCL's in
+// executor_nccl.cc.
 #include "cc/runtime/executor.h"
 
 #include <algorithm>
@@ -15,29 +17,12 @@
 #include "cc/core/reduce.h"
 #include "cc/device/cuda_library.h"
 #include "cc/runtime/compression/compression.h"
-#include "cc/runtime/fusion.h"
+#include "cc/runtime/fused_allreduce.h"
+#include "cc/runtime/staging.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/allreduce_algorithms.h"
 
 namespace perseus {
-namespace {
-
-// A tensor of this many bytes or more in a fused host bucket is reduced in
-// place rather than packed: copying it into the fusion buffer and back costs
-// more than one more allreduce's start.
-constexpr size_t kInPlaceBytes = size_t{4} << 20;
-
-std::string JsonEscape(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
-    out += c;
-  }
-  return out;
-}
-
-}  // namespace
 
 Executor::Executor(const ExecutorContext& context)
     : c_(context), options_(c_.options), timeline_(*c_.timeline) {
@@ -51,9 +36,7 @@ Executor::Executor(const ExecutorContext& context)
     AllreduceBuffer(stream, plane, data, count, dtype, op, half_across);
   };
   host_plane_ = MakeHostPlane(options_.streams + 1);
-  fp16_ = MakeFp16Compressor(compression);
-  topk_ = MakeTopkCompressor(compression);
-  downsample_ = MakeDownsampleCompressor(compression);
+  compressors_.reset(new Compressors(compression));
   stats_.resize(options_.streams + 1);
   nccl_.resize(options_.streams + 1);
   nccl_host_.resize(options_.streams + 1);
@@ -163,10 +146,12 @@ void Executor::Run(int index, Response& response, Requests& requests) {
     for (const TensorMeta& m : response.metas) {
       bytes += NumElements(m.shape) * static_cast<int64_t>(DataTypeSize(m.dtype));
     }
-    span_args = "\"tensors\": " + std::to_string(response.names.size()) +
-                ", \"bytes\": " + std::to_string(bytes) + ", \"first\": \"" +
-                JsonEscape(response.names[0]) + "\", \"plan\": " +
-                (response.carrier_vote >= 0 ? "true" : "false");
+    span_args = TimelineArgs()
+                    .Int("tensors", static_cast<int64_t>(response.names.size()))
+                    .Int("bytes", bytes)
+                    .Text("first", response.names[0])
+                    .Bool("plan", response.carrier_vote >= 0)
+                    .str();
   }
   Status status;
   bool complete = true;
@@ -191,7 +176,7 @@ void Executor::Run(int index, Response& response, Requests& requests) {
     ++st.responses;
     st.tensors += static_cast<int64_t>(response.names.size());
     for (const TensorMeta& m : response.metas) {
-      st.bytes += PayloadBytes(m);
+      st.bytes += WireBytes(m, options_, c_.topology.two_level);
     }
     st.busy_seconds += secs;
     st.wait_seconds += std::chrono::duration<double>(start - oldest).count();
@@ -263,105 +248,6 @@ DataPlane& Executor::PlaneOf(const Response& response, const Requests& requests)
   return *host_plane_;
 }
 
-bool Executor::Lifted(int stream, DataPlane& plane, Requests& requests,
-                      const std::function<bool(Requests&)>& body) {
-  auto bytes_of = [](const Request& q) {
-    return static_cast<size_t>(NumElements(q.meta.shape)) * DataTypeSize(q.meta.dtype);
-  };
-  size_t total = 0;
-  for (const auto& q : requests) {
-    if (q->where.kind == MemoryKind::kHost) total += bytes_of(*q);
-  }
-  char* lift = static_cast<char*>(plane.Buffer(stream, PlaneBuffer::kLift, total));
-  Requests lifted;
-  std::vector<std::pair<Request*, char*>> back;  // host request, its bytes on the device
-  size_t offset = 0;
-  for (auto& q : requests) {
-    if (q->where.kind != MemoryKind::kHost) {
-      lifted.push_back(q);
-      continue;
-    }
-    char* at = lift + offset;
-    offset += bytes_of(*q);
-    if (q->input != nullptr && bytes_of(*q)) plane.FromHost(stream, at, q->input, bytes_of(*q));
-    auto d = std::make_shared<Request>();
-    d->meta = q->meta;
-    d->input = at;
-    d->output = q->output != nullptr ? at : nullptr;
-    d->where.kind = plane.kind();
-    d->where.device = plane.device();
-    lifted.push_back(std::move(d));
-    if (q->output != nullptr) back.emplace_back(q.get(), at);
-  }
-  if (!body(lifted)) return false;
-  for (const auto& b : back) {
-    if (bytes_of(*b.first)) plane.ToHost(stream, b.first->output, b.second, bytes_of(*b.first));
-  }
-  return true;
-}
-
-bool Executor::Staged(int stream, DataPlane& plane, Requests& requests,
-                      const std::function<bool(Requests&)>& body) {
-  struct Stage {
-    std::vector<char> in, out;
-    std::vector<int64_t> shape;
-    bool allocated = false;
-  };
-  std::vector<Stage> stages(requests.size());
-  Requests host;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    Request& q = *requests[i];
-    Stage& st = stages[i];
-    auto h = std::make_shared<Request>();
-    h->meta = q.meta;
-    const size_t esize = DataTypeSize(q.meta.dtype);
-    const size_t bytes = static_cast<size_t>(NumElements(q.meta.shape)) * esize;
-    if (q.input) {
-      st.in.resize(bytes);
-      plane.ToHost(stream, st.in.data(), q.input, bytes);
-      h->input = st.in.data();
-    }
-    if (q.output) {
-      if (q.output == q.input) {
-        h->output = st.in.data();
-      } else {
-        st.out.resize(bytes);
-        h->output = st.out.data();
-      }
-    }
-    if (q.allocate) {
-      Stage* s = &st;
-      h->allocate = [s, esize](const std::vector<int64_t>& shape) -> void* {
-        s->shape = shape;
-        s->allocated = true;
-        s->out.resize(static_cast<size_t>(NumElements(shape)) * esize);
-        return s->out.data();
-      };
-    }
-    host.push_back(std::move(h));
-  }
-  if (!body(host)) return false;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    Request& q = *requests[i];
-    Request& h = *host[i];
-    Stage& st = stages[i];
-    q.received_splits = h.received_splits;
-    q.result = h.result;
-    if (st.allocated) {
-      void* out = q.allocate(st.shape);
-      if (out == nullptr && !st.out.empty()) {
-        throw std::runtime_error("could not allocate the output");
-      }
-      plane.FromHost(stream, out, st.out.data(), st.out.size());
-    } else if (q.output) {
-      const size_t bytes = static_cast<size_t>(NumElements(q.meta.shape)) *
-                           DataTypeSize(q.meta.dtype);
-      plane.FromHost(stream, q.output, h.output, bytes);
-    }
-  }
-  return true;
-}
-
 bool Executor::Execute(int stream, DataPlane& plane, const Response& r, Requests& requests) {
   streams_[stream]->on_device_everywhere = OnDeviceEverywhere(r);
   if (r.control) {
@@ -380,12 +266,12 @@ bool Executor::Execute(int stream, DataPlane& plane, const Response& r, Requests
                           compression != kCompressDownsample) ||
                          (r.op == OpType::kBroadcast && requests.size() == 1);
   if (!on_device) {
-    return Staged(stream, plane, requests,
+    return RunStaged(plane, stream, requests,
                   [&](Requests& host) { return ExecuteOnHost(stream, r, host); });
   }
   for (const auto& q : requests) {
     if (q->where.kind == MemoryKind::kHost) {
-      return Lifted(stream, plane, requests,
+      return RunLifted(plane, stream, requests,
                     [&](Requests& lifted) { return ExecuteOnDevice(stream, plane, r, lifted); });
     }
   }
@@ -404,7 +290,7 @@ bool Executor::ExecuteOnDevice(int stream, DataPlane& plane, const Response& r,
       }
       return true;
     }
-    return Staged(stream, plane, requests,
+    return RunStaged(plane, stream, requests,
                   [&](Requests& host) { return ExecuteOnHost(stream, r, host); });
   }
   return Allreduce(stream, plane, r, requests);
@@ -441,12 +327,8 @@ bool Executor::ExecuteOnHost(int stream, const Response& r, Requests& requests) 
 
 bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Requests& requests) {
   const TensorMeta& m0 = r.metas[0];
-  StreamScratch& scratch = streams_[stream]->scratch;
-  switch (m0.compression) {
-    case kCompressFp16: return fp16_->Allreduce(stream, plane, scratch, r, requests);
-    case kCompressTopk: return topk_->Allreduce(stream, plane, scratch, r, requests);
-    case kCompressDownsample: return downsample_->Allreduce(stream, plane, scratch, r, requests);
-    default: break;
+  if (Compressor* compressor = compressors_->For(m0.compression)) {
+    return compressor->Allreduce(stream, plane, streams_[stream]->scratch, r, requests);
   }
   const bool carrier = r.carrier_vote >= 0;
   if (requests.size() == 1 && !carrier) {
@@ -454,16 +336,21 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
     return true;
   }
   // Fused bucket: pack, reduce once (with a plan bucket's extras), unpack.
-  // Tensors of kInPlaceBytes or more (decided from the response, so alike on
-  // every rank) skip the packing: each is reduced where it is, after the
-  // packed rest, so only once the plan's vote says the results are kept.
+  // The large tensors are reduced where they are, after the packed rest, so
+  // only once the plan's vote says the results are kept.
   Requests packed, large;
-  for (auto& q : requests) {
-    const size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * DataTypeSize(m0.dtype);
-    (m0.compression != kCompressMixed && bytes >= kInPlaceBytes ? large : packed).push_back(q);
-  }
+  SplitForFusion(r, requests, &packed, &large);
   if (!packed.empty() || carrier) {
-    if (!FusedAllreduce(stream, plane, r, packed)) return false;
+    FusedBucket b;
+    b.plane = &plane;
+    b.stream = stream;
+    b.timeline = &timeline_;
+    b.rank = options_.rank;
+    b.size = options_.size;
+    b.reduce = [&](void* buf, size_t count, DataType dtype, ReduceOp op, size_t half_across) {
+      AllreduceBuffer(stream, plane, buf, count, dtype, op, half_across);
+    };
+    if (!RunFusedAllreduce(b, r, packed)) return false;
   }
   for (auto& q : large) InPlaceAllreduce(stream, plane, m0, *q);
   return true;
@@ -476,56 +363,6 @@ void Executor::InPlaceAllreduce(int stream, DataPlane& plane, const TensorMeta& 
   AllreduceBuffer(stream, plane, q.output, n, m0.dtype, m0.reduce_op,
                   m0.compression == kCompressMixed ? n : 0);
   plane.Scale(stream, q.output, m0.dtype, n, PostScale(m0, options_.size));
-}
-
-bool Executor::FusedAllreduce(int stream, DataPlane& plane, const Response& r,
-                              Requests& requests) {
-  const TensorMeta& m0 = r.metas[0];
-  const DataType dtype = m0.dtype;
-  const size_t esize = DataTypeSize(dtype);
-  const ReduceOp op = m0.reduce_op;
-  const double post = PostScale(m0, options_.size);
-  const bool carrier = r.carrier_vote >= 0;
-  const bool mixed = m0.compression == kCompressMixed;
-  size_t total = 0;
-  for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
-  const size_t extras = ExtraSlots(r);
-  const size_t slots = total + extras;
-  char* buf = static_cast<char*>(plane.Buffer(stream, PlaneBuffer::kFusion, slots * esize));
-  std::vector<CopySpan> spans;
-  spans.reserve(requests.size());
-  size_t offset = 0;
-  {
-    TimelineSpan pack(timeline_, 1 + stream, "pack", "memory");
-    for (auto& q : requests) {
-      const size_t bytes = static_cast<size_t>(NumElements(q->meta.shape)) * esize;
-      spans.push_back({q->input, buf + offset, bytes});
-      offset += bytes;
-    }
-    plane.Copy(stream, spans);
-    plane.Scale(stream, buf, dtype, total, m0.prescale);
-  }
-  std::vector<char> extra(extras * esize);
-  if (carrier) {
-    WriteExtras(extra.data(), dtype, r, options_.rank);
-    plane.FromHost(stream, buf + total * esize, extra.data(), extra.size());
-  }
-  AllreduceBuffer(stream, plane, buf, slots, dtype, op, mixed ? total : 0);
-  if (carrier) {
-    plane.ToHost(stream, extra.data(), buf + total * esize, extra.size());
-    if (!Deliver(r, ReadOutcome(extra.data(), dtype, r))) {
-      return false;  // voted down: outputs untouched, the plan took the requests back
-    }
-  }
-  plane.Scale(stream, buf, dtype, total, post);
-  offset = 0;  // the same spans back, from the bucket to each output
-  for (size_t i = 0; i < requests.size(); ++i) {
-    spans[i].src = buf + offset;
-    spans[i].dst = requests[i]->output;
-    offset += spans[i].bytes;
-  }
-  plane.Copy(stream, spans);
-  return true;
 }
 
 void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count,
@@ -560,22 +397,6 @@ void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t c
   call.half = &streams_[stream]->scratch.half;
   RunAllreduce(ChooseAllreduce(bytes, half_across > 0, c_.topology), c_.groups, call, timeline_);
   if (!plane.host()) plane.FromHost(stream, buf, data, bytes);
-}
-
-int64_t Executor::PayloadBytes(const TensorMeta& m) const {
-  const int64_t n = NumElements(m.shape);
-  switch (m.compression) {
-    case kCompressFp16:
-      return 2 * n;
-    case kCompressMixed:  // what crosses hosts
-      return (c_.topology.two_level ? 2 : 4) * n;
-    case kCompressTopk:
-      return TopkCount(n, options_.topk_ratio) * (4 + (options_.topk_fp16 ? 2 : 4));
-    case kCompressDownsample:
-      return 4 * ((n + options_.downsample_n - 1) / options_.downsample_n);
-    default:
-      return n * static_cast<int64_t>(DataTypeSize(m.dtype));
-  }
 }
 
 }  // namespace perseus

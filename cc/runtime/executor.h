@@ -100,26 +100,12 @@ class Executor {
   // its requests stand-ins or host memory); else the first device placement
   // among them (host requests beside it are copied in and out), else host.
   DataPlane& PlaneOf(const Response& response, const Requests& requests);
-  // Runs `body` with the host requests of a device bucket (a rank's
-  // stand-ins for tensors it has not submitted, host tensors fused with
-  // device ones) copied onto the device, and their results copied back, so
-  // that device kernels and NCCL only ever see device memory.
-  bool Lifted(int stream, DataPlane& plane, Requests& requests,
-              const std::function<bool(Requests&)>& body);
   bool ExecuteOnDevice(int stream, DataPlane& plane, const Response& r, Requests& requests);
-  // Runs `body` on host copies of requests that live on a device plane, then
-  // copies the results back: collectives with no device path of their own.
-  bool Staged(int stream, DataPlane& plane, Requests& requests,
-              const std::function<bool(Requests&)>& body);
   bool ExecuteOnHost(int stream, const Response& r, Requests& requests);
   // False when the requests must not be completed (a voted-down plan bucket).
   // On `plane`, the plane of the requests (PlaneOf).
   bool Execute(int stream, DataPlane& plane, const Response& r, Requests& requests);
   bool Allreduce(int stream, DataPlane& plane, const Response& r, Requests& requests);
-  // Packs `requests` (possibly none) with a plan bucket's extras into the
-  // fusion buffer, reduces it once and unpacks; false when the plan's vote
-  // says not to deliver.
-  bool FusedAllreduce(int stream, DataPlane& plane, const Response& r, Requests& requests);
   // One tensor reduced on its output (a copy there first when apart).
   void InPlaceAllreduce(int stream, DataPlane& plane, const TensorMeta& m0, Request& q);
   // Allreduces a buffer of `plane` (staged through host memory when it is
@@ -141,14 +127,12 @@ class Executor {
   void Allgather(int stream, const Response& r, Request& q);
   void Alltoall(int stream, const Response& r, Request& q);
   void Reducescatter(int stream, const Response& r, Request& q);
-  // Bytes one rank puts on the wire for a tensor (statistics).
-  int64_t PayloadBytes(const TensorMeta& m) const;
 
   ExecutorContext c_;
   const InitOptions& options_;
   Timeline& timeline_;
   Residuals residuals_;
-  std::unique_ptr<Compressor> fp16_, topk_, downsample_;
+  std::unique_ptr<Compressors> compressors_;
   std::vector<std::unique_ptr<Stream>> streams_;
   std::mutex planes_mu_;
   std::unique_ptr<DataPlane> host_plane_;

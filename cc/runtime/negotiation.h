@@ -23,7 +23,7 @@
 
 namespace perseus {
 
-// What the plan check compares (runtime.cc): one digest and one description
+// What the plan check compares (plan_check.h): one digest and one description
 // per position of a rank's copy of the plan, taken when the step starts.
 struct PlanDigest {
   int64_t step = 0;

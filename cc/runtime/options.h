@@ -80,4 +80,10 @@ struct InitOptions {
   std::vector<int> global_ranks;
 };
 
+// The world rank of member `r` of the runtime `o` configures (names in
+// error messages are world ranks).
+inline int WorldRankOf(const InitOptions& o, int r) {
+  return o.global_ranks.empty() ? r : o.global_ranks[r];
+}
+
 }  // namespace perseus

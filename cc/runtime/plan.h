@@ -1,10 +1,11 @@
 // The offline plan's state machine, for one rank: which bucket runs next,
 // which of its tensors are pending here, whether this rank votes to leave,
 // and when a step starts and ends. Learning the plan is the Negotiator's job
-// (negotiation.h); running its buckets is the executor's. The runtime drives
-// this object under its queue lock and keeps the requests themselves.
+// (negotiation.h); running its buckets is the executor's. The request table
+// (request_table.h) drives this object under its lock and keeps the
+// requests themselves.
 //
-// Leaving is agreed in-band (plan.cc explains the protocol): every bucket
+// Leaving is agreed in-band (request_table_plan.cc explains the protocol): every bucket
 // carries this rank's vote; a voted-down bucket is delivered nowhere, and
 // once the step's buckets are all finished every rank leaves.
 #pragma once

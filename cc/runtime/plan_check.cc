@@ -1,21 +1,16 @@
 // The plan check (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS).
-#include "cc/runtime/runtime.h"
+#include "cc/runtime/plan_check.h"
 
 #include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <exception>
-#include <map>
 #include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "cc/core/common.h"
 #include "cc/core/reduce.h"
-#include "cc/rendezvous/store_client.h"
 #include "cc/runtime/runtime_internal.h"
-#include "cc/transport/gloo_transport.h"
-#include "cc/transport/factory.h"
 
 namespace perseus {
 // ---- Plan check (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS) ------------------------
@@ -37,14 +32,13 @@ uint64_t FnvValue(uint64_t h, const T& v) {
 constexpr size_t kPlanCheckText = 240;  // bytes per rank describing its tensor
 }  // namespace
 
-std::shared_ptr<PlanDigest> Runtime::DigestPlanLocked(int64_t step) const {
+std::shared_ptr<PlanDigest> DigestPlan(const Plan& plan, int64_t step) {
   auto digest = std::make_shared<PlanDigest>();
   digest->step = step;
   std::vector<int64_t>& digests = digest->digests;
   std::vector<std::string>& described = digest->described;
   // One digest per position of the plan (bucket by bucket, in order): the
   // tensor's name and everything MatchesPlan compares, and its bucket.
-  const Plan& plan = plan_.plan();
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     const Response& r = plan.buckets[b];
     for (size_t i = 0; i < r.names.size(); ++i) {
@@ -67,8 +61,9 @@ std::shared_ptr<PlanDigest> Runtime::DigestPlanLocked(int64_t step) const {
   return digest;
 }
 
-void Runtime::CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce) {
-  TimelineSpan span(timeline_, 1, "plan check", "negotiation");
+void CheckPlans(const PlanDigest& plan, const BufferAllreduce& allreduce,
+                const InitOptions& options, Timeline& timeline) {
+  TimelineSpan span(timeline, 1, "plan check", "negotiation");
   const int64_t step = plan.step;
   const std::vector<int64_t>& digests = plan.digests;
   const std::vector<std::string>& described = plan.described;
@@ -79,11 +74,7 @@ void Runtime::CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce
   // Minimum of x and of -x: the smallest and (negated) largest value.
   std::vector<int64_t> head{all, -all, count, -count};
   allreduce(head.data(), head.size(), DataType::kInt64, min64);
-  if (head[0] == -head[1] && head[2] == -head[3]) {
-    std::lock_guard<std::mutex> stats_lock(stats_mu_);
-    ++stats_.plan_checks;
-    return;
-  }
+  if (head[0] == -head[1] && head[2] == -head[3]) return;
 
   const int64_t longest = -head[3];
   std::vector<int64_t> at(2 * static_cast<size_t>(longest), 0);
@@ -99,16 +90,16 @@ void Runtime::CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce
   }
   // Each rank's description of its tensor at that position, in its own slot
   // (the others are zero, so the sum is the text).
-  std::vector<uint8_t> text(kPlanCheckText * options_.size, 0);
+  std::vector<uint8_t> text(kPlanCheckText * options.size, 0);
   std::string mine = pos < 0 ? "a plan of " + std::to_string(count) + " tensors"
                      : pos < count ? described[pos]
                                    : "no tensor (its plan has " + std::to_string(count) + ")";
   mine.resize(std::min(mine.size(), kPlanCheckText - 1));
-  std::memcpy(text.data() + kPlanCheckText * options_.rank, mine.data(), mine.size());
+  std::memcpy(text.data() + kPlanCheckText * options.rank, mine.data(), mine.size());
   allreduce(text.data(), text.size(), DataType::kUint8, ReduceOp::kSum);
   // Ranks grouped by what they hold, in order of first appearance.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (int r = 0; r < options_.size; ++r) {
+  for (int r = 0; r < options.size; ++r) {
     const char* t = reinterpret_cast<const char*>(text.data() + kPlanCheckText * r);
     std::string what(t, strnlen(t, kPlanCheckText));
     auto it = std::find_if(groups.begin(), groups.end(),
@@ -117,11 +108,11 @@ void Runtime::CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce
       groups.push_back({what, {}});
       it = groups.end() - 1;
     }
-    it->second.push_back(WorldRank(r));
+    it->second.push_back(WorldRankOf(options, r));
   }
   std::ostringstream msg;
   msg << "offline plan check before plan step " << step
-      << " (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=" << options_.plan_check_n_steps
+      << " (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=" << options.plan_check_n_steps
       << "): the ranks hold different plans";
   if (pos >= 0) msg << "; at position " << pos << " (bucket order)";
   msg << ": ";

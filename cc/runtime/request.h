@@ -35,7 +35,7 @@ struct Request {
   // Buffers of a stand-in request (a joined rank taking part with no data).
   std::vector<char> scratch;
   // The names of the grouped call it came in (null for a single call):
-  // when one of them fails, the others fail with it (runtime.cc).
+  // when one of them fails, the others fail with it (request_table.cc).
   std::shared_ptr<const std::vector<std::string>> call;
   // Not OK once another tensor of its grouped call failed on every rank
   // (Response::siblings_run): it still runs, and completes with this error.

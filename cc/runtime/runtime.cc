@@ -14,6 +14,7 @@
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
 #include "cc/runtime/controller.h"
+#include "cc/runtime/health.h"
 #include "cc/runtime/faults.h"
 #include "cc/runtime/fusion.h"
 #include "cc/runtime/runtime_internal.h"
@@ -25,10 +26,6 @@ namespace perseus {
 Runtime::Runtime() = default;
 Runtime::~Runtime() = default;
 
-int Runtime::WorldRank(int r) const {
-  return options_.global_ranks.empty() ? r : options_.global_ranks[r];
-}
-
 const char* Runtime::state_name() const {
   switch (state_.load()) {
     case State::kUninitialized: return "uninitialized";
@@ -39,9 +36,38 @@ const char* Runtime::state_name() const {
   return "unknown";
 }
 
+// ---- A round: Init's steps -------------------------------------------------
+
 Status Runtime::Init(const InitOptions& options) {
   if (state_.load() == State::kRunning) return Status::OK();
   if (controller_) Shutdown();  // the last round failed or was aborted
+  Status valid = Validate(options);
+  if (!valid.ok()) return valid;
+  options_ = options;
+  faults_ = FaultInjector::FromEnv(WorldRank(options.rank), options.process_set_id);
+  TransportOptions bo = TransportOptionsFor(options);
+  try {
+    Status joined = JoinRound(&bo);
+    if (!joined.ok()) {
+      store_.reset();
+      return joined;
+    }
+    Connect(&bo);
+  } catch (const std::exception& e) {
+    transports_.reset();
+    transport_.reset();
+    store_.reset();
+    return Status::Error(StatusCode::kUnavailable,
+                         "Perseus could not connect rank " + std::to_string(options.rank) +
+                             " of " + std::to_string(options.size) + ": " + e.what());
+  }
+  StartRound();
+  executor_.reset(new Executor(MakeExecutorContext(bo)));
+  StartController();
+  return Status::OK();
+}
+
+Status Runtime::Validate(const InitOptions& options) {
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
     return Status::Error(StatusCode::kInvalidArgument,
                          "rank " + std::to_string(options.rank) + " is outside world size " +
@@ -51,8 +77,10 @@ Status Runtime::Init(const InitOptions& options) {
     return Status::Error(StatusCode::kInvalidArgument,
                          "PERSEUS_ALLREDUCE_STREAMS must be from 1 to 12");
   }
-  options_ = options;
-  faults_ = FaultInjector::FromEnv(WorldRank(options.rank), options.process_set_id);
+  return Status::OK();
+}
+
+TransportOptions Runtime::TransportOptionsFor(const InitOptions& options) const {
   TransportOptions bo;
   bo.rank = options.rank;
   bo.size = options.size;
@@ -68,118 +96,118 @@ Status Runtime::Init(const InitOptions& options) {
   // Two-level contexts for the world when the job spans hosts: hierarchical
   // allreduce, and mixed compression (which needs to know what crosses hosts).
   bo.hierarchy = options.process_set_id == 0;
-  try {
-    if (options.size > 1) {
-      auto wait = StartupStoreWait(bo.timeout);
-      store_.reset(new StoreClient(options.store_addr, options.store_port, options.secret, wait));
-    }
-    // The round's keys. The world's round is the job's, read from the store:
-    // every process that init()s joins the round after the last one whose
-    // roll call completed, whether it ran the earlier rounds or started
-    // since (a replacement). No member can miss it: rank 0 records a round
-    // only once every member's roll call entry is in. A process set
-    // connects under the world's round, with a count of its own.
-    if (options.process_set_id == 0) {
-      round_ = 0;
-      std::vector<char> last;
-      if (store_ && store_->TryGet(options.job_id + "/round", std::chrono::milliseconds(0), &last)) {
-        round_ = std::stoll(std::string(last.begin(), last.end())) + 1;
-      }
-      world_prefix_ = options.job_id + "/round" + std::to_string(round_);
-      bo.key_prefix = world_prefix_;
-    } else {
-      world_prefix_ = Get().world_prefix_;
-      bo.key_prefix = world_prefix_ + "/ps" + std::to_string(options.process_set_id) + "/gen" +
-                      std::to_string(generation_);
-    }
-    key_prefix_ = bo.key_prefix;
-    if (store_ && options.process_set_id == 0) {
-      // The world's connection stands for this process: when it closes,
-      // the store marks the rank gone (see IdentifyFailedRanks).
-      store_->Own(world_prefix_ + "/rank" + std::to_string(options.rank));
-      Status called = RollCall(options, bo.key_prefix + "/rollcall", StartupStoreWait(bo.timeout));
-      if (!called.ok()) {
-        store_.reset();
-        return called;
-      }
-      if (options.rank == 0) {
-        const std::string round = std::to_string(round_);
-        store_->set(options.job_id + "/round", std::vector<char>(round.begin(), round.end()));
-      }
-    }
-    transports_.reset();
-    ConnectTransport(&bo);
-    TransportTopology topo;
-    topo.rank = options.rank;
-    topo.size = options.size;
-    topo.local_rank = options.local_rank;
-    topo.local_size = options.local_size;
-    topo.cross_rank = options.cross_rank;
-    topo.cross_size = options.cross_size;
-    topo.streams = bo.streams;
-    topo.world_group = options.process_set_id == 0;
-    topo.shm_allowed = options.shm;
-    topo.allreduce_mode = options.allreduce_mode;
-    topo.key_prefix = bo.key_prefix;
-    topo.timeout = bo.timeout;
-    transports_ = BuildTransports(*transport_, topo, [this] {
-      if (faults_) faults_->BeforeSharedMemory();
-    });
-  } catch (const std::exception& e) {
-    transports_.reset();
-    transport_.reset();
-    store_.reset();
-    return Status::Error(StatusCode::kUnavailable,
-                         "Perseus could not connect rank " + std::to_string(options.rank) +
-                             " of " + std::to_string(options.size) + ": " + e.what());
+  return bo;
+}
+
+Status Runtime::JoinRound(TransportOptions* bo) {
+  const InitOptions& o = options_;
+  if (o.size > 1) {
+    store_.reset(new StoreClient(o.store_addr, o.store_port, o.secret,
+                                 StartupStoreWait(bo->timeout)));
   }
-  if (options.process_set_id == 0 && options.size > 1) StartHeartbeat();
-  joined_ = false;
+  // The round's keys. The world's round is the job's, read from the store:
+  // every process that init()s joins the round after the last one whose
+  // roll call completed, whether it ran the earlier rounds or started since
+  // (a replacement). No member can miss it: rank 0 records a round only
+  // once every member's roll call entry is in. A process set connects
+  // under the world's round, with a count of its own.
+  if (o.process_set_id == 0) {
+    keys_.round = 0;
+    std::vector<char> last;
+    if (store_ && store_->TryGet(o.job_id + "/round", std::chrono::milliseconds(0), &last)) {
+      keys_.round = std::stoll(std::string(last.begin(), last.end())) + 1;
+    }
+    keys_.world_prefix = o.job_id + "/round" + std::to_string(keys_.round);
+    bo->key_prefix = keys_.world_prefix;
+  } else {
+    keys_.world_prefix = Get().keys_.world_prefix;
+    bo->key_prefix = keys_.world_prefix + "/ps" + std::to_string(o.process_set_id) + "/gen" +
+                     std::to_string(generation_);
+  }
+  keys_.key_prefix = bo->key_prefix;
+  if (!store_ || o.process_set_id != 0) return Status::OK();
+  // The world's connection stands for this process: when it closes, the
+  // store marks the rank gone (see HealthMonitor::IdentifyFailedRanks).
+  store_->Own(keys_.world_prefix + "/rank" + std::to_string(o.rank));
+  Status called = RollCall(o, bo->key_prefix + "/rollcall", StartupStoreWait(bo->timeout));
+  if (!called.ok()) return called;
+  if (o.rank == 0) {
+    const std::string round = std::to_string(keys_.round);
+    store_->set(o.job_id + "/round", std::vector<char>(round.begin(), round.end()));
+  }
+  return Status::OK();
+}
+
+void Runtime::Connect(TransportOptions* bo) {
+  const InitOptions& o = options_;
+  transports_.reset();
+  ConnectTransport(bo);
+  TransportTopology topo;
+  topo.rank = o.rank;
+  topo.size = o.size;
+  topo.local_rank = o.local_rank;
+  topo.local_size = o.local_size;
+  topo.cross_rank = o.cross_rank;
+  topo.cross_size = o.cross_size;
+  topo.streams = bo->streams;
+  topo.world_group = o.process_set_id == 0;
+  topo.shm_allowed = o.shm;
+  topo.allreduce_mode = o.allreduce_mode;
+  topo.key_prefix = bo->key_prefix;
+  topo.timeout = bo->timeout;
+  transports_ = BuildTransports(*transport_, topo, [this] {
+    if (faults_) faults_->BeforeSharedMemory();
+  });
+}
+
+void Runtime::StartRound() {
+  const InitOptions& o = options_;
+  HealthContext hc;
+  hc.options = o;
+  hc.store = store_.get();
+  hc.world_prefix = keys_.world_prefix;
+  hc.key_prefix = keys_.key_prefix;
+  hc.stats = &stats_;
+  hc.wake_local_waits = [this] {
+    if (transports_) transports_->Abort();
+  };
+  hc.report = [this](const std::string& what) { return Fail(what); };
+  hc.ending = [this] { return state_.load() != State::kRunning || requests_.ShuttingDown(); };
+  health_.reset(new HealthMonitor(std::move(hc)));
+  if (o.process_set_id == 0 && o.size > 1) health_->StartHeartbeat();
+  requests_.Open(WorldRank(o.rank));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.clear();
-    pending_.clear();
-    abandoned_.clear();
-    shutdown_requested_ = false;
-    shutdown_by_.clear();
-    shutdown_by_rank_ = -1;
     failure_ = Status::OK();
   }
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_ = Stats();
-    stats_.streams.resize(options.streams + 1);
-    stats_.hierarchical = transport_->hierarchical() && options.allreduce_mode != 0;
-    stats_.shm = transports_->shm();
-    stats_.round = round_;
-  }
+  stats_.Update([&](Stats& s) {
+    s = Stats();
+    s.streams.resize(o.streams + 1);
+    s.hierarchical = transport_->hierarchical() && o.allreduce_mode != 0;
+    s.shm = transports_->shm();
+    s.round = keys_.round;
+  });
   state_ = State::kRunning;
-  plan_waiting_ = false;
   mark_cycles_ = true;
-  timeline_.Start(options.process_set_id == 0 ? options.timeline_path : std::string(),
-                  WorldRank(options.rank), "rank " + std::to_string(WorldRank(options.rank)));
-  last_step_done_ = Clock::time_point{};
-  perf_sum_.clear();
-  perf_steps_ = 0;
-  plan_ = OfflinePlan();
+  timeline_.Start(o.process_set_id == 0 ? o.timeline_path : std::string(), WorldRank(o.rank),
+                  "rank " + std::to_string(WorldRank(o.rank)));
+}
+
+ExecutorContext Runtime::MakeExecutorContext(const TransportOptions& bo) {
   ExecutorContext ec;
   ec.options = options_;
   ec.world = transport_.get();
   ec.topology = transports_->topology();
   ec.groups = transports_->groups();
   ec.timeline = &timeline_;
-  ec.failure = [this] {
-    if (state_.load() != State::kFailed) return Status::OK();
-    std::lock_guard<std::mutex> lock(mu_);
-    return failure_;
-  };
+  ec.failure = [this] { return failure(); };
   ec.fail = [this](const std::string& what) {
     Fail(what);
-    std::lock_guard<std::mutex> lock(mu_);
-    return failure_;
+    return failure();
   };
   // NCCL's unique ids travel through the store on connections of their own
   // (made only when a communicator is), under this round's keys.
+  const InitOptions options = options_;
   const std::string nccl_keys = bo.key_prefix + "/nccl/";
   const auto store_wait = StartupStoreWait(bo.timeout);
   ec.nccl_bootstrap = [options, nccl_keys, store_wait](const std::string& name) {
@@ -199,18 +227,47 @@ Status Runtime::Init(const InitOptions& options) {
     };
     return b;
   };
-  executor_.reset(new Executor(ec));
-  controller_.reset(new Controller(*this));
+  return ec;
+}
+
+void Runtime::StartController() {
+  ControllerContext cc;
+  cc.options = options_;
+  cc.requests = &requests_;
+  cc.executor = executor_.get();
+  cc.control = transport_.get();
+  cc.health = health_.get();
+  cc.stats = &stats_;
+  cc.timeline = &timeline_;
+  cc.mark_cycles = &mark_cycles_;
+  cc.faults = faults_.get();
+  cc.running = [this] { return state_.load() == State::kRunning; };
+  cc.fail = [this](const std::string& what) { Fail(what); };
+  cc.stopped = [this] { OnControllerStopped(); };
+  controller_.reset(new Controller(std::move(cc)));
   controller_->Start();
-  return Status::OK();
+}
+
+// ---- Ending a round ----------------------------------------------------------
+
+void Runtime::OnControllerStopped() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (state_.load() == State::kRunning) state_ = State::kShutdown;
+  }
+  const std::string message = "Perseus was shut down (" + requests_.shutdown_by() +
+                              ") before this collective ran on every rank";
+  // Collectives of this rank left unfinished by another rank's shutdown:
+  // that rank is the cause.
+  const int by = requests_.shutdown_by_rank();
+  if (requests_.HasPending() && by >= 0 && by != options_.rank) {
+    RecordFirstFailure({WorldRank(by)}, message);
+  }
+  requests_.Close(Status::Error(StatusCode::kUnavailable, message));
 }
 
 void Runtime::Shutdown() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    shutdown_requested_ = true;
-  }
-  queue_cv_.notify_all();
+  requests_.RequestShutdown();
   if (controller_) controller_->Join();
   {
     // From here on Enqueue refuses calls (nothing would run them).
@@ -224,10 +281,13 @@ void Runtime::Shutdown() {
   // Nothing runs the round's plan buckets any more (their closures call
   // the controller): the round's control plane goes whole.
   controller_.reset();
-  FailAllPending(Status::Error(StatusCode::kUnavailable,
-                               "Perseus was shut down before this collective ran"));
-  StopHeartbeat();
-  if (state_.load() == State::kShutdown) MarkDone();
+  requests_.Close(Status::Error(StatusCode::kUnavailable,
+                                "Perseus was shut down before this collective ran"));
+  if (health_) {
+    health_->StopHeartbeat();
+    if (state_.load() == State::kShutdown) health_->MarkDone();
+  }
+  health_.reset();
   transports_.reset();
   transport_.reset();
   store_.reset();
@@ -235,6 +295,63 @@ void Runtime::Shutdown() {
   if (!timeline_.Write(&timeline_error)) std::fprintf(stderr, "Perseus: %s\n", timeline_error.c_str());
   ++generation_;
 }
+
+std::string Runtime::Fail(const std::string& what) {
+  static std::mutex fail_mu;
+  std::lock_guard<std::mutex> fail_lock(fail_mu);
+  if (state_.load() != State::kRunning) return failure().message;
+  std::vector<int> culprits;
+  std::string who = health_ ? health_->IdentifyFailedRanks(&culprits) : std::string();
+  std::ostringstream msg;
+  msg << "Perseus rank " << options_.rank << ": ";
+  if (!who.empty()) msg << who << "; ";
+  msg << what << ". Collectives cannot continue; restart the job.";
+  Status status = Status::Error(StatusCode::kUnavailable, msg.str());
+  RecordFirstFailure(culprits, msg.str());
+  if (transports_) transports_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
+  // Peers waiting on this rank over TCP (a send it will never match, say)
+  // fail now, not at GLOO_TIMEOUT_SECONDS; so do this process's other waits.
+  // The census key written above tells them this rank is a survivor.
+  if (transport_) transport_->CloseAll(msg.str());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure_ = status;
+    state_ = State::kFailed;
+  }
+  requests_.Close(status);
+  return status.message;
+}
+
+Status Runtime::failure() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+void Runtime::Abort(const std::string& why) {
+  const std::string message = "Perseus rank " + std::to_string(options_.rank) +
+                              ": this rank called abort()" + (why.empty() ? "" : " (" + why + ")") +
+                              "; its collectives stopped. init() starts the job's next round";
+  bool was_running;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const State state = state_.load();
+    if (state == State::kUninitialized || state == State::kShutdown) return;
+    was_running = state == State::kRunning;
+    if (was_running) {
+      failure_ = Status::Error(StatusCode::kUnavailable, message);
+      state_ = State::kFailed;
+    }
+  }
+  if (was_running) {
+    RecordFirstFailure({WorldRank(options_.rank)}, message);
+    if (health_) health_->AnnounceLeaving(/*aborted=*/true);  // the store's mark, shared memory's waits
+    if (transport_) transport_->CloseAll(message);
+    requests_.Close(Status::Error(StatusCode::kUnavailable, message));
+  }
+  Shutdown();  // the controller sees the failed state and stops at once
+}
+
+// ---- Requests ------------------------------------------------------------------
 
 Status Runtime::Enqueue(std::shared_ptr<Request> request) {
   return EnqueueGroup({std::move(request)});
@@ -245,7 +362,7 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
   for (const auto& q : requests) {
     Status s = Check(*q);
     if (!s.ok()) {
-      if (s.code == StatusCode::kInvalidArgument) RejectCall(requests, s.message);
+      if (s.code == StatusCode::kInvalidArgument) requests_.Reject(requests, s.message);
       return s;
     }
   }
@@ -258,74 +375,15 @@ Status Runtime::EnqueueGroup(const std::vector<std::shared_ptr<Request>>& reques
     const int generation = generation_.load();
     faults_->BeforeQueuing([this, generation] { return generation_.load() != generation; });
   }
-  const auto now = Clock::now();
-  bool wake = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // Failed or shut down since Check: Fail and Shutdown change the state
-    // under mu_ before they complete everything pending, so a call queued
-    // now would never complete. It gets their error instead.
-    const State state = state_.load();
-    if (state != State::kRunning) return StoppedStatus(state);
-    // All or nothing: the whole call is in pending_ before the background
-    // thread can look at any of it (it waits for mu_), so a plan bucket
-    // never sees half a call. A name already pending (from an earlier call,
-    // or twice in this one) takes back what this call inserted.
-    for (size_t i = 0; i < requests.size(); ++i) {
-      const TensorMeta& m = requests[i]->meta;
-      const bool joining_twice = m.op == OpType::kJoin && joined_;
-      if (joining_twice || !pending_.emplace(m.name, requests[i]).second) {
-        for (size_t j = 0; j < i; ++j) pending_.erase(requests[j]->meta.name);
-        if (joining_twice) {
-          return Status::Error(StatusCode::kInvalidArgument,
-                               "Perseus join: join() is already in progress on this rank");
-        }
-        return Status::Error(StatusCode::kInvalidArgument,
-                             std::string("Perseus ") + OpTypeName(m.op) + " of tensor '" + m.name +
-                                 "': a collective with this name is already in flight on rank " +
-                                 std::to_string(options_.rank) +
-                                 "; concurrent collectives need distinct names");
-      }
-    }
-    for (const auto& q : requests) {
-      TensorMeta& m = q->meta;
-      q->enqueued = now;
-      if (m.op == OpType::kJoin) joined_ = true;
-      if (plan_.active() && (m.flags & kMetaPlannable)) {
-        // Runs from the plan; one that does not fit it votes to leave the
-        // plan. The background thread is woken when this completes a
-        // bucket (or votes).
-        bool completes;
-        wake |= !plan_.Arrive(m, &completes) || completes;
-        wake |= !plan_waiting_;  // its deadline starts now
-      } else {
-        queue_.push_back(m);
-        wake = true;
-      }
-    }
-  }
-  {
-    std::lock_guard<std::mutex> lock(stats_mu_);
-    stats_.requests += static_cast<int64_t>(requests.size());
-  }
-  if (wake) queue_cv_.notify_one();
+  // Failed or shut down since Check: the round closed the table before it
+  // completed everything pending, so a call queued now would never
+  // complete. It gets their error instead.
+  bool closed;
+  Status queued = requests_.Submit(requests, Clock::now(), &closed);
+  if (closed) return StoppedStatus(state_.load());
+  if (!queued.ok()) return queued;
+  stats_.Update([&](Stats& s) { s.requests += static_cast<int64_t>(requests.size()); });
   return Status::OK();
-}
-
-void Runtime::RejectCall(const std::vector<std::shared_ptr<Request>>& requests,
-                         const std::string& why) {
-  // The other ranks made this call with good arguments, or will: tell them
-  // in the next cycle, so that theirs fail at once instead of stalling.
-  std::lock_guard<std::mutex> lock(mu_);
-  if (state_.load() != State::kRunning) return;
-  for (const auto& q : requests) {
-    if (q->meta.name.empty() || pending_.count(q->meta.name)) continue;
-    TensorMeta m = q->meta;
-    m.flags = kMetaRejected;
-    m.rejected = why;
-    queue_.push_back(std::move(m));
-  }
-  queue_cv_.notify_one();
 }
 
 void Runtime::StartTimeline(const std::string& path, bool mark_cycles) {
@@ -338,8 +396,7 @@ bool Runtime::StopTimeline(std::string* error) { return timeline_.Write(error); 
 Stats Runtime::GetStats() {
   std::vector<StreamStats> streams;
   if (executor_) streams = executor_->stats();
-  std::lock_guard<std::mutex> lock(stats_mu_);
-  Stats out = stats_;
+  Stats out = stats_.Get();
   if (!streams.empty()) out.streams = std::move(streams);
   return out;
 }

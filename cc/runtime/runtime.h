@@ -7,19 +7,27 @@
 // which are ready (negotiation.h), and the ready work is handed, in that
 // order, to the stream threads, each of which owns one Gloo context.
 //
-// Runtime is the facade (runtime.cc). Its parts, one concern per file:
+// Runtime is the facade (runtime.cc): it owns one round (Init to Shutdown)
+// and the objects that do the work, each behind its own interface:
+//   request_table.{h,cc}  RequestTable: the queue, the pending requests, the
+//                    join, the offline plan's request side (one lock);
+//                    request_table_plan.cc its offline half
+//   controller.{h,cc} Controller, a round's negotiation thread: the cycle,
+//                    the stall budget, dispatch; offline.cc its offline mode
+//   executor.{h,cc}  Executor: the streams and the execute switch
+//   health.{h,cc}    HealthMonitor: heartbeats, naming failed ranks, the
+//                    marks of leaving, the slow-rank check
+// and the rest of its parts:
 //   process_sets.cc  the registry of runtimes by process-set id
 //   connect.cc       roll call and connecting the transport
 //   request.cc       local validation of a request
-//   controller.{h,cc} Controller, a round's negotiation thread: the cycle,
-//                    the stall budget, dispatch; offline.cc its offline mode
 //   plan.{h,cc}      OfflinePlan, the plan state machine;
-//                    plan_check.cc compares the ranks' plans
-//   executor.{h,cc}  Executor: streams, execute switch, plain/fused allreduce
-//   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions)
+//                    plan_check.{h,cc} compares the ranks' plans
+//   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions);
+//                    fused_allreduce.{h,cc} packs a bucket, reduces it once
+//   staging.{h,cc}   device requests through host memory and back
 //   compression/     fp16, top-k and downsampling behind one interface
 //   collectives.cc   allgather, alltoall, reduce-scatter
-//   health.cc        failure naming, heartbeats, perf check
 // The data path (executor, compression, collectives) never reads plan
 // state: a plan bucket reports its outcome to the closure the plan attached.
 #pragma once
@@ -44,13 +52,14 @@
 #include "cc/core/timeline.h"
 #include "cc/runtime/executor.h"
 #include "cc/runtime/faults.h"
+#include "cc/runtime/health.h"
 #include "cc/runtime/message.h"
-#include "cc/runtime/negotiation.h"
 #include "cc/runtime/options.h"
-#include "cc/runtime/plan.h"
 #include "cc/runtime/request.h"
+#include "cc/runtime/request_table.h"
 #include "cc/runtime/stats.h"
 #include "cc/transport/allreduce_algorithms.h"
+#include "cc/transport/transport.h"
 
 namespace perseus {
 
@@ -58,19 +67,6 @@ class GlooTransport;
 class TransportSet;
 class StoreClient;
 class Controller;
-
-// The first failure of any runtime in this process (world or process set):
-// when it was seen, and which world ranks it was blamed on (empty: none
-// named). perseusrun uses it to tell the rank that failed first from the
-// ranks that failed because of it.
-struct FirstFailure {
-  bool seen = false;
-  double wall_time = 0;  // seconds since the epoch
-  std::vector<int> culprits;
-  std::string message;
-};
-void RecordFirstFailure(const std::vector<int>& culprits, const std::string& message);
-FirstFailure GetFirstFailure();
 
 class Runtime {
  public:
@@ -129,108 +125,70 @@ class Runtime {
 
  private:
   enum class State { kUninitialized, kRunning, kFailed, kShutdown };
-
-  friend class Controller;
+  // A round's place in the store.
+  struct RoundKeys {
+    // The job-wide round of the world's runtime (Init reads it from the
+    // store).
+    int64_t round = 0;
+    std::string world_prefix;  // the world's round: job_id + "/round<N>"
+    std::string key_prefix;    // this runtime's keys in it (a set's are under the world's)
+  };
 
   Runtime();
   // World rank of member `r` (names in error messages are world ranks).
-  int WorldRank(int r) const;
-  // Local checks of one request (may adjust its compression and flags).
+  int WorldRank(int r) const { return WorldRankOf(options_, r); }
+  // Init's steps, in order (runtime.cc).
+  static Status Validate(const InitOptions& options);
+  TransportOptions TransportOptionsFor(const InitOptions& options) const;
+  // Opens the store and reads the round; takes part in the world's roll call.
+  Status JoinRound(TransportOptions* bo);
+  // Connects the transport and builds the data plane's transports (throws).
+  void Connect(TransportOptions* bo);
+  void StartRound();
+  ExecutorContext MakeExecutorContext(const TransportOptions& bo);
+  void StartController();
+  // Local checks of one request (may adjust its compression and flags;
+  // request.cc).
   Status Check(Request& request);
-  // Why a request cannot run when the runtime is not running (`state`);
-  // the caller holds mu_.
-  Status StoppedStatus(State state) const;
-  // Plan check: this rank's digest of the plan, and the check itself
-  // (throws, naming the first tensor where the ranks' plans differ).
-  std::shared_ptr<PlanDigest> DigestPlanLocked(int64_t step) const;
-  void CheckPlan(const PlanDigest& plan, const BufferAllreduce& allreduce);
-  // Perf check: a step's per-rank times (from the first bucket's slots).
-  void PerfCheckStep(const std::vector<double>& ms_by_rank);
-  void Fail(const std::string& what);
-  // Names the ranks that caused a failure (dead, stopped, left); their world
-  // ranks go to *culprits.
-  std::string IdentifyFailedRanks(std::vector<int>* culprits);
-  // This rank shuts down between plan steps without a last cycle, or
-  // aborts: the store records it (and which) for the others' error messages
-  // and heartbeats, and shared-memory waiters for it are woken.
-  void AnnounceLeaving(bool aborted = false);
-  // A call refused here for a bad argument: its names go to the others as
-  // rejected (kMetaRejected), so their requests fail at once.
-  void RejectCall(const std::vector<std::shared_ptr<Request>>& requests, const std::string& why);
-  void FailAllPending(const Status& status);
-  void ConnectTransport(TransportOptions* bo);
-  std::string ConnectWithDeadline(const TransportOptions& bo);
+  Status CheckReduction(Request& request);
+  Status CheckCompression(Request& request);
+  Status CheckShape(const TensorMeta& m);
+  // Why a request cannot run when the runtime is not running (`state`).
+  Status StoppedStatus(State state);
+  // Fails the round: names the culprits, wakes every wait, fails what is
+  // pending. The failure's message is returned.
+  std::string Fail(const std::string& what);
+  Status failure();
+  // The controller stopped after an agreed shutdown.
+  void OnControllerStopped();
+  // connect.cc
   Status RollCall(const InitOptions& o, const std::string& prefix,
                   std::chrono::milliseconds wait);
+  void ConnectTransport(TransportOptions* bo);
+  std::string ConnectWithDeadline(const TransportOptions& bo);
 
   InitOptions options_;
   std::atomic<State> state_{State::kUninitialized};
+  std::mutex mu_;    // guards failure_ and the state's changes
   Status failure_;
   // How many times this runtime was shut down (a process set's keys).
   std::atomic<int> generation_{0};
-  // The job-wide round of the world's runtime (Init reads it from the
-  // store), and the prefix of its store keys: job_id + "/round<N>".
-  int64_t round_ = 0;
-  std::string world_prefix_;
-  std::string key_prefix_;  // this runtime's keys in its round (a set's are under the world's)
-
+  RoundKeys keys_;
   std::unique_ptr<StoreClient> store_;
-  // The world's liveness beat: a thread adds to this rank's counter in the
-  // store every few hundred ms over its own connection. A rank whose counter
-  // stops is stopped (SIGSTOP, a debugger), not merely slow or dead.
-  std::unique_ptr<StoreClient> heartbeat_store_;
-  std::thread heartbeat_;
-  std::mutex heartbeat_mu_;
-  std::condition_variable heartbeat_cv_;
-  bool heartbeat_stop_ = false;
-  std::string HeartbeatKey(int world_rank) const;
-  void StartHeartbeat();
-  void StopHeartbeat();
-  // From the heartbeat thread, when the store's count of closed ranks grows:
-  // fails the runtime at once if one of them died (health.cc).
-  void WatchClosedPeers();
-  // A normal shutdown's mark in the store, before the connection closes.
-  void MarkDone();
   std::unique_ptr<GlooTransport> transport_;
   std::unique_ptr<TransportSet> transports_;  // the data plane's (factory.h)
-
-  std::mutex mu_;  // guards queue_, pending_, shutdown_requested_, failure_
-  std::condition_variable queue_cv_;
-  std::deque<TensorMeta> queue_;
-  std::unordered_map<std::string, std::shared_ptr<Request>> pending_;
-  // Names this rank sent but gave up (their grouped call failed): if the
-  // others still run one, the job fails naming it.
-  std::unordered_set<std::string> abandoned_;
-  bool shutdown_requested_ = false;
-  std::string shutdown_by_;
-  int shutdown_by_rank_ = -1;  // the rank (in this runtime) whose shutdown ended it
-
-  // This round's negotiation thread and its state (controller.h): made by
-  // Init, joined and destroyed by Shutdown.
-  std::unique_ptr<Controller> controller_;
-  bool joined_ = false;  // this rank called join() and it has not completed
-
-  // This rank's offline plan (plan.h); guarded by mu_.
-  OfflinePlan plan_;
-  // The background thread is waiting with a deadline for plannable requests
-  // that cannot run yet (Enqueue wakes it when one arrives and it is not).
-  bool plan_waiting_ = false;
-  // Test-only faults (faults.h); null in production.
-  std::unique_ptr<FaultInjector> faults_;
-  // Perf check: when this rank's previous step finished its last bucket, and
-  // the window of per-rank times being summed.
-  std::chrono::steady_clock::time_point last_step_done_{};
-  std::vector<double> perf_sum_;
-  int perf_steps_ = 0;
-
-  std::unique_ptr<Executor> executor_;  // the streams
-
-  std::mutex stats_mu_;
-  Stats stats_;
+  // What this rank asked for and has not run; lives as long as the runtime,
+  // opened by each round's Init and closed when it ends.
+  RequestTable requests_;
+  // The round's parts: made by Init, destroyed by Shutdown.
+  std::unique_ptr<HealthMonitor> health_;
+  std::unique_ptr<Executor> executor_;      // the streams
+  std::unique_ptr<Controller> controller_;  // the negotiation thread
+  std::unique_ptr<FaultInjector> faults_;   // test-only faults (faults.h); null in production
+  StatsBook stats_;
   Timeline timeline_;
   std::atomic<bool> mark_cycles_{true};  // the timeline records negotiation cycles
   std::mutex raw_mu_;
-
 };
 
 }  // namespace perseus

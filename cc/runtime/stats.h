@@ -1,9 +1,10 @@
-// What Runtime::GetStats reports.
+// What Runtime::GetStats reports, and the book the round keeps them in.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,25 @@ struct Stats {
   int64_t responses = 0;
   int64_t fused_responses = 0;
   std::vector<StreamStats> streams;
+};
+
+// A round's counters, shared by the threads that add to them.
+class StatsBook {
+ public:
+  // Runs f(stats) under the book's lock.
+  template <typename F>
+  void Update(F f) {
+    std::lock_guard<std::mutex> lock(mu_);
+    f(stats_);
+  }
+  Stats Get() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  Stats stats_;
 };
 
 }  // namespace perseus

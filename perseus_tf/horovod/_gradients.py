@@ -137,8 +137,8 @@ class GradientReducer:
             # In a graph, runs in the order backprop produces them (last
             # layers first), each its own op: TF starts each as soon as its
             # gradients exist, while backprop goes on (ops.UNORDERED_OP_TYPES).
-            from perseus_tf.cross_device_ops import _backprop_groups
-            return _backprop_groups(shared, grads)
+            from perseus_tf._backprop_order import backprop_groups
+            return backprop_groups(shared, grads)
         if isinstance(self.groups, int):
             return _split_evenly(shared, self.groups)
         remaining = list(shared)

@@ -85,6 +85,25 @@ std::unique_ptr<Compressor> MakeFp16Compressor(const CompressionContext& context
 std::unique_ptr<Compressor> MakeTopkCompressor(const CompressionContext& context);
 std::unique_ptr<Compressor> MakeDownsampleCompressor(const CompressionContext& context);
 
+// The compressors of one executor, chosen by a response's compression
+// (compressors.cc).
+class Compressors {
+ public:
+  explicit Compressors(const CompressionContext& context);
+  // The compressor that runs an allreduce of `compression` (kCompress*), or
+  // null when it travels uncompressed (none, or mixed: a flag of the
+  // two-level allreduce).
+  Compressor* For(int compression) const;
+
+ private:
+  std::unique_ptr<Compressor> fp16_, topk_, downsample_;
+};
+
+// Bytes one rank puts on the wire for a tensor (statistics); two_level: the
+// job's allreduce runs in two levels, so mixed compression halves what
+// crosses hosts.
+int64_t WireBytes(const TensorMeta& m, const InitOptions& options, bool two_level);
+
 // Elements top-k sends of a tensor of n (at least 1).
 int64_t TopkCount(int64_t n, double ratio);
 

@@ -1,0 +1,114 @@
+// The health monitor: one round's watch over the other ranks. It owns the
+// heartbeat thread (this rank's beat in the store, and the store's count of
+// closed connections, read with each beat), names the ranks that caused a
+// failure (dead, stopped, left), marks how this rank leaves the round
+// (done, left between plan steps, aborted), and runs the slow-rank check.
+// It reports what it finds through one callback, and never touches the
+// runtime's requests or state.
+//
+// The process-wide first failure (which rank failed first, for perseusrun's
+// summary) is kept here too.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/runtime/options.h"
+#include "cc/runtime/stats.h"
+
+namespace perseus {
+
+class StoreClient;
+
+// The first failure of any runtime in this process (world or process set):
+// when it was seen, and which world ranks it was blamed on (empty: none
+// named). perseusrun uses it to tell the rank that failed first from the
+// ranks that failed because of it.
+struct FirstFailure {
+  bool seen = false;
+  double wall_time = 0;  // seconds since the epoch
+  std::vector<int> culprits;
+  std::string message;
+};
+void RecordFirstFailure(const std::vector<int>& culprits, const std::string& message);
+FirstFailure GetFirstFailure();
+
+struct HealthContext {
+  InitOptions options;
+  // The round's store connection (null: a job of one rank). The monitor
+  // opens its own for the heartbeat.
+  StoreClient* store = nullptr;
+  std::string world_prefix;  // the world's round: job_id + "/round<N>"
+  std::string key_prefix;    // this runtime's keys in the round
+  StatsBook* stats = nullptr;
+  // Wakes the waits of this rank's shared-memory transports.
+  std::function<void()> wake_local_waits;
+  // Fails the round with what the heartbeat found; returns the failure's
+  // whole message.
+  std::function<std::string(const std::string& what)> report;
+  // True while a closed peer is no failure: the round is not running, or
+  // it ends by an agreed shutdown (ranks that finish first close).
+  std::function<bool()> ending;
+};
+
+class HealthMonitor {
+ public:
+  explicit HealthMonitor(HealthContext context);
+  ~HealthMonitor();  // stops the heartbeat
+  HealthMonitor(const HealthMonitor&) = delete;
+  HealthMonitor& operator=(const HealthMonitor&) = delete;
+
+  // The world's beat (a job of more than one rank): a thread adds to this
+  // rank's counter in the store every 250 ms over its own connection. A
+  // rank whose counter stops is stopped (SIGSTOP, a debugger), not merely
+  // slow or dead. When the store's count of closed ranks grows, it looks
+  // at once for a rank that died or failed (report).
+  void StartHeartbeat();
+  void StopHeartbeat();
+
+  // Names the ranks that caused a failure (left by shutdown, dead, stopped,
+  // or silent in the census); their world ranks go to *culprits. Marks this
+  // rank a survivor in the round's census first. "" if none can be named.
+  std::string IdentifyFailedRanks(std::vector<int>* culprits);
+  // This rank shuts down between plan steps without a last cycle, or
+  // aborts: the store records it (and which) for the others' error messages
+  // and heartbeats, and shared-memory waiters for it are woken.
+  void AnnounceLeaving(bool aborted);
+  // A normal shutdown's mark in the store, before the connection closes.
+  void MarkDone();
+  // Perf check: a plan step's per-rank times outside communication (from the
+  // first bucket's slots); every PERSEUS_PERF_CHECK_N_STEPS steps rank 0
+  // names the ranks well above the median.
+  void PerfCheckStep(const std::vector<double>& ms_by_rank);
+
+ private:
+  std::string HeartbeatKey(int world_rank) const;
+  int WorldRank(int r) const { return WorldRankOf(c_.options, r); }
+  // From the heartbeat thread, when the store's count of closed ranks grows:
+  // fails the round at once if one of them died or failed.
+  void WatchClosedPeers();
+  // The census, heartbeats and left marks, read for IdentifyFailedRanks.
+  std::string LeftRanks(std::vector<int>* culprits);
+  std::string DeadRanks(std::vector<int>* culprits);
+  std::string SilentRanks(const std::vector<int64_t>& first_beats,
+                          std::chrono::steady_clock::time_point first_at,
+                          bool beats, std::vector<int>* culprits);
+
+  HealthContext c_;
+  std::unique_ptr<StoreClient> beats_;  // the heartbeat's own connection
+  std::thread thread_;
+  std::mutex mu_;  // guards stop_ and the perf check's sums
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::vector<double> perf_sum_;
+  int perf_steps_ = 0;
+};
+
+}  // namespace perseus
