@@ -4,7 +4,7 @@ Makes two hosts out of network namespaces (tests/netns_hosts.py: each with
 its own address 10.77.0.<h+1> and its own sshd, joined through a bridge in a
 third namespace), shapes each host's link with `tc` to --rate (default
 1 Gbit/s) in each direction, and starts --ranks-per-host ranks of
-`python -m perseus_tf.bench gradients` on each host through `perseusrun`
+`python -m benchmarks.collectives gradients` on each host through `perseusrun`
 over ssh, as on two machines. It replays one training step's gradients of
 --profile under several settings, one job each, in this one invocation.
 Ranks on one host talk over its loopback (not shaped); only traffic between
@@ -62,7 +62,7 @@ def run_job(hosts, profile, per_host, env_extra, iters, timeout, by_hand=False):
     size = 2 * per_host
     with tempfile.TemporaryDirectory() as out:
         path = os.path.join(out, "row.csv")
-        bench = [sys.executable, "-m", "perseus_tf.bench", "gradients", "--profile", profile,
+        bench = [sys.executable, "-m", "benchmarks.collectives", "gradients", "--profile", profile,
                  "--iters", str(iters), "--warmup", "1", "--csv", path]
         env = dict(os.environ)
         env.update(env_extra)  # PERSEUS_* reach the remote ranks by default

@@ -1,4 +1,4 @@
-"""Quick end-to-end runs of ``python -m perseus_tf.bench`` at 2 ranks.
+"""Quick end-to-end runs of ``python -m benchmarks.collectives`` at 2 ranks.
 
 ``allreduce``: the command relaunches itself through perseusrun, exits 0 and
 rank 0's table has one row per size with our and raw Gloo columns and a
@@ -38,7 +38,7 @@ def _benchmark(name):
 def test_allreduce_bench_quick(tmp_path):
     csv_path = tmp_path / "rows.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "perseus_tf.bench", "allreduce", "--np", "2",
+        [sys.executable, "-m", "benchmarks.collectives", "allreduce", "--np", "2",
          "--max-bytes", "64K", "--iters", "3", "--warmup", "1", "--csv", str(csv_path)],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -87,7 +87,7 @@ def run_gradients_bench(extra, tmp_path, dtype_mode):
     returns (rank 0's lines, its row, csv lines)."""
     csv_path = tmp_path / "gradients.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "perseus_tf.bench", "gradients", "--np", "2",
+        [sys.executable, "-m", "benchmarks.collectives", "gradients", "--np", "2",
          "--iters", "2", "--warmup", "1", "--csv", str(csv_path), *extra],
         cwd=REPO, env=dict(ENV, PERSEUS_ALLREDUCE_DTYPE=dtype_mode), capture_output=True,
         text=True, timeout=180)
@@ -153,7 +153,7 @@ def test_gradients_bench_synthetic(tmp_path):
 
 def test_gradients_bench_names_a_missing_profile(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "perseus_tf.bench", "gradients", "--profile", "resnet51",
+        [sys.executable, "-m", "benchmarks.collectives", "gradients", "--profile", "resnet51",
          "--profile-dir", str(tmp_path)],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

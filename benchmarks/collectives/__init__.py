@@ -1,10 +1,10 @@
 """Benchmarks of the Perseus-TF runtime, runnable with one command.
 
-    python -m perseus_tf.bench allreduce [--np N] [--min-bytes 4K] [--max-bytes 256M]
+    python -m benchmarks.collectives allreduce [--np N] [--min-bytes 4K] [--max-bytes 256M]
                                          [--iters K] [--warmup W] [--dtype float32]
                                          [--csv PATH]
 
-    python -m perseus_tf.bench gradients (--profile NAME | --tensors N [--tensor-bytes SIZE])
+    python -m benchmarks.collectives gradients (--profile NAME | --tensors N [--tensor-bytes SIZE])
                                          [--np N] [--iters K] [--warmup W] [--csv PATH]
 
 ``allreduce`` compares, for tensor sizes doubling from --min-bytes to
@@ -29,7 +29,7 @@ adds a module with a ``run_<name>`` function and its parser in cli.py. The
 helpers for launching, timing and table printing are in common.py.
 """
 
-from perseus_tf.bench.allreduce import *  # noqa: F401,F403 (the benchmarks' names)
-from perseus_tf.bench.cli import build_parser, main  # noqa: F401
-from perseus_tf.bench.common import *  # noqa: F401,F403
-from perseus_tf.bench.gradients import *  # noqa: F401,F403
+from benchmarks.collectives.allreduce import *  # noqa: F401,F403 (the benchmarks' names)
+from benchmarks.collectives.cli import build_parser, main  # noqa: F401
+from benchmarks.collectives.common import *  # noqa: F401,F403
+from benchmarks.collectives.gradients import *  # noqa: F401,F403

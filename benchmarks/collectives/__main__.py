@@ -1,5 +1,5 @@
 import sys
 
-from perseus_tf.bench.cli import main
+from benchmarks.collectives.cli import main
 
 sys.exit(main())

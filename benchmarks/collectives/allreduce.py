@@ -1,9 +1,9 @@
-"""`python -m perseus_tf.bench allreduce`: one tensor per call through the
+"""`python -m benchmarks.collectives allreduce`: one tensor per call through the
 runtime against a raw contiguous Gloo allreduce, size by size."""
 
 import sys
 
-from perseus_tf.bench.common import (
+from benchmarks.collectives.common import (
     Collectives, MIN_ITERS, TARGET_MIN_BYTES, TARGET_RATIO, bandwidths, choose_iters,
     format_header, format_row, human_bytes, machine_description, size_ladder, summarize,
     timed, write_csv)

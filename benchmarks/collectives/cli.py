@@ -1,15 +1,15 @@
-"""The command line of `python -m perseus_tf.bench`: the subcommands' parsers
+"""The command line of `python -m benchmarks.collectives`: the subcommands' parsers
 and the entry point."""
 
 import argparse
 import sys
 
-from perseus_tf.bench.common import (
+from benchmarks.collectives.common import (
     DEFAULT_ITERS, GRADIENTS_ITERS, MIN_ITERS, PROG, SIZE_BUDGET_S, _nonnegative_int,
     _positive_int, add_launch_args, parse_size, relaunch, under_perseusrun)
-from perseus_tf.bench.allreduce import (
+from benchmarks.collectives.allreduce import (
     check_allreduce, run_allreduce)
-from perseus_tf.bench.gradients import (
+from benchmarks.collectives.gradients import (
     check_gradients, run_gradients)
 
 def build_parser() -> argparse.ArgumentParser:

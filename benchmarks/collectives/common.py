@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 
-PROG = "python -m perseus_tf.bench"
+PROG = "python -m benchmarks.collectives"
 MIB = 1 << 20
 
 # Sizes from this one up are what the throughput target is about.
@@ -96,12 +96,13 @@ def under_perseusrun() -> bool:
 def relaunch(np_: int, argv: list) -> int:
     """Runs this module with argv in np_ ranks through perseusrun."""
     from perseus_tf.runner import launcher
-    # The ranks must import this same perseus_tf, wherever it was found.
+    # The ranks must import this same perseus_tf and these benchmarks: the
+    # checkout they are in goes first on their path.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([root] + paths)
-    return launcher.main(["-np", str(np_), "--", sys.executable, "-m", "perseus_tf.bench",
+    return launcher.main(["-np", str(np_), "--", sys.executable, "-m", "benchmarks.collectives",
                           *argv])
 
 

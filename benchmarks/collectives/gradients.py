@@ -1,4 +1,4 @@
-"""`python -m perseus_tf.bench gradients`: one training step's gradient set
+"""`python -m benchmarks.collectives gradients`: one training step's gradient set
 (a model profile or synthetic tensors) against a raw allreduce of the same
 bytes, with the offline plan against online negotiation (--online)."""
 
@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from perseus_tf.bench.common import (
+from benchmarks.collectives.common import (
     Collectives, MIN_ITERS, bandwidths, binary_bytes, choose_iters, format_header,
     format_row, machine_description, summarize, timed, write_csv)
 
@@ -52,7 +52,8 @@ GRADIENTS_CSV_FIELDS = [
 def default_profile_dir() -> str:
     """The profiles shipped in the package (perseus_tf/profiles: gradient names
     and sizes of ResNet-50, VGG-16 and BERT-base, in forward order)."""
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles")
+    import perseus_tf
+    return os.path.join(os.path.dirname(os.path.abspath(perseus_tf.__file__)), "profiles")
 
 
 def load_profile(name: str, profile_dir=None) -> dict:
