@@ -141,6 +141,9 @@ def _definitions(text, owner):
         m = re.match(r"^[\w:<>*&, ]*\b%s::(~?\w+)\(" % owner, line)
         if not m:
             continue
+        if line.rstrip().endswith((";", "{}")):
+            out.append((m.group(1), 1))  # = default, or an empty body
+            continue
         for j in range(i, len(lines)):
             if lines[j] == "}":
                 out.append((m.group(1), j - i + 1))
