@@ -299,3 +299,22 @@ def test_no_package_imports_a_private_name_of_another():
                         continue  # a package-private module (or extension)
                     wrong.append(f"{os.path.relpath(path, ROOT)}: from {node.module} import {a.name}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_launcher_imports_the_launcher():
+    """runner/ is perseusrun, not a library: what the rest of the package
+    shares with it lives in common/ (or config/), so the library never
+    imports the launcher (imports inside functions count too)."""
+    package = os.path.join(ROOT, "perseus_tf")
+    runner = os.path.join(package, "runner")
+    wrong = []
+    for dirpath, _, names in os.walk(package):
+        if dirpath == runner or dirpath.startswith(runner + os.sep):
+            continue
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                wrong += [f"{os.path.relpath(path, ROOT)} imports {m}"
+                          for m in sorted(_all_imports(path))
+                          if m == "perseus_tf.runner" or m.startswith("perseus_tf.runner.")]
+    assert not wrong, "\n".join(wrong)
