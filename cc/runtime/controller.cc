@@ -41,6 +41,11 @@ Controller::Controller(ControllerContext context)
                                      return PlanBucketBytes(b, granularity, threshold);
                                    }));
   started_ = last_cycle_ = Clock::now();
+  if (c_.faults) {
+    on_plan_step_ = [faults = c_.faults](int64_t step, Plan* plan) {
+      faults->OnPlanStep(step, plan);
+    };
+  }
 }
 
 Controller::~Controller() { Join(); }

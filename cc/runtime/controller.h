@@ -119,6 +119,8 @@ class Controller {
   Clock::time_point last_cycle_;
   int idle_cycles_ = 0;
   uint64_t dispatched_ = 0;  // online responses, for their streams in turn
+  // The test faults' hook at each plan step's first bucket (empty without).
+  std::function<void(int64_t step, Plan* plan)> on_plan_step_;
 };
 
 }  // namespace perseus

@@ -35,8 +35,6 @@
 
 namespace perseus {
 
-using Requests = std::vector<std::shared_ptr<Request>>;
-
 struct ExecutorContext {
   InitOptions options;
   Transport* world = nullptr;  // broadcast, allgather, alltoall, reduce-scatter, top-k

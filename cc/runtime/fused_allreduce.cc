@@ -6,8 +6,6 @@
 
 namespace perseus {
 
-using Requests = std::vector<std::shared_ptr<Request>>;
-
 void SplitForFusion(const Response& r, const Requests& requests, Requests* packed,
                     Requests* large) {
   const TensorMeta& m0 = r.metas[0];

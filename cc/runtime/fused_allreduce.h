@@ -35,13 +35,13 @@ struct FusedBucket {
 
 // The requests a bucket packs, and those it reduces in place (decided from
 // the response's metas, so alike on every rank).
-void SplitForFusion(const Response& r, const std::vector<std::shared_ptr<Request>>& requests,
-                    std::vector<std::shared_ptr<Request>>* packed,
-                    std::vector<std::shared_ptr<Request>>* large);
+void SplitForFusion(const Response& r, const Requests& requests,
+                    Requests* packed,
+                    Requests* large);
 
 // Packs `requests` (possibly none) with a plan bucket's extras, reduces them
 // once and unpacks; false when the plan's vote says not to deliver.
 bool RunFusedAllreduce(const FusedBucket& b, const Response& r,
-                       std::vector<std::shared_ptr<Request>>& requests);
+                       Requests& requests);
 
 }  // namespace perseus

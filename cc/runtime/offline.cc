@@ -84,14 +84,10 @@ void Controller::RunOffline(bool* stop) {
     std::fflush(stderr);
     c_.stats->Update([](Stats& s) { ++s.plan_timeouts; });
   }
-  std::function<void(int64_t, Plan*)> on_plan_step;
-  if (c_.faults) {
-    on_plan_step = [faults = c_.faults](int64_t step, Plan* plan) { faults->OnPlanStep(step, plan); };
-  }
   RequestTable::PlanWork work =
       table_.TakePlanWork(c_.options.plan_check_n_steps,
                           c_.options.perf_check_n_steps > 0 ? c_.options.size : 0,
-                          negotiator_->HasPending(), on_plan_step);
+                          negotiator_->HasPending(), on_plan_step_);
   if (work.closed) return;
   if (work.leave_job) {
     c_.health->AnnounceLeaving(/*aborted=*/false);

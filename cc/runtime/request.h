@@ -42,4 +42,7 @@ struct Request {
   Status failed_with_call;
 };
 
+// The requests a response covers, in its order.
+using Requests = std::vector<std::shared_ptr<Request>>;
+
 }  // namespace perseus

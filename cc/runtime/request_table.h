@@ -31,8 +31,6 @@
 
 namespace perseus {
 
-using Requests = std::vector<std::shared_ptr<Request>>;
-
 // A request of a joined rank that lacks the tensor: zeros in (neutral for a
 // sum), result discarded; for allgather, no rows.
 std::shared_ptr<Request> StandIn(const Response& response, size_t index);

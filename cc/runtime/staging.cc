@@ -6,8 +6,6 @@
 
 namespace perseus {
 
-using Requests = std::vector<std::shared_ptr<Request>>;
-
 bool RunLifted(DataPlane& plane, int stream, Requests& requests, const StagedBody& body) {
   auto bytes_of = [](const Request& q) {
     return static_cast<size_t>(NumElements(q.meta.shape)) * DataTypeSize(q.meta.dtype);

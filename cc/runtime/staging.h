@@ -16,13 +16,13 @@
 
 namespace perseus {
 
-using StagedBody = std::function<bool(std::vector<std::shared_ptr<Request>>&)>;
+using StagedBody = std::function<bool(Requests&)>;
 
 // Both run `body` on the copies on `stream` of `plane` and return what it
 // returns (false: the results are not delivered, nothing is copied back).
-bool RunLifted(DataPlane& plane, int stream, std::vector<std::shared_ptr<Request>>& requests,
+bool RunLifted(DataPlane& plane, int stream, Requests& requests,
                const StagedBody& body);
-bool RunStaged(DataPlane& plane, int stream, std::vector<std::shared_ptr<Request>>& requests,
+bool RunStaged(DataPlane& plane, int stream, Requests& requests,
                const StagedBody& body);
 
 }  // namespace perseus
