@@ -86,7 +86,8 @@ CHECK = [Job("test_cc_unit.py", 16), Job("test_layout.py", 2), Job("test_config.
          Job("test_faults.py", 20, select="2ranks"),
          Job("test_bounded.py", 10, select="2ranks"),
          Job("test_compression.py", 10, select="1host"),
-         Job("test_soak.py", 20, select="2ranks"), Job("test_tiers.py", 3)]
+         Job("test_soak.py", 20, select="2ranks"), Job("test_tiers.py", 3),
+         Job("test_gpu.py", 5)]
 
 # Every file of the first pass, with its weight (seconds).
 FIRST_PASS = [
@@ -104,6 +105,7 @@ FIRST_PASS = [
     Job("test_examples_and_build.py", 170),
     Job("test_failures.py", 161),
     Job("test_faults.py", 40),
+    Job("test_gpu.py", 5),
     Job("test_horovod.py", 100),
     Job("test_horovod_examples.py", 28),
     # (Its ranks of two TF versions start one rank in the TF 2.15 venv.)
@@ -161,6 +163,8 @@ SECOND_PASS = [
     Job("test_ops.py", 7),
     # PerseusStrategy under Keras 2.
     Job("test_strategy.py", 53),
+    # hvd.init() and the strategy's GPU pinning with TF 2.15's tf.config.
+    Job("test_gpu.py", 4, select="real_tensorflow"),
 ]
 
 

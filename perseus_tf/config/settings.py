@@ -44,6 +44,10 @@ class Config:
     # through pinned host memory for Gloo / shared memory, "auto" is nccl
     # where NCCL loads (resolved at init, the same on every rank).
     gpu_transport: str = "auto"
+    # The GPU PerseusStrategy (perseus_tf.gpu.pin) gives a rank: 1 turns on
+    # TF's memory growth there, leaving room for NCCL and the runtime's
+    # buffers; 0 leaves TF's default (it takes almost all the memory).
+    gpu_memory_growth: int = 1
     timeout_seconds: float = 60.0
     fusion_threshold_bytes: int = 64 * 1024 * 1024
     cycle_time_ms: float = 1.0
@@ -136,6 +140,7 @@ VARIABLES = {
     "gloo_iface": ("PERSEUS_GLOO_NETWORK_INTERFACE", *_string()),
     "nccl_iface": ("PERSEUS_NCCL_NETWORK_INTERFACE", *_string()),
     "gpu_transport": ("PERSEUS_GPU_TRANSPORT", *_word("auto", "nccl", "host")),
+    "gpu_memory_growth": ("PERSEUS_GPU_MEMORY_GROWTH", *_choice(0, 1)),
     "timeout_seconds": ("GLOO_TIMEOUT_SECONDS", *_float_range(1, 86400)),
     "fusion_threshold_bytes": ("PERSEUS_FUSION_THRESHOLD", *_int_range(0, 2**40)),
     "cycle_time_ms": ("PERSEUS_CYCLE_TIME_MS", *_float_range(0.05, 1000)),

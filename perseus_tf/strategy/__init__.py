@@ -42,6 +42,7 @@ from perseus_tf import _gradients
 from perseus_tf import _malloc
 from perseus_tf import _native
 from perseus_tf import config
+from perseus_tf import gpu
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
 from perseus_tf.strategy import keras_files, keras_mixed, keras_preempt, keras_save, keras_xla
@@ -234,21 +235,26 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
                                               options=options)
 
 
-def _cluster_resolver():
+def _cluster_resolver(placement):
     """What MultiWorkerMirroredStrategy users read from
     `strategy.cluster_resolver`: task_type "worker", task_id the rank, and a
     cluster spec whose "worker" job lists every rank's host address (in rank
     order; no TF server runs, so the entries carry no port). Built at
-    construction, when every rank is here: the addresses are one allgather."""
+    construction, when every rank is here: the addresses are one allgather,
+    which also carries each rank's GPU for the one-rank-per-GPU check."""
     width = 64
-    mine = _native.host_addr().encode()[:width].ljust(width, b"\0")
+    mine = (_native.host_addr().encode()[:width].ljust(width, b"\0") +
+            placement.identity.encode()[:width].ljust(width, b"\0"))
     if perseus_ops.size() > 1:
-        rows = perseus_ops.allgather(
-            tf.constant(np.frombuffer(mine, np.uint8)[None, :]),
-            name="perseus.strategy.host_addresses").numpy()
+        with tf.device("/cpu:0"):
+            rows = perseus_ops.allgather(
+                tf.constant(np.frombuffer(mine, np.uint8)[None, :]),
+                name="perseus.strategy.host_addresses").numpy()
     else:
         rows = np.frombuffer(mine, np.uint8)[None, :]
-    workers = [bytes(row).rstrip(b"\0").decode() for row in rows]
+    workers = [bytes(row[:width]).rstrip(b"\0").decode() for row in rows]
+    gpus = [bytes(row[width:]).rstrip(b"\0").decode() for row in rows]
+    gpu.check_one_rank_per_gpu(workers, gpus, getattr(_native.config(), "gpu_transport", "host"))
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec({"worker": workers}), task_type="worker",
         task_id=perseus_ops.rank(), num_accelerators={}, rpc_layer="")
@@ -268,7 +274,9 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
     perseus_tf.config for how each finds its rank.
 
     Args:
-      devices: local devices this process drives (default: its CPU).
+      devices: local devices this process drives (default: its local
+        rank's GPU on a machine with GPUs, pinned as perseus_tf.gpu.pin()
+        says, else its CPU); the chosen placement is `strategy.placement`.
       cross_device_ops: defaults to PerseusCrossDeviceOps().
       cluster_resolver: a tf.distribute.cluster_resolver ClusterResolver
         (TFConfigClusterResolver, SlurmClusterResolver, SimpleClusterResolver),
@@ -295,7 +303,13 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         cluster = None if cluster_resolver is None else \
             config.cluster_from_resolver(cluster_resolver)
         _native.init(cluster=cluster, **options)
-        extended = PerseusExtended(self, devices=devices, cross_device_ops=cross_device_ops)
+        # On a GPU machine each rank trains on its local rank's GPU alone
+        # (before TF starts its GPUs: the extended strategy below would).
+        placement = gpu.Placement("/cpu:0") if devices is not None else \
+            gpu.pin(memory_growth=bool(cfg.gpu_memory_growth))
+        extended = PerseusExtended(self, devices=devices or [placement.device],
+                                   cross_device_ops=cross_device_ops)
+        self.placement = placement
         tf.distribute.Strategy.__init__(self, extended)
         self._accumulate_n_steps = cfg.accumulate_n_steps
         self._preemption_check_seconds = cfg.preemption_check_seconds
@@ -308,7 +322,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
                 f"needs one device per process; this strategy drives {len(extended._devices)} "
                 "(use devices=None, or accumulate_n_steps=1)")
         # The host allgather runs on every rank alike, resolver or not.
-        extended._cluster_resolver = _cluster_resolver()
+        extended._cluster_resolver = _cluster_resolver(placement)
         if cluster_resolver is not None:
             extended._cluster_resolver = cluster_resolver
         keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))

@@ -93,6 +93,28 @@ def check_cluster_resolver_as_multi_worker_mirrored_strategy():
     assert is_chief == (R == 0)
 
 
+def check_placement_and_one_rank_per_gpu_through_the_allgather():
+    """No GPU here: the replicas train on the CPU. The host-address
+    allgather also carries each rank's GPU: with NCCL, two ranks of one host
+    naming one GPU fail on every rank, one GPU each passes."""
+    import dataclasses
+
+    from perseus_tf import gpu
+    from perseus_tf import strategy as strategy_module
+
+    assert STRATEGY.placement.device == "/cpu:0", STRATEGY.placement
+    running = _native.config()
+    _native._config_in_use = dataclasses.replace(running, gpu_transport="nccl")
+    try:
+        expect(RuntimeError,
+               lambda: strategy_module._cluster_resolver(gpu.Placement("/gpu:0", 0, "3")),
+               f"ranks 0 and 1 both train on GPU 3 of host 127.0.0.1", "PERSEUS_GPU_TRANSPORT")
+        own = strategy_module._cluster_resolver(gpu.Placement("/gpu:0", 0, f"GPU-{R}"))
+        assert own.cluster_spec().as_dict()["worker"] == ["127.0.0.1"] * N
+    finally:
+        _native._config_in_use = running
+
+
 def check_fit_equals_single_process_sgd():
     before = _native.stats()
     _fit_and_compare(96, epochs=3)

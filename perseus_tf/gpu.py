@@ -1,0 +1,167 @@
+"""Which GPU a process trains on: one rank per GPU, as data parallelism on
+GPU machines runs.
+
+PerseusStrategy calls `pin()` itself when it is built without `devices=`;
+Horovod-style scripts pin with `hvd.local_rank()` as Horovod's documentation
+shows (hvd.init() starts no GPU, so that still works), or call `pin()`.
+
+`pin()`:
+  - leaves a machine without GPUs alone (returns None);
+  - picks the GPU of this process's local rank among those TF sees (after
+    CUDA_VISIBLE_DEVICES, and after any tf.config.set_visible_devices the
+    script made): GPU local_rank when there are at least as many GPUs as
+    ranks on the host, else local_rank modulo their number (ranks share
+    GPUs: fine with PERSEUS_GPU_TRANSPORT=host, refused by NCCL);
+  - makes it the only GPU TF starts in this process, so no rank takes memory
+    on another rank's GPU;
+  - turns on memory growth for it, so that TF's allocator takes memory as
+    the model needs it and leaves the rest to NCCL and the runtime's own
+    buffers (PERSEUS_GPU_MEMORY_GROWTH=0 keeps TF's default of taking almost
+    all; a memory limit set by the script, or TF_FORCE_GPU_ALLOW_GROWTH,
+    wins over both).
+
+Both must happen before TF starts its GPUs (its first op, or the first
+strategy built). When they have started already, `pin()` can no longer
+hide the other GPUs: it picks the local rank's among them and warns once.
+"""
+
+import os
+import warnings
+
+_warned_late = False
+
+
+class Placement:
+    """What pin() chose: `device` is the TF device to place replicas on
+    ("/gpu:0", or "/cpu:0" without a GPU), `gpu` the chosen GPU's index among
+    the GPUs TF saw before pinning (None without a GPU), `identity` names the
+    physical GPU for the one-rank-per-GPU check (its CUDA_VISIBLE_DEVICES
+    entry, or its CUDA ordinal), `memory_growth` whether pin() turned it on."""
+
+    def __init__(self, device, gpu=None, identity="", memory_growth=False, shared=False):
+        self.device = device
+        self.gpu = gpu
+        self.identity = identity
+        self.memory_growth = memory_growth
+        self.shared = shared  # more ranks than GPUs on this host
+
+    def __repr__(self):
+        return (f"Placement(device={self.device!r}, gpu={self.gpu}, identity={self.identity!r}, "
+                f"memory_growth={self.memory_growth})")
+
+
+def choose(gpu_count, local_rank, local_size):
+    """The index, among `gpu_count` GPUs, of local rank `local_rank`'s GPU
+    (None without GPUs)."""
+    if gpu_count <= 0:
+        return None
+    if local_rank < 0 or local_rank >= max(local_size, 1):
+        raise ValueError(f"local rank {local_rank} is outside 0..{local_size - 1} "
+                         f"(PERSEUS_LOCAL_RANK / PERSEUS_LOCAL_SIZE)")
+    return local_rank % gpu_count
+
+
+def identity(physical_name, env=None):
+    """The physical GPU behind TF's "/physical_device:GPU:N": entry N of
+    CUDA_VISIBLE_DEVICES when it is set (an index or a UUID), else N."""
+    env = os.environ if env is None else env
+    index = int(str(physical_name).rsplit(":", 1)[-1])
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip():
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if index < len(entries):
+            return entries[index]
+    return str(index)
+
+
+class _TfConfig:
+    """The tf.config calls pin() makes (tests hand in a stand-in: CI has no
+    GPU)."""
+
+    def __init__(self):
+        import tensorflow as tf
+        from tensorflow.python.eager import context
+        self._tf = tf
+        self._context = context
+
+    def started(self):
+        return self._context.context()._context_handle is not None
+
+    def physical(self):
+        return self._tf.config.list_physical_devices("GPU")
+
+    def visible(self):
+        return self._tf.config.get_visible_devices("GPU")
+
+    def set_visible(self, devices):
+        self._tf.config.set_visible_devices(devices, "GPU")
+
+    def has_limit(self, device):
+        return bool(self._tf.config.get_logical_device_configuration(device))
+
+    def set_memory_growth(self, device):
+        self._tf.config.experimental.set_memory_growth(device, True)
+
+
+def pin(local_rank=None, local_size=None, memory_growth=None, tf_config=None, env=None):
+    """Makes this process train on its local rank's GPU; returns a Placement
+    (see the module's text). `local_rank`/`local_size` default to the
+    running runtime's (perseus_tf.horovod.local_rank()), `memory_growth` to
+    PERSEUS_GPU_MEMORY_GROWTH (1)."""
+    global _warned_late
+    env = os.environ if env is None else env
+    cfg = tf_config or _TfConfig()
+    if local_rank is None or local_size is None:
+        from perseus_tf import _native
+        _native.ensure_initialized()
+        topo = _native.topology()
+        local_rank = topo["local_rank"] if local_rank is None else local_rank
+        local_size = topo["local_size"] if local_size is None else local_size
+    if not cfg.physical():
+        return Placement("/cpu:0")
+    pool = cfg.visible()
+    if not pool:  # the script hid every GPU: it trains on the CPU
+        return Placement("/cpu:0")
+    index = choose(len(pool), local_rank, local_size)
+    shared = len(pool) < local_size
+    chosen = pool[index]
+    if cfg.started():
+        # TF already runs on every GPU in `pool`: use the rank's among them.
+        if len(pool) > 1 and not _warned_late:
+            _warned_late = True
+            warnings.warn(
+                f"Perseus: TensorFlow had already started its {len(pool)} GPUs before the "
+                f"strategy was built, so every rank holds memory on each of them; rank with "
+                f"local rank {local_rank} trains on /gpu:{index}. Build the strategy (or call "
+                f"perseus_tf.gpu.pin()) before any TF op runs to give each rank its GPU alone.",
+                stacklevel=2)
+        return Placement(f"/gpu:{index}", index, identity(chosen.name, env), False, shared)
+    if memory_growth is None:
+        from perseus_tf import config
+        memory_growth = bool(config.load_config(environ=env).gpu_memory_growth)
+    growth = memory_growth and "TF_FORCE_GPU_ALLOW_GROWTH" not in env \
+        and not cfg.has_limit(chosen)
+    cfg.set_visible([chosen])
+    if growth:
+        cfg.set_memory_growth(chosen)
+    return Placement("/gpu:0", index, identity(chosen.name, env), growth, shared)
+
+
+def check_one_rank_per_gpu(hosts, identities, gpu_transport):
+    """Raises RuntimeError when two ranks of one host use one GPU while NCCL
+    moves the gradients (NCCL refuses that, at the first step). `hosts` and
+    `identities` are every rank's, in rank order ("" identity: no GPU)."""
+    if gpu_transport != "nccl":
+        return
+    seen = {}
+    for rank, (host, gpu) in enumerate(zip(hosts, identities)):
+        if not gpu:
+            continue
+        key = (host, gpu)
+        if key in seen:
+            raise RuntimeError(
+                f"ranks {seen[key]} and {rank} both train on GPU {gpu} of host {host}, and NCCL "
+                f"needs a GPU per rank: start at most as many ranks per host as it has GPUs "
+                f"(perseusrun -np), give each rank its own GPU (CUDA_VISIBLE_DEVICES, or pin "
+                f"with hvd.local_rank()), or set PERSEUS_GPU_TRANSPORT=host on every rank")
+        seen[key] = rank
