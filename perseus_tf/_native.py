@@ -66,6 +66,9 @@ def init(cluster=None, **overrides):
         cfg.gpu_transport = _resolve_gpu_transport(cfg.gpu_transport)
         if cfg.nccl_iface:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", cfg.nccl_iface)
+        # The NVRTC that compiles the CUDA kernels at the first GPU request.
+        from perseus_tf import gpu
+        gpu.use_wheel_nvrtc()
         if cfg.streams is None:
             cfg.streams = _config.auto_streams(topo.local_size)
         if topo.host_store and _store_server is None:

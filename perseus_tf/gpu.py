@@ -165,3 +165,49 @@ def check_one_rank_per_gpu(hosts, identities, gpu_transport):
                 f"(perseusrun -np), give each rank its own GPU (CUDA_VISIBLE_DEVICES, or pin "
                 f"with hvd.local_rank()), or set PERSEUS_GPU_TRANSPORT=host on every rank")
         seen[key] = rank
+
+
+def nvrtc_library():
+    """The libnvrtc the CUDA kernels are compiled with: PERSEUS_NVRTC_LIBRARY,
+    else the nvidia-cuda-nvrtc-cu12 (or -cu13) wheel's on sys.path (TF's CUDA
+    wheels install it), else None (libperseus_cuda.so then asks the system's
+    loader: a CUDA toolkit)."""
+    import glob
+    import sys
+    if os.environ.get("PERSEUS_NVRTC_LIBRARY"):
+        return os.environ["PERSEUS_NVRTC_LIBRARY"]
+    for base in sys.path:
+        for name in ("libnvrtc.so.12", "libnvrtc.so.13"):
+            found = sorted(glob.glob(os.path.join(base or ".", "nvidia", "**", name),
+                                     recursive=True))
+            if found:
+                return found[0]
+    return None
+
+
+def use_wheel_nvrtc():
+    """Names the wheel's NVRTC in PERSEUS_NVRTC_LIBRARY for the runtime
+    (perseus_tf.init does this), unless it is set already."""
+    found = nvrtc_library()
+    if found and not os.environ.get("PERSEUS_NVRTC_LIBRARY"):
+        os.environ["PERSEUS_NVRTC_LIBRARY"] = found
+    return found
+
+
+def cuda_info():
+    """What this install's GPU path finds, without a GPU: {"library": the
+    libperseus_cuda.so beside the runtime (built at install by the host
+    compiler), "nvrtc": its version and the architectures it compiles for,
+    or why it cannot be loaded, "nvrtc_ok": bool}."""
+    import ctypes
+    use_wheel_nvrtc()
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libperseus_cuda.so")
+    info = {"library": path if os.path.exists(path) else None, "nvrtc": "", "nvrtc_ok": False}
+    if info["library"] is None:
+        info["nvrtc"] = f"{path} is missing: reinstall Perseus-TF (pip install builds it)"
+        return info
+    lib = ctypes.CDLL(path)
+    text = ctypes.create_string_buffer(4096)
+    info["nvrtc_ok"] = lib.perseus_cuda_nvrtc_info(text, ctypes.c_size_t(len(text))) == 0
+    info["nvrtc"] = text.value.decode()
+    return info

@@ -1,10 +1,18 @@
-"""The CUDA kernels of cc/cuda. They compile without a GPU: under `make
-test` (PERSEUS_REQUIRE_NVCC=1) the Makefile has built libperseus_cuda.so
-with CUDA 13's compiler from PyPI, and its absence is a failure. Where a GPU
-and CuPy are present, tools/gpu_check.py compares every kernel with numpy;
-elsewhere that test skips, saying so."""
+"""The CUDA build: libperseus_cuda.so is built by the host compiler at
+`pip install` (no CUDA toolkit, nothing CUDA linked), and compiles its
+kernels at run time with NVRTC for the GPU in use. Without a GPU this
+checks what can be: the library is there with every entry point and links
+no CUDA; NVRTC (the CUDA 12 wheel TF's GPU install brings; `make cuda` puts
+it and CUDA 12's headers in .cuda/, and under `make test`,
+PERSEUS_REQUIRE_CUDA_WHEELS=1, their absence is a failure) compiles the
+kernels for every architecture Perseus supports, and each result holds
+code for that architecture; the driver's declarations match CUDA's own
+headers; an install finds the wheel's NVRTC by itself. Where a GPU and CuPy
+are present, tools/gpu_check.py compares every kernel with numpy; elsewhere
+that test skips, saying so."""
 
 import os
+import struct
 import subprocess
 import sys
 
@@ -12,34 +20,142 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIB = os.path.join(ROOT, "perseus_tf", "libperseus_cuda.so")
+WHEELS = os.path.join(ROOT, ".cuda")
+NVRTC = os.path.join(WHEELS, "nvidia", "cuda_nvrtc", "lib", "libnvrtc.so.12")
 ENTRY_POINTS = ["perseus_cuda_to_half", "perseus_cuda_from_half", "perseus_cuda_scale",
                 "perseus_cuda_sum_chunks", "perseus_cuda_nonfinite", "perseus_cuda_batched_copy",
                 "perseus_cuda_topk_scratch_bytes", "perseus_cuda_topk",
+                "perseus_cuda_scan_scratch_bytes", "perseus_cuda_exclusive_sum",
+                "perseus_cuda_spin", "perseus_cuda_compile_to_file", "perseus_cuda_nvrtc_info",
                 "perseus_cuda_plane_create", "perseus_cuda_device_count",
                 "perseus_cuda_error_string", "perseus_cuda_test_alloc", "perseus_cuda_test_free",
                 "perseus_cuda_test_produce", "perseus_cuda_test_fetch",
                 "perseus_cuda_event_destroy", "perseus_cuda_record_event",
                 "perseus_cuda_event_synchronize"]
+# Volta, Turing, Ampere (A100, A10/A30/3090), Ada (L4, L40) and Hopper: machine code
+# for each; PTX of the newest for what comes after (the driver compiles it).
+ARCHS = [70, 75, 80, 86, 89, 90]
+KERNELS = ["perseus_to_half", "perseus_from_half", "perseus_scale_bf16", "perseus_scale_i16",
+           "perseus_sum_chunks", "perseus_nonfinite_16", "perseus_batched_copy",
+           "perseus_topk_threshold", "perseus_scan_apply", "perseus_spin"]
 
 
 def _built():
-    if os.path.exists(LIB):
-        return LIB
-    if os.environ.get("PERSEUS_REQUIRE_NVCC") == "1":
-        pytest.fail(f"{LIB} was not built: `make cuda` installs CUDA 13's compiler and builds it")
-    pytest.skip("the CUDA kernels are not built here (no nvcc; `make cuda` builds them)")
+    assert os.path.exists(LIB), f"{LIB} is missing: `pip install -e .` builds it"
+    return LIB
 
 
-def test_the_kernels_compile_for_sm80_and_sm90_with_every_entry_point():
+def _wheels():
+    if os.path.exists(NVRTC):
+        return NVRTC
+    if os.environ.get("PERSEUS_REQUIRE_CUDA_WHEELS") == "1":
+        pytest.fail(f"{NVRTC} is missing: `make cuda` installs NVRTC and CUDA 12's headers")
+    pytest.skip("NVRTC is not installed here (`make cuda` puts it in .cuda/)")
+
+
+def test_the_library_is_built_by_the_install_with_every_entry_point_and_no_cuda_linked():
     lib = _built()
     symbols = subprocess.run(["nm", "-D", "--defined-only", lib], capture_output=True,
                              text=True, check=True).stdout
     missing = [name for name in ENTRY_POINTS if f" T {name}\n" not in symbols]
     assert not missing, missing
-    # The fat binary holds code for both architectures (the ELF names them).
-    with open(lib, "rb") as f:
-        blob = f.read()
-    assert b"sm_80" in blob and b"sm_90" in blob
+    needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True,
+                            check=True).stdout
+    linked = [line for line in needed.splitlines() if "NEEDED" in line]
+    assert not [line for line in linked if "cuda" in line or "nvrtc" in line], linked
+
+
+COMPILE_SCRIPT = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+error = ctypes.create_string_buffer(8192)
+for arch, path in zip(sys.argv[2::2], sys.argv[3::2]):
+    rc = lib.perseus_cuda_compile_to_file(arch.encode(), path.encode(), error,
+                                          ctypes.c_size_t(len(error)))
+    if rc != 0:
+        print("FAILED", arch, error.value.decode())
+        sys.exit(1)
+print("OK")
+"""
+
+
+def _elf_arch(blob):
+    """A cubin's target architecture: ELF machine 190 (CUDA), the SM in the
+    low byte of e_flags (ELF ABI version 7, what NVRTC 12 writes)."""
+    assert blob[:4] == b"\x7fELF", blob[:16]
+    machine = struct.unpack_from("<H", blob, 18)[0]
+    flags = struct.unpack_from("<I", blob, 48)[0]
+    assert machine == 190, machine
+    return flags & 0xFF
+
+
+def test_nvrtc_compiles_the_kernels_for_every_supported_gpu(tmp_path):
+    lib, nvrtc = _built(), _wheels()
+    args = []
+    for arch in ARCHS:
+        args += [f"sm_{arch}", str(tmp_path / f"sm_{arch}.cubin")]
+    args += ["compute_90", str(tmp_path / "compute_90.ptx")]
+    env = dict(os.environ, PERSEUS_NVRTC_LIBRARY=nvrtc)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, lib] + args,
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-4000:] + proc.stderr
+    for arch in ARCHS:
+        blob = (tmp_path / f"sm_{arch}.cubin").read_bytes()
+        assert _elf_arch(blob) == arch, (arch, _elf_arch(blob))
+        for kernel in KERNELS:
+            assert kernel.encode() in blob, (arch, kernel)
+    ptx = (tmp_path / "compute_90.ptx").read_text()
+    assert ".target sm_90" in ptx
+    for kernel in KERNELS:
+        assert f".entry {kernel}(" in ptx, kernel
+
+
+def test_a_bad_architecture_is_named_with_nvrtcs_message(tmp_path):
+    lib, nvrtc = _built(), _wheels()
+    env = dict(os.environ, PERSEUS_NVRTC_LIBRARY=nvrtc)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, lib, "sm_12",
+                           str(tmp_path / "x")], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 1 and "could not compile the kernels for sm_12" in proc.stdout, \
+        proc.stdout + proc.stderr
+
+
+def test_the_driver_declarations_match_cuda_h_and_nvrtc_h(tmp_path):
+    """tools/cuda_abi_check.cc: each call's types against the header's, and
+    the symbol loaded against the one the header maps its name to."""
+    _wheels()
+    include = [os.path.join(WHEELS, "nvidia", "cuda_runtime", "include"),
+               os.path.join(WHEELS, "nvidia", "cuda_nvrtc", "include")]
+    exe = str(tmp_path / "abi")
+    subprocess.run(["g++", "-std=c++17", "-I" + ROOT] + ["-I" + d for d in include] +
+                   [os.path.join(ROOT, "tools", "cuda_abi_check.cc"), "-o", exe],
+                   check=True, capture_output=True, text=True)
+    proc = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
+    assert "0 mismatches" in proc.stdout and "ok MemAlloc -> cuMemAlloc_v2" in proc.stdout
+
+
+def test_an_install_finds_the_wheels_nvrtc_by_itself():
+    """With nvidia-cuda-nvrtc-cu12 on sys.path (as tensorflow[and-cuda]
+    installs it) and no PERSEUS_NVRTC_LIBRARY, perseus_tf.gpu finds it and
+    the installed library loads it; without it, the reason says what to
+    install."""
+    _built()
+    nvrtc = _wheels()
+    script = "import json; from perseus_tf import gpu; print(json.dumps(gpu.cuda_info()))"
+    env = {k: v for k, v in os.environ.items() if k != "PERSEUS_NVRTC_LIBRARY"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, WHEELS])
+    import json
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env, cwd="/")
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["nvrtc_ok"] and info["nvrtc"].startswith("12.5:"), info
+    assert " 70 " in info["nvrtc"] and " 90 " in info["nvrtc"] and nvrtc in info["nvrtc"], info
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env=env, cwd="/")
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not info["nvrtc_ok"] and "install nvidia-cuda-nvrtc-cu12" in info["nvrtc"], info
 
 
 def test_the_kernels_match_numpy_on_a_gpu():
@@ -123,6 +239,8 @@ def test_a_gpu_tensor_without_a_usable_gpu_fails_with_the_reason():
                           timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ERROR" in proc.stdout and "cannot use CUDA device 0" in proc.stdout, proc.stdout
+    assert "the CUDA driver (libcuda.so.1, part of the NVIDIA driver) cannot be loaded" in \
+        proc.stdout, proc.stdout
     assert "on.gpu" in proc.stdout, proc.stdout
 
 

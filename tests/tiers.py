@@ -31,7 +31,7 @@ import os
 # the lanes already run first-pass jobs (the jobs that need them wait).
 SETUP = [("set-up:system-packages", "system-test", False),
          ("set-up:tf2.21-venv+native", "native", False),
-         ("build:cuda-kernels", "cuda", True),
+         ("set-up:cuda-wheels", "cuda", True),
          ("set-up:tf2.15-venv+native", "native-old", True),
          ("set-up:ray", "ray", True)]
 
@@ -99,7 +99,7 @@ FIRST_PASS = [
     Job("test_config.py", 10),
     Job("test_contracts.py", 9),
     Job("test_core.py", 23),
-    Job("test_cuda.py", 5, needs=["build:cuda-kernels"]),
+    Job("test_cuda.py", 5, needs=["set-up:cuda-wheels"]),
     Job("test_docs.py", 50),
     Job("test_elastic.py", 57),
     Job("test_examples_and_build.py", 170),
@@ -140,7 +140,7 @@ SECOND_PASS = [
     Job("test_preemption.py", 45, select="sigterm or loses_a_rank"),
     # GPU kernels registered by the op library built against TF 2.15 (the
     # CUDA build itself does not depend on TF: first pass).
-    Job("test_cuda.py", 3, select="tf_kernels or gpu_tensor", needs=["build:cuda-kernels"]),
+    Job("test_cuda.py", 3, select="tf_kernels or gpu_tensor", needs=["set-up:cuda-wheels"]),
     # The examples under Keras 2, and one runtime shared by the TF 2.15 op
     # library and _core. (Compression's accuracy, the Bazel build and the
     # Makefile's plan are the runtime's and the build's: first pass.)
@@ -173,7 +173,7 @@ def runs(tier):
     if tier == "check":
         return [Run("check", ".venv", {}, CHECK)]
     # make test builds the CUDA kernels: test_cuda.py fails if they are missing.
-    return [Run(FIRST, ".venv", {"PERSEUS_TEST_PASS": FIRST, "PERSEUS_REQUIRE_NVCC": "1"},
+    return [Run(FIRST, ".venv", {"PERSEUS_TEST_PASS": FIRST, "PERSEUS_REQUIRE_CUDA_WHEELS": "1"},
                 FIRST_PASS),
             Run(SECOND, ".venv-tf215", {"PERSEUS_TEST_PASS": SECOND}, SECOND_PASS,
                 needs=["set-up:tf2.15-venv+native"])]

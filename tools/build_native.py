@@ -1,8 +1,10 @@
 """Compiles Perseus-TF's native code against the TensorFlow that is installed.
 
-Three shared objects land in one directory (the `perseus_tf` package):
+Four shared objects land in one directory (the `perseus_tf` package):
   libperseus_core.so   cc/core, cc/rendezvous, cc/transport, cc/device, cc/runtime; no TensorFlow
-  libperseus_cuda.so   cc/cuda's kernels, only with --cuda (nvcc; no GPU needed to build)
+  libperseus_cuda.so   cc/cuda: the CUDA data plane and its kernels' source, built by the host
+                       compiler (no CUDA toolkit, no GPU); it opens CUDA's driver and NVRTC
+                       at run time and compiles the kernels for the GPU in use
   _perseus_ops_tfX_Y.so  TensorFlow ops and kernels for TF X.Y, linked to libperseus_core.so
   _core<EXT_SUFFIX>    pybind11 module, linked to libperseus_core.so
 Both front ends load the same libperseus_core.so (found through
@@ -115,6 +117,7 @@ def build(out_dir=None, jobs=2, verbose=True):
         "py": (_sources("python"), ["-I" + pybind11.get_include(),
                                     "-I" + sysconfig.get_paths()["include"],
                                     "-fvisibility=hidden"]),
+        "cuda": (_sources("cuda"), []),
     }
     compile_jobs, objects = [], {}
     for group, (srcs, extra) in groups.items():
@@ -141,57 +144,12 @@ def build(out_dir=None, jobs=2, verbose=True):
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     pymod = os.path.join(out_dir, "_core" + ext)
     _link(cxx, pymod, objects["py"] + link_core)
+    cuda = os.path.join(out_dir, "libperseus_cuda.so")
+    _link(cxx, cuda, objects["cuda"] + ["-ldl", "-lpthread", "-Wl,-soname,libperseus_cuda.so"])
     if verbose:
-        print("built", core, ops, pymod, sep="\n  ", flush=True)
-    return [core, ops, pymod]
-
-
-# The CUDA kernels (cc/cuda): for the GPUs of the last generations, plus PTX
-# that newer ones compile at load time. CUDA 13 supports compute 7.5 and up.
-CUDA_ARCHS = ["-gencode=arch=compute_80,code=sm_80",
-              "-gencode=arch=compute_90,code=[sm_90,compute_90]"]
-
-
-def find_nvcc():
-    """PERSEUS_NVCC, else the CUDA 13 compiler wheels in the tree's .cuda/
-    (`make cuda` installs them), else nvcc on PATH; None when there is none."""
-    env = os.environ.get("PERSEUS_NVCC")
-    if env:
-        return env
-    local = os.path.join(ROOT, ".cuda", "nvidia", "cu13", "bin", "nvcc")
-    if os.path.exists(local):
-        return local
-    return shutil.which("nvcc")
-
-
-def build_cuda(out_dir=None, verbose=True):
-    """Builds libperseus_cuda.so from cc/cuda/*.cu when nvcc is found (no GPU
-    is needed to compile); returns its path, or None without nvcc."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        if verbose:
-            print("no nvcc: the CUDA kernels are not built (make cuda installs a compiler)",
-                  flush=True)
-        return None
-    out_dir = out_dir or os.path.join(ROOT, "perseus_tf")
-    target = os.path.join(out_dir, "libperseus_cuda.so")
-    folder = os.path.join(ROOT, "cc", "cuda")
-    sources = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".cu"))
-    headers = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".h")]
-    headers += [os.path.join(ROOT, "cc", "device", "data_plane.h"),
-                os.path.join(ROOT, "cc", "core", "common.h")]
-    if _newer(target, sources + headers):
-        return target
-    partial = target + ".partial"
-    _run([nvcc, "-std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-I" + ROOT] +
-         CUDA_ARCHS + sources + ["-o", partial])
-    os.replace(partial, target)
-    if verbose:
-        print("built", target, flush=True)
-    return target
+        print("built", core, ops, pymod, cuda, sep="\n  ", flush=True)
+    return [core, ops, pymod, cuda]
 
 
 if __name__ == "__main__":
-    if "--cuda" in sys.argv:
-        sys.exit(0 if build_cuda() else 1)
     build(sys.argv[1] if len(sys.argv) > 1 else None)

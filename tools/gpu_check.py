@@ -5,9 +5,10 @@ NCCL as the runtime loads it.
     python tools/gpu_check.py [--lib perseus_tf/libperseus_cuda.so]
 
 Prints one line per check ("ok"/"FAIL" and what was compared) and exits
-non-zero when any failed. Needs numpy, CuPy and the built
-libperseus_cuda.so (`make cuda`, or tools/build_native.py --cuda where nvcc
-is). Without a GPU it says so and exits 2.
+non-zero when any failed. Needs numpy, CuPy, the built libperseus_cuda.so
+(tools/build_native.py, or pip install) and NVRTC (PERSEUS_NVRTC_LIBRARY,
+or found as the library looks for it): the kernels are compiled for this
+GPU at the first launch. Without a GPU it says so and exits 2.
 """
 
 import argparse
@@ -41,12 +42,17 @@ def load(path):
         "perseus_cuda_nonfinite": [p, i32, sz, p, p],
         "perseus_cuda_batched_copy": [p, i32, p],
         "perseus_cuda_topk": [p, p, sz, sz, f32, p, p, p, p],
+        "perseus_cuda_exclusive_sum": [p, p, sz, p, p],
     }
     for name, args in sig.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = i32
     lib.perseus_cuda_topk_scratch_bytes.argtypes = [sz]
     lib.perseus_cuda_topk_scratch_bytes.restype = sz
+    lib.perseus_cuda_scan_scratch_bytes.argtypes = [sz]
+    lib.perseus_cuda_scan_scratch_bytes.restype = sz
+    lib.perseus_cuda_error_string.argtypes = [i32]
+    lib.perseus_cuda_error_string.restype = ctypes.c_char_p
     return lib
 
 
@@ -56,6 +62,13 @@ def check_kernels(lib, cp):
     stream.use()  # CuPy's own copies and fills too, so each kernel comes after them
     s = stream.ptr
     ptr = lambda a: ctypes.c_void_p(a.data.ptr)  # noqa: E731
+    # The first launch compiles the kernels for this GPU with NVRTC (or reads the cache).
+    one = cp.zeros(1, cp.float32)
+    half = cp.zeros(1, cp.uint16)
+    rc = lib.perseus_cuda_to_half(ptr(one), ptr(half), 1, 1.0, ctypes.c_void_p(s))
+    stream.synchronize()
+    report("kernels compiled by NVRTC and loaded for this GPU", rc == 0,
+           "" if rc == 0 else lib.perseus_cuda_error_string(rc).decode())
 
     for n in (0, 1, 1000, 3_000_001):
         x = (rng.standard_normal(n) * 3).astype(np.float32)
@@ -116,6 +129,17 @@ def check_kernels(lib, cp):
     stream.synchronize()
     want = np.concatenate([np.zeros(3, np.uint8)] + [cp.asnumpy(x) for x in srcs])
     report("batched_copy (8 spans, unaligned)", rc == 0 and np.array_equal(cp.asnumpy(dst), want))
+
+    for n in (1, 255, 1025, 3_000_001):  # the scan top-k uses: one block, a tile, many
+        flags = (rng.random(n) < 0.3).astype(np.uint32)
+        dflags, dout = cp.asarray(flags), cp.empty(n, cp.uint32)
+        scratch = cp.empty(lib.perseus_cuda_scan_scratch_bytes(n), cp.uint8)
+        rc = lib.perseus_cuda_exclusive_sum(ptr(dflags), ptr(dout), n, ptr(scratch),
+                                            ctypes.c_void_p(s))
+        stream.synchronize()
+        want = np.concatenate([[0], np.cumsum(flags)[:-1]]).astype(np.uint32)
+        report(f"exclusive_sum n={n}", rc == 0 and np.array_equal(cp.asnumpy(dout), want),
+               "" if rc == 0 else lib.perseus_cuda_error_string(rc).decode())
 
     for n, k in ((10, 3), (100_000, 5_000), (1000, 1000)):
         g = rng.standard_normal(n).astype(np.float32)

@@ -5,7 +5,9 @@
 # the _core test suite with every array on the GPU.
 #
 # It expects libperseus_core.so and libperseus_cuda.so built on the
-# development machine (tools/build_native.py, --cuda) and, in .gpu/, Gloo's
+# development machine (tools/build_native.py: the CUDA library needs no
+# CUDA to build; it compiles its kernels here with the machine's NVRTC,
+# found below unless PERSEUS_NVRTC_LIBRARY names one) and, in .gpu/, Gloo's
 # headers (include/gloo) and the shared libraries libperseus_core.so needs
 # (lib/: libgloo.so.0 and what it links). It builds _core for the machine's
 # own Python, then runs each step with a time limit. Logs go to $OUT.
@@ -29,6 +31,13 @@ export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1
 # Runs the rest of the line with NCCL_HOSTID set to the rank's own.
 per_rank_host='export NCCL_HOSTID=perseus-rank$PERSEUS_RANK; exec "$0" "$@"'
 status=0
+if [ -z "${PERSEUS_NVRTC_LIBRARY:-}" ]; then
+  PERSEUS_NVRTC_LIBRARY=$($PY -c 'from perseus_tf import gpu; print(gpu.nvrtc_library() or "")')
+  [ -n "$PERSEUS_NVRTC_LIBRARY" ] || PERSEUS_NVRTC_LIBRARY=$(ls /usr/local/cuda*/lib64/libnvrtc.so.1[23] \
+    /usr/lib/x86_64-linux-gnu/libnvrtc.so.1[23] 2>/dev/null | head -n 1)
+  export PERSEUS_NVRTC_LIBRARY
+fi
+export PERSEUS_KERNEL_CACHE=${PERSEUS_KERNEL_CACHE:-$OUT/kernel-cache}
 
 step() {  # name, limit in seconds, command...
   local name=$1 limit=$2
@@ -72,6 +81,7 @@ for s in $steps; do
   case $s in
     build)
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      $PY -c 'from perseus_tf import gpu; print(gpu.cuda_info())'
       ext=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
       step build 300 g++ -std=c++17 -O2 -fPIC -shared -fvisibility=hidden \
         -D_GLIBCXX_USE_CXX11_ABI=1 -I. -I.gpu/include $($PY -m pybind11 --includes) \

@@ -1,5 +1,6 @@
-// The CUDA data plane (cuda_plane.cu) and what tests need of the CUDA
-// runtime, behind a C interface in libperseus_cuda.so. libperseus_core.so
+// The CUDA data plane (cuda_plane.cc) and what tests need of CUDA, behind
+// a C interface in libperseus_cuda.so (built by the host compiler; CUDA's
+// driver and NVRTC are opened at run time, cc/cuda/driver.h). libperseus_core.so
 // does not link CUDA: it opens that library when the first request placed on
 // a CUDA device arrives (cc/device/cuda_library.h) and finds these by name.
 #pragma once
@@ -13,11 +14,11 @@ extern "C" {
 // destructor. Null on failure, with the reason in error (error_len bytes).
 void* perseus_cuda_plane_create(int device, int streams, char* error, size_t error_len);
 
-// How many CUDA devices this process sees; a cudaError_t (0: fine).
+// How many CUDA devices this process sees; a CUresult (0: fine).
 int perseus_cuda_device_count(int* count);
 const char* perseus_cuda_error_string(int code);
 
-// For tests (PERSEUS_TEST_DEVICE=cuda), each a cudaError_t:
+// For tests (PERSEUS_TEST_DEVICE=cuda), each a CUresult:
 // device memory of `bytes` (filled with 0xff bytes: NaN as floats);
 int perseus_cuda_test_alloc(int device, size_t bytes, void** out);
 int perseus_cuda_test_free(int device, void* ptr);
@@ -33,7 +34,7 @@ int perseus_cuda_test_produce(int device, void* dst, const void* host, size_t by
 int perseus_cuda_test_fetch(int device, void* host, const void* src, size_t bytes);
 int perseus_cuda_event_destroy(void* event);
 
-// For TF's GPU kernels (cc/tf/kernels.cc), each a cudaError_t: an event
+// For TF's GPU kernels (cc/tf/kernels.cc), each a CUresult: an event
 // recorded now on `stream` of `device` (a producer's cudaStream_t), and a
 // host wait for one.
 int perseus_cuda_record_event(int device, void* stream, void** event);

@@ -1,15 +1,19 @@
-// CUDA kernels of the GPU data plane, behind a C interface (so that code
-// built without nvcc, and Python through ctypes, can call them). Each
-// function queues its work on `stream` (a cudaStream_t; null is the legacy
-// default stream) and returns a cudaError_t (0: queued). Nothing here waits
-// for the device.
+// CUDA kernels of the GPU data plane, behind a C interface (so that Python,
+// through ctypes, can call them too). Each function queues its work on
+// `stream` (a CUstream / cudaStream_t; null is the legacy default stream) in
+// the calling thread's current CUDA context (none current: device 0's
+// primary context, the one TF and the CUDA runtime use) and returns a
+// CUresult (0: queued). Nothing here waits for the device.
 //
-// Built with nvcc into libperseus_cuda.so when nvcc is found (tools/
-// build_native.py); the rest of Perseus builds and runs without it.
+// The kernels' source (kernel_source.cc) is compiled at run time by NVRTC
+// for the GPU of the context, once per context, and the result is cached
+// on disk (PERSEUS_KERNEL_CACHE, default ~/.cache/perseus_tf/kernels). So
+// libperseus_cuda.so builds with the host compiler alone, at `pip install`.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 extern "C" {
 
@@ -21,7 +25,7 @@ int perseus_cuda_from_half(const uint16_t* in, float* out, size_t n, float scale
 // float16 0, bfloat16 1, float32 2, float64 3, int32 4, int64 5, uint8 6,
 // int8 7, bool 8 (left as it is), uint16 9, int16 10), with the host's
 // rounding (ScaleBuffer): integers through double, truncated toward zero.
-// Returns cudaErrorInvalidValue (1) for other codes.
+// Returns CUDA_ERROR_INVALID_VALUE (1) for other codes.
 int perseus_cuda_scale(void* data, int dtype, size_t n, double factor, void* stream);
 // out[i] = sum over k < chunks of in[k][i], float32, in chunk order (the sum
 // of host-staged chunks, the same order on every rank). `in` is a device
@@ -42,5 +46,36 @@ int perseus_cuda_batched_copy(const uint64_t* spans, int count, void* stream);
 size_t perseus_cuda_topk_scratch_bytes(size_t n);
 int perseus_cuda_topk(const float* grad, float* residual, size_t n, size_t k, float prescale,
                       int32_t* out_index, float* out_value, void* scratch, void* stream);
+// out = the exclusive prefix sum of in (uint32); `scratch` is device memory
+// of perseus_cuda_scan_scratch_bytes(n) bytes.
+size_t perseus_cuda_scan_scratch_bytes(size_t n);
+int perseus_cuda_exclusive_sum(const uint32_t* in, uint32_t* out, size_t n, void* scratch,
+                               void* stream);
+
+// For tests: a kernel busy for `cycles` clock cycles (a slow producer).
+int perseus_cuda_spin(long long cycles, void* stream);
+
+// Compiles the kernels with NVRTC for `arch` ("sm_80": machine code for
+// that GPU; "compute_90": PTX that newer GPUs' drivers compile at load) into
+// the file `path`; needs no GPU. 0 on success, else the reason in error.
+int perseus_cuda_compile_to_file(const char* arch, const char* path, char* error,
+                                 size_t error_len);
+// What NVRTC compiles for: its version and real architectures, as text
+// ("12.5: 50 52 ... 90"), or why it cannot be loaded. 0 when loaded.
+int perseus_cuda_nvrtc_info(char* out, size_t out_len);
 
 }  // extern "C"
+
+namespace perseus {
+
+// The kernels for the current context, compiled (or read from the cache)
+// and loaded on first use; throws std::runtime_error saying why not (no
+// NVRTC, a GPU older than NVRTC's oldest target, a compile error).
+void EnsureKernels();
+
+// The error code kernels.cc returns when the kernels could not be made
+// ready; perseus_cuda_error_string gives the reason.
+constexpr int kKernelsUnavailable = 999999;
+std::string KernelsUnavailableReason();
+
+}  // namespace perseus

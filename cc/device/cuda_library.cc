@@ -28,8 +28,9 @@ const CudaLibrary* Open(std::string* why_not) {
   if (handle == nullptr) {
     const char* err = dlerror();
     *why_not = "cannot open " + path + " (" + (err ? err : "unknown error") +
-               "): it holds Perseus's CUDA code and is built where nvcc is found (`make cuda`, "
-               "or tools/build_native.py --cuda); PERSEUS_CUDA_LIBRARY names another path";
+               "): it holds Perseus's CUDA code and `pip install` builds it beside "
+               "libperseus_core.so (reinstall Perseus-TF); PERSEUS_CUDA_LIBRARY names another "
+               "path";
     return nullptr;
   }
   auto* lib = new CudaLibrary();

@@ -91,6 +91,10 @@ class DataPlane {
   // has finished; the host plane runs it before returning. `error` is empty,
   // or says what failed in the device work.
   virtual void Finish(int stream, std::function<void(const std::string& error)> done) = 0;
+  // Which physical device this is, for NCCL's one-GPU-per-rank check:
+  // "host|PCI bus id" (the host as NCCL tells hosts apart: NCCL_HOSTID,
+  // else the host name); empty for planes without one.
+  virtual std::string DeviceIdentity() const { return ""; }
   // The device's own handle of `stream` (a cudaStream_t), for transports
   // that queue work on it (NCCL); null on planes without one.
   virtual void* NativeStream(int stream) { return nullptr; }

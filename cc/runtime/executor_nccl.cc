@@ -86,7 +86,8 @@ NcclComm* Executor::NcclFor(int stream, const DataPlane& plane, DataType dtype, 
         std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000)),
         "stream " + std::to_string(stream) + " of " +
             (host_group ? "host " + std::to_string(options_.cross_rank) + " of " + group
-                        : group)));
+                        : group),
+        plane.DeviceIdentity()));
   }
   return comm.get();
 }

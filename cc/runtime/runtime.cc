@@ -225,6 +225,25 @@ ExecutorContext Runtime::MakeExecutorContext(const TransportOptions& bo) {
       id->assign(data.begin(), data.end());
       return true;
     };
+    b.gather = [options, key, store_wait](int rank, int size, const std::string& mine,
+                                          std::chrono::milliseconds wait,
+                                          std::vector<std::string>* all) {
+      StoreClient store(options.store_addr, options.store_port, options.secret, store_wait);
+      store.set(key + "/gpu/" + std::to_string(rank), std::vector<char>(mine.begin(), mine.end()));
+      const auto deadline = std::chrono::steady_clock::now() + wait;
+      all->assign(static_cast<size_t>(size), std::string());
+      for (int r = 0; r < size; ++r) {
+        std::vector<char> data;
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (!store.TryGet(key + "/gpu/" + std::to_string(r),
+                          std::max(left, std::chrono::milliseconds(1)), &data)) {
+          return false;
+        }
+        (*all)[static_cast<size_t>(r)].assign(data.begin(), data.end());
+      }
+      return true;
+    };
     return b;
   };
   return ec;

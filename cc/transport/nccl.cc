@@ -127,9 +127,40 @@ int NcclReduceOp(ReduceOp op) {
   throw std::invalid_argument("unknown reduction");
 }
 
+// Two ranks of `all` naming one GPU: an error naming both, else empty.
+static std::string SharedGpu(const std::vector<std::string>& all, const std::string& what) {
+  for (size_t a = 0; a < all.size(); ++a) {
+    for (size_t b = a + 1; b < all.size(); ++b) {
+      if (all[a].empty() || all[a] != all[b]) continue;
+      const size_t bar = all[a].find('|');
+      const std::string host = bar == std::string::npos ? "?" : all[a].substr(0, bar);
+      const std::string gpu = bar == std::string::npos ? all[a] : all[a].substr(bar + 1);
+      return "NCCL " + what + ": ranks " + std::to_string(a) + " and " + std::to_string(b) +
+             " both use GPU " + gpu + " of host " + host +
+             ", and NCCL needs a GPU per rank: start at most as many ranks per host as it has "
+             "GPUs, give each rank its own GPU (CUDA_VISIBLE_DEVICES, or pin with "
+             "hvd.local_rank() / perseus_tf.gpu.pin()), or set PERSEUS_GPU_TRANSPORT=host on "
+             "every rank";
+    }
+  }
+  return "";
+}
+
 NcclComm::NcclComm(const NcclLibrary& lib, int rank, int size, const NcclBootstrap& bootstrap,
-                   std::chrono::milliseconds timeout, const std::string& what)
+                   std::chrono::milliseconds timeout, const std::string& what,
+                   const std::string& device)
     : lib_(lib), rank_(rank), size_(size), timeout_(timeout), what_(what) {
+  if (bootstrap.gather && !device.empty() && size > 1) {
+    std::vector<std::string> all;
+    if (!bootstrap.gather(rank, size, device, timeout_, &all)) {
+      throw std::runtime_error("NCCL " + what_ + ": rank " + std::to_string(rank) +
+                               " did not hear from every rank which GPU it uses within " +
+                               std::to_string(timeout_.count() / 1000) +
+                               " s (GLOO_TIMEOUT_SECONDS); is every rank alive?");
+    }
+    const std::string shared = SharedGpu(all, what_);
+    if (!shared.empty()) throw std::runtime_error(shared);
+  }
   NcclLibrary::UniqueId id;
   std::memset(&id, 0, sizeof(id));
   if (rank == 0) {

@@ -87,15 +87,24 @@ struct NcclBootstrap {
   std::function<void(const std::string& id)> publish;  // rank 0
   // The others; returns false when the id did not come within the wait.
   std::function<bool(std::chrono::milliseconds wait, std::string* id)> fetch;
+  // Every rank's `mine` (its GPU), in rank order, into *all; false when
+  // some did not come within the wait. Null: the GPUs are not compared.
+  std::function<bool(int rank, int size, const std::string& mine, std::chrono::milliseconds wait,
+                     std::vector<std::string>* all)>
+      gather;
 };
 
 class NcclComm {
  public:
   // Collective over `size` ranks; `what` names the communicator in errors
   // ("stream 1 of the world"). Throws std::runtime_error (after aborting)
-  // when it is not ready within `timeout`.
+  // when it is not ready within `timeout`. `device` names this rank's GPU
+  // ("host|PCI bus id", DataPlane::DeviceIdentity): when the bootstrap can
+  // gather, two ranks naming one GPU fail on every rank, naming both, before
+  // NCCL is asked (it refuses them with a less helpful message).
   NcclComm(const NcclLibrary& lib, int rank, int size, const NcclBootstrap& bootstrap,
-           std::chrono::milliseconds timeout, const std::string& what);
+           std::chrono::milliseconds timeout, const std::string& what,
+           const std::string& device = std::string());
   ~NcclComm();
   NcclComm(const NcclComm&) = delete;
   NcclComm& operator=(const NcclComm&) = delete;

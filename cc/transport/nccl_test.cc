@@ -5,6 +5,7 @@
 #include <dlfcn.h>
 
 #include <condition_variable>
+#include <map>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -53,6 +54,29 @@ struct Board {
       std::unique_lock<std::mutex> lock(mu);
       if (!cv.wait_for(lock, wait, [&] { return !id.empty(); })) return false;
       *out = id;
+      return true;
+    };
+    return b;
+  }
+};
+
+// Board's gather: every rank's GPU, in memory.
+struct GpuBoard {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<int, std::string> gpus;
+  NcclBootstrap For(Board& ids) {
+    NcclBootstrap b = ids.For();
+    b.gather = [this](int rank, int size, const std::string& mine, milliseconds wait,
+                      std::vector<std::string>* all) {
+      std::unique_lock<std::mutex> lock(mu);
+      gpus[rank] = mine;
+      cv.notify_all();
+      if (!cv.wait_for(lock, wait, [&] { return static_cast<int>(gpus.size()) == size; })) {
+        return false;
+      }
+      all->clear();
+      for (auto& entry : gpus) all->push_back(entry.second);
       return true;
     };
     return b;
@@ -130,6 +154,40 @@ TEST(NcclTwoRanksShareRankZerosIdAndSum) {
   CHECK_EQ(count1, 2);
   CHECK(ra[0] == 11 && ra[2] == 33 && rb[1] == 22);
   CHECK_EQ(FakeCounter("fake_nccl_last_blocking"), 0);  // created non-blocking
+}
+
+// Two ranks naming one GPU (NCCL refuses them at init) fail on both ranks,
+// naming both and what to change; one GPU each makes the communicator.
+TEST(NcclTwoRanksOnOneGpuAreNamedOnEveryRank) {
+  const NcclLibrary* lib = Fake();
+  CHECK(lib != nullptr);
+  if (lib == nullptr) return;
+  unsetenv("FAKE_NCCL_SCRIPT");
+  for (bool shared : {true, false}) {
+    Board ids;
+    GpuBoard gpus;
+    std::string err0, err1;
+    std::thread other([&] {
+      err1 = ErrorOf([&] {
+        NcclComm comm(*lib, 1, 2, gpus.For(ids), milliseconds(5000), "stream 0 of the world",
+                      shared ? "node7|0000:1A:00.0" : "node7|0000:1B:00.0");
+      });
+    });
+    err0 = ErrorOf([&] {
+      NcclComm comm(*lib, 0, 2, gpus.For(ids), milliseconds(5000), "stream 0 of the world",
+                    "node7|0000:1A:00.0");
+    });
+    other.join();
+    if (shared) {
+      for (const std::string& err : {err0, err1}) {
+        CHECK(Has(err, "NCCL stream 0 of the world: ranks 0 and 1 both use GPU 0000:1A:00.0 "
+                       "of host node7"));
+        CHECK(Has(err, "PERSEUS_GPU_TRANSPORT=host"));
+      }
+    } else {
+      CHECK(err0.empty() && err1.empty());
+    }
+  }
 }
 
 TEST(NcclReduceLeavesTheSumOnTheRootAlone) {

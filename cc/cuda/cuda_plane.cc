@@ -1,0 +1,599 @@
+// The CUDA data plane (cc/device/data_plane.h): every memory operation of
+// the executor is queued on the runtime's own non-blocking streams, ordered
+// after the producer's event, and a request completes when a thread of the
+// plane sees the event recorded after its work fire. Nothing here makes the
+// whole device wait. Host staging buffers are pinned, so copies through
+// them are asynchronous. Everything goes through the driver API (driver.h),
+// in the device's primary context, the one TF and the CUDA runtime use.
+#include "cc/cuda/cuda_plane.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cc/cuda/driver.h"
+#include "cc/cuda/kernels.h"
+#include "cc/device/data_plane.h"
+
+namespace perseus {
+namespace {
+
+const cu::Driver& D() { return *cu::Driver::Get(nullptr); }  // loaded before any plane
+
+cu::DevicePtr DP(const void* p) { return reinterpret_cast<cu::DevicePtr>(p); }
+
+void Check(cu::Result r, const char* what, int device) {
+  if (r != cu::kSuccess) {
+    throw std::runtime_error(std::string("CUDA error in ") + what + " on device " +
+                             std::to_string(device) + ": " +
+                             (r == kKernelsUnavailable ? KernelsUnavailableReason()
+                                                       : D().Describe(r)));
+  }
+}
+
+// Device `device`'s primary context (retained once, kept for the process)
+// made current on the calling thread.
+cu::Result UseDevice(int device) {
+  static std::mutex mu;
+  static std::map<int, cu::Context> contexts;
+  cu::Context ctx = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = contexts.find(device);
+    if (it != contexts.end()) {
+      ctx = it->second;
+    } else {
+      cu::Device dev = 0;
+      cu::Result r = D().DeviceGet(&dev, device);
+      if (r == cu::kSuccess) r = D().DevicePrimaryCtxRetain(&ctx, dev);
+      if (r != cu::kSuccess) return r;
+      contexts[device] = ctx;
+    }
+  }
+  cu::Context current = nullptr;
+  D().CtxGetCurrent(&current);
+  return current == ctx ? cu::kSuccess : D().CtxSetCurrent(ctx);
+}
+
+// Device (or managed) memory; plain host memory is unknown to the driver.
+bool OnDevice(const void* p) {
+  unsigned type = 0;
+  if (D().PointerGetAttribute(&type, cu::kPointerMemoryType, DP(p)) != cu::kSuccess) return false;
+  int managed = 0;
+  D().PointerGetAttribute(&managed, cu::kPointerIsManaged, DP(p));
+  return type == cu::kMemoryTypeDevice || managed != 0;
+}
+
+// Runs the completions of one stream, in order, each once the event
+// recorded after its work has fired. The thread polls (a blocking event
+// wait cannot be given a deadline) and says so on stderr when device work
+// has not finished after a minute, every minute, rather than wait silently.
+class Finisher {
+ public:
+  Finisher(int device, std::string what)
+      : device_(device), what_(std::move(what)), thread_(&Finisher::Loop, this) {}
+  ~Finisher() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Add(cu::Event event, std::function<void(const std::string&)> done) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.emplace_back(event, std::move(done));
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  void Loop() {
+    UseDevice(device_);
+    while (true) {
+      std::pair<cu::Event, std::function<void(const std::string&)>> item;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and everything ran
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const auto start = std::chrono::steady_clock::now();
+      auto next_warning = start + std::chrono::seconds(60);
+      int pause_us = 2;
+      cu::Result e;
+      while ((e = D().EventQuery(item.first)) == cu::kNotReady) {
+        std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
+        if (pause_us < 500) pause_us *= 2;
+        const auto now = std::chrono::steady_clock::now();
+        if (now >= next_warning) {
+          std::fprintf(stderr,
+                       "Perseus: device work on %s has not finished after %lld s (a kernel or "
+                       "a copy that never ends?)\n",
+                       what_.c_str(),
+                       static_cast<long long>(
+                           std::chrono::duration_cast<std::chrono::seconds>(now - start).count()));
+          next_warning = now + std::chrono::seconds(60);
+        }
+      }
+      D().EventDestroy(item.first);
+      item.second(e == cu::kSuccess ? std::string()
+                                    : std::string("CUDA error in the device work of ") + what_ +
+                                          ": " + D().Describe(e));
+    }
+  }
+
+  int device_;
+  std::string what_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<cu::Event, std::function<void(const std::string&)>>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+class CudaPlane : public DataPlane {
+ public:
+  CudaPlane(int device, int streams) : device_(device) {
+    Use();
+    // Compiled (or read from the cache) now: a GPU that NVRTC cannot serve
+    // fails the first request with the reason, not a later kernel.
+    EnsureKernels();
+    for (int s = 0; s < streams; ++s) {
+      auto st = std::make_unique<PerStream>();
+      Check(D().StreamCreate(&st->stream, cu::kStreamNonBlocking), "cuStreamCreate", device);
+      Check(D().EventCreate(&st->staging_free, cu::kEventDisableTiming), "cuEventCreate", device);
+      Check(D().EventCreate(&st->table_free, cu::kEventDisableTiming), "cuEventCreate", device);
+      st->finisher = std::make_unique<Finisher>(
+          device, "stream " + std::to_string(s) + " of CUDA device " + std::to_string(device));
+      streams_.push_back(std::move(st));
+    }
+    Check(D().StreamCreate(&check_stream_, cu::kStreamNonBlocking), "cuStreamCreate", device);
+    Check(D().MemAlloc(&flag_, sizeof(int)), "cuMemAlloc", device);
+    Check(D().MemHostAlloc(reinterpret_cast<void**>(&flag_host_), sizeof(int), 0),
+          "cuMemHostAlloc", device);
+  }
+
+  ~CudaPlane() override {
+    UseDevice(device_);
+    for (auto& st : streams_) {
+      D().StreamSynchronize(st->stream);
+      st->finisher.reset();  // runs what is left to complete
+      for (auto& b : st->device) {
+        if (b.ptr) D().MemFreeAsync(DP(b.ptr), st->stream);
+      }
+      if (st->table.ptr) D().MemFreeAsync(DP(st->table.ptr), st->stream);
+      D().StreamSynchronize(st->stream);
+      if (st->staging.ptr) D().MemFreeHost(st->staging.ptr);
+      if (st->table_host.ptr) D().MemFreeHost(st->table_host.ptr);
+      for (void* p : st->retired_host) D().MemFreeHost(p);
+      D().EventDestroy(st->staging_free);
+      D().EventDestroy(st->table_free);
+      D().StreamDestroy(st->stream);
+    }
+    D().StreamSynchronize(check_stream_);
+    D().StreamDestroy(check_stream_);
+    D().MemFree(flag_);
+    D().MemFreeHost(flag_host_);
+  }
+
+  MemoryKind kind() const override { return MemoryKind::kCuda; }
+  int device() const override { return device_; }
+
+  std::string DeviceIdentity() const override {
+    char bus[64] = {0};
+    cu::Device dev = 0;
+    if (D().DeviceGet(&dev, device_) != cu::kSuccess ||
+        D().DeviceGetPCIBusId(bus, sizeof(bus), dev) != cu::kSuccess) {
+      return "";
+    }
+    const char* host_id = std::getenv("NCCL_HOSTID");
+    char name[256] = {0};
+    if (host_id == nullptr || *host_id == '\0') {
+      gethostname(name, sizeof(name) - 1);
+      host_id = name;
+    }
+    return std::string(host_id) + "|" + bus;
+  }
+  void* NativeStream(int stream) override { return at(stream).stream; }
+
+  void WaitReady(int stream, const Placement& where) override {
+    if (!where.ready) return;
+    Use();
+    Check(D().StreamWaitEvent(at(stream).stream, static_cast<cu::Event>(where.ready.get()), 0),
+          "cuStreamWaitEvent (the producer's event)", device_);
+  }
+
+  void* Buffer(int stream, PlaneBuffer which, size_t bytes) override {
+    Use();
+    PerStream& st = at(stream);
+    if (which == PlaneBuffer::kStaging) {
+      Grow(st, st.staging, bytes, /*host=*/true);
+      // An asynchronous copy out of it (FromHost) may still be reading.
+      Check(D().EventSynchronize(st.staging_free), "waiting for the staging buffer", device_);
+      return st.staging.ptr;
+    }
+    Block& b = st.device[static_cast<int>(which)];
+    Grow(st, b, bytes, /*host=*/false);
+    return b.ptr;
+  }
+
+  void Copy(int stream, const std::vector<CopySpan>& spans) override {
+    Use();
+    PerStream& st = at(stream);
+    std::vector<const CopySpan*> work;
+    for (const CopySpan& s : spans) {
+      if (s.bytes && s.src != s.dst) work.push_back(&s);
+    }
+    if (work.empty()) return;
+    bool all_device = true;
+    for (size_t i = 0; all_device && i < work.size(); ++i) {
+      all_device = OnDevice(work[i]->src) && OnDevice(work[i]->dst);
+    }
+    if (work.size() == 1 || !all_device) {
+      for (const CopySpan* s : work) {
+        Check(D().MemcpyAsync(DP(s->dst), DP(s->src), s->bytes, st.stream), "cuMemcpyAsync",
+              device_);
+      }
+      // Host memory among them: done before returning, as on the host plane.
+      if (!all_device) Check(D().StreamSynchronize(st.stream), "cuStreamSynchronize", device_);
+      return;
+    }
+    // All on the device: one launch, its table uploaded from pinned memory.
+    const size_t table_bytes = 3 * sizeof(uint64_t) * work.size();
+    Check(D().EventSynchronize(st.table_free), "waiting for the copy table", device_);
+    Grow(st, st.table_host, table_bytes, /*host=*/true);
+    Grow(st, st.table, table_bytes, /*host=*/false);
+    uint64_t* t = static_cast<uint64_t*>(st.table_host.ptr);
+    for (size_t i = 0; i < work.size(); ++i) {
+      t[3 * i] = reinterpret_cast<uint64_t>(work[i]->src);
+      t[3 * i + 1] = reinterpret_cast<uint64_t>(work[i]->dst);
+      t[3 * i + 2] = work[i]->bytes;
+    }
+    Check(D().MemcpyAsync(DP(st.table.ptr), DP(t), table_bytes, st.stream),
+          "cuMemcpyAsync (copy table)", device_);
+    Check(D().EventRecord(st.table_free, st.stream), "cuEventRecord", device_);
+    Check(perseus_cuda_batched_copy(static_cast<const uint64_t*>(st.table.ptr),
+                                    static_cast<int>(work.size()), st.stream),
+          "the batched copy kernel", device_);
+  }
+
+  void Scale(int stream, void* data, DataType dtype, size_t n, double factor) override {
+    if (factor == 1.0 || n == 0) return;
+    Use();
+    Check(perseus_cuda_scale(data, static_cast<int>(dtype), n, factor, at(stream).stream),
+          "the scale kernel", device_);
+  }
+
+  void ToHalf(int stream, const float* in, uint16_t* out, size_t n, float scale) override {
+    if (n == 0) return;
+    Use();
+    Check(perseus_cuda_to_half(in, out, n, scale, at(stream).stream), "the float16 kernel",
+          device_);
+  }
+
+  void FromHalf(int stream, const uint16_t* in, float* out, size_t n, float scale) override {
+    if (n == 0) return;
+    Use();
+    Check(perseus_cuda_from_half(in, out, n, scale, at(stream).stream), "the float16 kernel",
+          device_);
+  }
+
+  bool HasNonFinite(const Placement& where, const void* data, DataType dtype,
+                    size_t n) override {
+    int kind;
+    switch (dtype) {
+      case DataType::kFloat32: kind = 0; break;
+      case DataType::kFloat16: kind = 1; break;
+      case DataType::kFloat64: kind = 2; break;
+      case DataType::kBFloat16: kind = 3; break;
+      default: return false;
+    }
+    if (n == 0) return false;
+    std::lock_guard<std::mutex> lock(check_mu_);
+    Use();
+    if (where.ready) {
+      Check(D().StreamWaitEvent(check_stream_, static_cast<cu::Event>(where.ready.get()), 0),
+            "cuStreamWaitEvent (the producer's event)", device_);
+    }
+    Check(D().MemsetD8Async(flag_, 0, sizeof(int), check_stream_), "cuMemsetD8Async", device_);
+    Check(perseus_cuda_nonfinite(data, kind, n, reinterpret_cast<int*>(flag_), check_stream_),
+          "the NaN check kernel", device_);
+    Check(D().MemcpyAsync(DP(flag_host_), flag_, sizeof(int), check_stream_), "cuMemcpyAsync",
+          device_);
+    Check(D().StreamSynchronize(check_stream_), "cuStreamSynchronize (NaN check)", device_);
+    return *flag_host_ != 0;
+  }
+
+  void ToHost(int stream, void* host, const void* src, size_t bytes) override {
+    Use();
+    PerStream& st = at(stream);
+    if (bytes) {
+      Check(D().MemcpyAsync(DP(host), DP(src), bytes, st.stream), "cuMemcpyAsync", device_);
+    }
+    Check(D().StreamSynchronize(st.stream), "cuStreamSynchronize", device_);
+  }
+
+  void FromHost(int stream, void* dst, const void* host, size_t bytes) override {
+    if (!bytes) return;
+    Use();
+    PerStream& st = at(stream);
+    Check(D().MemcpyAsync(DP(dst), DP(host), bytes, st.stream), "cuMemcpyAsync", device_);
+    const char* h = static_cast<const char*>(host);
+    const char* staging = static_cast<const char*>(st.staging.ptr);
+    if (staging != nullptr && h >= staging && h + bytes <= staging + st.staging.size) {
+      // The plane's own pinned staging: asynchronous; Buffer waits for it.
+      Check(D().EventRecord(st.staging_free, st.stream), "cuEventRecord", device_);
+    } else {
+      // The caller may reuse its memory at once.
+      Check(D().StreamSynchronize(st.stream), "cuStreamSynchronize", device_);
+    }
+  }
+
+  std::function<bool()> Marker(int stream) override {
+    Use();
+    cu::Event event;
+    Check(D().EventCreate(&event, cu::kEventDisableTiming), "cuEventCreate", device_);
+    Check(D().EventRecord(event, at(stream).stream), "cuEventRecord", device_);
+    auto held = std::shared_ptr<std::remove_pointer_t<cu::Event>>(event, [](cu::Event e) { D().EventDestroy(e); });
+    const int device = device_;
+    return [held, device] {
+      const cu::Result e = D().EventQuery(held.get());
+      if (e == cu::kNotReady) return false;
+      Check(e, "the device work of a transport", device);
+      return true;
+    };
+  }
+
+  void Finish(int stream, std::function<void(const std::string&)> done) override {
+    Use();
+    PerStream& st = at(stream);
+    cu::Event event;
+    Check(D().EventCreate(&event, cu::kEventDisableTiming), "cuEventCreate", device_);
+    Check(D().EventRecord(event, st.stream), "cuEventRecord", device_);
+    st.finisher->Add(event, std::move(done));
+  }
+
+ private:
+  struct Block {
+    void* ptr = nullptr;
+    size_t size = 0;
+  };
+  struct PerStream {
+    cu::Stream stream = nullptr;
+    Block device[static_cast<int>(PlaneBuffer::kCount)];
+    Block staging;     // pinned host memory
+    Block table;       // the batched copy's table, on the device
+    Block table_host;  // and where it is written, pinned
+    std::vector<void*> retired_host;  // pinned blocks outgrown (Grow)
+    cu::Event staging_free = nullptr;
+    cu::Event table_free = nullptr;
+    std::unique_ptr<Finisher> finisher;
+  };
+
+  PerStream& at(int stream) { return *streams_.at(static_cast<size_t>(stream)); }
+  void Use() { Check(UseDevice(device_), "making the device's context current", device_); }
+
+  // Grows b to at least `bytes` (growing is rare: buffers only grow) without
+  // a device-wide synchronisation: freeing device or pinned memory the
+  // ordinary way waits for the whole device, and a NCCL kernel of another
+  // stream may be waiting there for a peer that is itself waiting for this
+  // rank, a deadlock. Device memory is freed and allocated in the stream's
+  // order (work queued there may still use the old block); pinned host
+  // memory is kept until the plane goes, as transports and queued copies may
+  // still read the old block.
+  void Grow(PerStream& st, Block& b, size_t bytes, bool host) {
+    if (b.size >= bytes && b.ptr != nullptr) return;
+    size_t want = bytes < 256 ? 256 : bytes;
+    if (want < b.size * 5 / 4) want = b.size * 5 / 4;
+    if (host) {
+      if (b.ptr) st.retired_host.push_back(b.ptr);
+      b.ptr = nullptr;
+      b.size = 0;
+      Check(D().MemHostAlloc(&b.ptr, want, cu::kHostAllocPortable), "cuMemHostAlloc", device_);
+    } else {
+      if (b.ptr) Check(D().MemFreeAsync(DP(b.ptr), st.stream), "cuMemFreeAsync", device_);
+      b.ptr = nullptr;
+      b.size = 0;
+      cu::DevicePtr p = 0;
+      Check(D().MemAllocAsync(&p, want, st.stream), "cuMemAllocAsync", device_);
+      b.ptr = reinterpret_cast<void*>(p);
+    }
+    b.size = want;
+  }
+
+  int device_;
+  std::vector<std::unique_ptr<PerStream>> streams_;
+  std::mutex check_mu_;
+  cu::Stream check_stream_ = nullptr;
+  cu::DevicePtr flag_ = 0;
+  int* flag_host_ = nullptr;
+};
+
+// The device's clock in kHz, for the test producer's delay (0: unknown).
+// Asked once per device: CUDA 13 took about 0.7 ms to answer on an H100,
+// which spread 40 back-to-back test requests over as many negotiation cycles.
+int TestClockKhz(int device) {
+  static std::mutex mu;
+  static std::map<int, int> khz;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = khz.find(device);
+  if (it != khz.end()) return it->second;
+  int k = 0;
+  cu::Device dev = 0;
+  if (D().DeviceGet(&dev, device) != cu::kSuccess ||
+      D().DeviceGetAttribute(&k, cu::kAttrClockRate, dev) != cu::kSuccess) {
+    k = 0;  // not fatal: assume 1 GHz
+  }
+  khz[device] = k;
+  return k;
+}
+
+// The test producer's stream of `device` (one per device, non-blocking).
+cu::Result TestProducerStream(int device, cu::Stream* out) {
+  static std::mutex mu;
+  static std::map<int, cu::Stream> producers;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = producers.find(device);
+  if (it != producers.end()) {
+    *out = it->second;
+    return cu::kSuccess;
+  }
+  cu::Result e = D().StreamCreate(out, cu::kStreamNonBlocking);
+  if (e == cu::kSuccess) producers[device] = *out;
+  return e;
+}
+
+// The driver, or its reason in a code error_string gives back.
+cu::Result Ready(int device) {
+  if (cu::Driver::Get(nullptr) == nullptr) return kKernelsUnavailable;
+  return UseDevice(device);
+}
+
+}  // namespace
+}  // namespace perseus
+
+using perseus::D;
+using perseus::DP;
+namespace cu = perseus::cu;
+
+extern "C" {
+
+void* perseus_cuda_plane_create(int device, int streams, char* error, size_t error_len) {
+  try {
+    std::string why;
+    const cu::Driver* driver = cu::Driver::Get(&why);
+    if (driver == nullptr) throw std::runtime_error(why);
+    int count = 0;
+    const cu::Result e = driver->DeviceGetCount(&count);
+    if (e != cu::kSuccess) {
+      throw std::runtime_error("no CUDA device is usable here (" + driver->Describe(e) + ")");
+    }
+    if (device < 0 || device >= count) {
+      throw std::runtime_error("CUDA device " + std::to_string(device) + " does not exist: this "
+                               "process sees " + std::to_string(count) + " (CUDA_VISIBLE_DEVICES?)");
+    }
+    return static_cast<perseus::DataPlane*>(new perseus::CudaPlane(device, streams));
+  } catch (const std::exception& ex) {
+    if (error && error_len) std::snprintf(error, error_len, "%s", ex.what());
+    return nullptr;
+  }
+}
+
+int perseus_cuda_device_count(int* count) {
+  *count = 0;
+  std::string why;
+  const cu::Driver* driver = cu::Driver::Get(&why);
+  return driver == nullptr ? perseus::kKernelsUnavailable : driver->DeviceGetCount(count);
+}
+
+const char* perseus_cuda_error_string(int code) {
+  thread_local std::string text;
+  if (code == perseus::kKernelsUnavailable) {
+    std::string why;
+    text = cu::Driver::Get(&why) == nullptr ? why : perseus::KernelsUnavailableReason();
+  } else {
+    text = cu::Driver::Get(nullptr) ? D().Describe(code) : "CUDA error " + std::to_string(code);
+  }
+  return text.c_str();
+}
+
+// The test's memory comes and goes in the producer stream's order: an
+// ordinary allocation or free could wait for the whole device, NCCL kernels
+// included, which deadlocks ranks whose NCCL kernels wait for each other
+// (as TF's allocator, which never frees to CUDA while it runs, never does).
+// Nothing here waits: the allocation and its fill are ordered before the
+// producer's later work and event (perseus_cuda_test_produce); memory handed
+// over without such an event needs the caller to wait for the stream itself.
+int perseus_cuda_test_alloc(int device, size_t bytes, void** out) {
+  cu::Stream ps = nullptr;
+  cu::Result e = perseus::Ready(device);
+  if (e == cu::kSuccess) e = perseus::TestProducerStream(device, &ps);
+  cu::DevicePtr p = 0;
+  if (e == cu::kSuccess) e = D().MemAllocAsync(&p, bytes ? bytes : 1, ps);
+  if (e == cu::kSuccess) e = D().MemsetD8Async(p, 0xff, bytes ? bytes : 1, ps);
+  *out = reinterpret_cast<void*>(p);
+  return e;
+}
+
+int perseus_cuda_test_free(int device, void* ptr) {
+  cu::Stream ps = nullptr;
+  cu::Result e = perseus::Ready(device);
+  if (e == cu::kSuccess) e = perseus::TestProducerStream(device, &ps);
+  // Called once the runtime's device work on it has finished.
+  return e == cu::kSuccess ? D().MemFreeAsync(DP(ptr), ps) : e;
+}
+
+int perseus_cuda_test_produce(int device, void* dst, const void* host, size_t bytes,
+                              int delay_us, void** stream, void** event) {
+  cu::Result e = perseus::Ready(device);
+  if (e != cu::kSuccess) return e;
+  cu::Stream ps;
+  e = perseus::TestProducerStream(device, &ps);
+  if (e != cu::kSuccess) return e;
+  const int khz = perseus::TestClockKhz(device);
+  if (bytes) {
+    cu::DevicePtr tmp = 0;
+    e = D().MemAllocAsync(&tmp, bytes, ps);
+    if (e == cu::kSuccess) e = D().MemcpyAsync(tmp, DP(host), bytes, ps);
+    if (e != cu::kSuccess) return e;
+    e = perseus_cuda_spin(static_cast<long long>(delay_us) * (khz > 0 ? khz : 1000000) / 1000,
+                          ps);
+    if (e == cu::kSuccess) e = D().MemcpyAsync(DP(dst), tmp, bytes, ps);
+    if (e == cu::kSuccess) e = D().MemFreeAsync(tmp, ps);
+    if (e != cu::kSuccess) return e;
+  }
+  cu::Event ev = nullptr;
+  e = D().EventCreate(&ev, cu::kEventDisableTiming);
+  if (e == cu::kSuccess) e = D().EventRecord(ev, ps);
+  *stream = ps;
+  *event = ev;
+  return e;
+}
+
+int perseus_cuda_test_fetch(int device, void* host, const void* src, size_t bytes) {
+  cu::Result e = perseus::Ready(device);
+  if (e == cu::kSuccess && bytes) e = D().Memcpy(DP(host), DP(src), bytes);
+  return e;
+}
+
+int perseus_cuda_event_destroy(void* event) {
+  return D().EventDestroy(static_cast<cu::Event>(event));
+}
+
+int perseus_cuda_record_event(int device, void* stream, void** event) {
+  *event = nullptr;
+  cu::Result e = perseus::Ready(device);
+  cu::Event ev = nullptr;
+  if (e == cu::kSuccess) e = D().EventCreate(&ev, cu::kEventDisableTiming);
+  if (e == cu::kSuccess) e = D().EventRecord(ev, static_cast<cu::Stream>(stream));
+  if (e != cu::kSuccess) {
+    if (ev != nullptr) D().EventDestroy(ev);
+    return e;
+  }
+  *event = ev;
+  return cu::kSuccess;
+}
+
+int perseus_cuda_event_synchronize(void* event) {
+  return D().EventSynchronize(static_cast<cu::Event>(event));
+}
+
+}  // extern "C"

@@ -1,0 +1,285 @@
+// The GPU data plane's kernels as CUDA C++ source, compiled at run time by
+// NVRTC for the GPU in use (kernels.cc) and cached. Written for NVRTC with
+// no headers at all: fixed-width types are declared here, float16 casts are
+// PTX instructions, and NaN/infinity tests look at the exponent bits.
+// Grid-stride loops throughout; element counts are 64-bit.
+#include "cc/cuda/kernels.h"
+
+namespace perseus {
+
+extern const char kKernelSource[] = R"perseus_cuda(
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef short i16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define GRID_STRIDE(i, n) \
+  for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
+
+__device__ __forceinline__ u16 to_half_rn(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+__device__ __forceinline__ float from_half(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+extern "C" __global__ void perseus_to_half(const float* in, u16* out, u64 n, float scale) {
+  GRID_STRIDE(i, n) out[i] = to_half_rn(in[i] * scale);
+}
+
+extern "C" __global__ void perseus_from_half(const u16* in, float* out, u64 n, float scale) {
+  GRID_STRIDE(i, n) out[i] = from_half(in[i]) * scale;
+}
+
+// As the host does (cc/core/reduce.cc ScaleBuffer), so that both planes give
+// the same bits: floats times the factor in their own precision, float16
+// and bfloat16 through a double product rounded to float, integers through
+// double, truncated toward zero.
+extern "C" __global__ void perseus_scale_f32(float* data, u64 n, float factor) {
+  GRID_STRIDE(i, n) data[i] *= factor;
+}
+
+extern "C" __global__ void perseus_scale_f64(double* data, u64 n, double factor) {
+  GRID_STRIDE(i, n) data[i] *= factor;
+}
+
+extern "C" __global__ void perseus_scale_f16(u16* data, u64 n, double factor) {
+  GRID_STRIDE(i, n) data[i] = to_half_rn((float)(from_half(data[i]) * factor));
+}
+
+extern "C" __global__ void perseus_scale_bf16(u16* data, u64 n, double factor) {
+  GRID_STRIDE(i, n) {
+    const float v = (float)(__uint_as_float(((u32)data[i]) << 16) * factor);
+    u32 x = __float_as_uint(v);
+    if ((x & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a quiet NaN
+      data[i] = (u16)((x >> 16) | 0x40);
+    } else {
+      x += 0x7fffu + ((x >> 16) & 1u);  // round to nearest even
+      data[i] = (u16)(x >> 16);
+    }
+  }
+}
+
+template <typename T>
+__device__ void scale_int(T* data, u64 n, double factor) {
+  GRID_STRIDE(i, n) data[i] = (T)((double)data[i] * factor);
+}
+
+extern "C" __global__ void perseus_scale_i32(i32* d, u64 n, double f) { scale_int(d, n, f); }
+extern "C" __global__ void perseus_scale_i64(i64* d, u64 n, double f) { scale_int(d, n, f); }
+extern "C" __global__ void perseus_scale_u8(u8* d, u64 n, double f) { scale_int(d, n, f); }
+extern "C" __global__ void perseus_scale_i8(i8* d, u64 n, double f) { scale_int(d, n, f); }
+extern "C" __global__ void perseus_scale_u16(u16* d, u64 n, double f) { scale_int(d, n, f); }
+extern "C" __global__ void perseus_scale_i16(i16* d, u64 n, double f) { scale_int(d, n, f); }
+
+// out[i] = the sum over k of in[k][i], in chunk order.
+extern "C" __global__ void perseus_sum_chunks(const float* const* in, int chunks, float* out,
+                                              u64 n) {
+  GRID_STRIDE(i, n) {
+    float s = in[0][i];
+    for (int k = 1; k < chunks; ++k) s += in[k][i];
+    out[i] = s;
+  }
+}
+
+// Exponent all ones: an infinity or a NaN.
+extern "C" __global__ void perseus_nonfinite_f32(const u32* data, u64 n, int* flag) {
+  GRID_STRIDE(i, n) {
+    if ((data[i] & 0x7f800000u) == 0x7f800000u) {
+      *flag = 1;
+      return;
+    }
+  }
+}
+
+extern "C" __global__ void perseus_nonfinite_f64(const u64* data, u64 n, int* flag) {
+  GRID_STRIDE(i, n) {
+    if ((data[i] & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) {
+      *flag = 1;
+      return;
+    }
+  }
+}
+
+// float16: mask 0x7c00, bfloat16: 0x7f80.
+extern "C" __global__ void perseus_nonfinite_16(const u16* data, u64 n, u32 mask, int* flag) {
+  GRID_STRIDE(i, n) {
+    if ((data[i] & mask) == mask) {
+      *flag = 1;
+      return;
+    }
+  }
+}
+
+// One block per span (grid-strided over spans), its threads over the bytes:
+// 16 bytes at a time when both ends are 16-byte aligned.
+extern "C" __global__ void perseus_batched_copy(const u64* spans, int count) {
+  for (int s = blockIdx.x; s < count; s += gridDim.x) {
+    const char* src = (const char*)spans[3 * s];
+    char* dst = (char*)spans[3 * s + 1];
+    const u64 bytes = spans[3 * s + 2];
+    u64 done = 0;
+    if ((((u64)src | (u64)dst) & 15) == 0) {
+      const u64 words = bytes / 16;
+      const uint4* s4 = (const uint4*)src;
+      uint4* d4 = (uint4*)dst;
+      for (u64 i = threadIdx.x; i < words; i += blockDim.x) d4[i] = s4[i];
+      done = words * 16;
+    }
+    for (u64 i = done + threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
+  }
+}
+
+// --- top-k with error feedback ---------------------------------------------
+
+// acc = grad * prescale + residual; key = the bits of |acc| (ordered as the
+// values are, for non-negative floats).
+extern "C" __global__ void perseus_topk_keys(const float* grad, const float* residual, u64 n,
+                                             float prescale, float* acc, u32* key) {
+  GRID_STRIDE(i, n) {
+    const float a = grad[i] * prescale + residual[i];
+    acc[i] = a;
+    key[i] = __float_as_uint(a) & 0x7fffffffu;
+  }
+}
+
+// One block: the largest key T with at least k keys >= T (the k-th largest
+// key), found bit by bit from the top; out[1] = how many keys are > T.
+extern "C" __global__ void perseus_topk_threshold(const u32* key, u64 n, u64 k, u32* out) {
+  __shared__ u64 count;
+  u32 prefix = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const u32 candidate = prefix | (1u << bit);
+    if (threadIdx.x == 0) count = 0;
+    __syncthreads();
+    u64 local = 0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) local += key[i] >= candidate;
+    atomicAdd(&count, local);
+    __syncthreads();
+    if (count >= k) prefix = candidate;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) count = 0;
+  __syncthreads();
+  u64 local = 0;
+  for (u64 i = threadIdx.x; i < n; i += blockDim.x) local += key[i] > prefix;
+  atomicAdd(&count, local);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    out[0] = prefix;
+    out[1] = (u32)count;  // fewer than k
+  }
+}
+
+extern "C" __global__ void perseus_topk_equal_flags(const u32* key, u64 n, const u32* threshold,
+                                                    u32* equal) {
+  const u32 t = threshold[0];
+  GRID_STRIDE(i, n) equal[i] = key[i] == t;
+}
+
+// Chosen: above the threshold, or equal to it and among the first
+// k - greater equal ones (equal_rank: the exclusive scan of the equal flags).
+extern "C" __global__ void perseus_topk_chosen_flags(const u32* key, u64 n, u64 k,
+                                                     const u32* threshold, const u32* equal_rank,
+                                                     u32* chosen) {
+  const u32 t = threshold[0];
+  const u64 room = k - threshold[1];
+  GRID_STRIDE(i, n) chosen[i] = key[i] > t || (key[i] == t && equal_rank[i] < room);
+}
+
+extern "C" __global__ void perseus_topk_write(const float* acc, u64 n, const u32* chosen,
+                                              const u32* position, float* residual,
+                                              i32* out_index, float* out_value) {
+  GRID_STRIDE(i, n) {
+    if (chosen[i]) {
+      out_index[position[i]] = (i32)i;
+      out_value[position[i]] = acc[i];
+      residual[i] = 0.0f;
+    } else {
+      residual[i] = acc[i];
+    }
+  }
+}
+
+// --- exclusive sum of u32 values, in three launches ------------------------
+// Block b of `gridDim.x` takes elements [b * per_block, (b + 1) * per_block).
+
+extern "C" __global__ void perseus_scan_block_sums(const u32* in, u64 n, u64 per_block,
+                                                   u32* sums) {
+  __shared__ u32 total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  const u64 begin = blockIdx.x * per_block;
+  const u64 end = begin + per_block < n ? begin + per_block : n;
+  u32 local = 0;
+  for (u64 i = begin + threadIdx.x; i < end; i += blockDim.x) local += in[i];
+  atomicAdd(&total, local);
+  __syncthreads();
+  if (threadIdx.x == 0) sums[blockIdx.x] = total;
+}
+
+// One thread: the block sums become each block's starting offset.
+extern "C" __global__ void perseus_scan_offsets(u32* sums, int blocks) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  u32 running = 0;
+  for (int b = 0; b < blocks; ++b) {
+    const u32 v = sums[b];
+    sums[b] = running;
+    running += v;
+  }
+}
+
+// Each block scans its span tile by tile (blockDim.x elements, at most
+// 1024), carrying the running total from the block's offset.
+extern "C" __global__ void perseus_scan_apply(const u32* in, u32* out, u64 n, u64 per_block,
+                                              const u32* offsets) {
+  __shared__ u32 tile[1024];
+  const u64 begin = blockIdx.x * per_block;
+  const u64 end = begin + per_block < n ? begin + per_block : n;
+  u32 carry = offsets[blockIdx.x];
+  for (u64 base = begin; base < end; base += blockDim.x) {
+    const u64 i = base + threadIdx.x;
+    const u32 v = i < end ? in[i] : 0;
+    tile[threadIdx.x] = v;
+    __syncthreads();
+    for (unsigned step = 1; step < blockDim.x; step *= 2) {  // inclusive, Hillis-Steele
+      const u32 add = threadIdx.x >= step ? tile[threadIdx.x - step] : 0;
+      __syncthreads();
+      tile[threadIdx.x] += add;
+      __syncthreads();
+    }
+    if (i < end) out[i] = carry + tile[threadIdx.x] - v;
+    carry += tile[blockDim.x - 1];
+    __syncthreads();
+  }
+}
+
+// For tests: busy for `cycles` clock cycles (a slow producer).
+extern "C" __global__ void perseus_spin(i64 cycles) {
+  const i64 start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+)perseus_cuda";
+
+// The kernels above, by name (kernels.cc resolves each once per context).
+extern const char* const kKernelNames[] = {
+    "perseus_to_half", "perseus_from_half", "perseus_scale_f32", "perseus_scale_f64",
+    "perseus_scale_f16", "perseus_scale_bf16", "perseus_scale_i32", "perseus_scale_i64",
+    "perseus_scale_u8", "perseus_scale_i8", "perseus_scale_u16", "perseus_scale_i16",
+    "perseus_sum_chunks", "perseus_nonfinite_f32", "perseus_nonfinite_f64",
+    "perseus_nonfinite_16", "perseus_batched_copy", "perseus_topk_keys",
+    "perseus_topk_threshold", "perseus_topk_equal_flags", "perseus_topk_chosen_flags",
+    "perseus_topk_write", "perseus_scan_block_sums", "perseus_scan_offsets",
+    "perseus_scan_apply", "perseus_spin", nullptr};
+
+}  // namespace perseus
