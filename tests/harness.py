@@ -190,6 +190,31 @@ def inputs_hash(paths, *also):
     return h.hexdigest()[:20]
 
 
+def fake_cuda_env():
+    """The environment that makes libperseus_cuda.so run on the CPU: the
+    stand-in CUDA driver and NVRTC of cc/testing/fake_cuda.cc, built here
+    (into build/fake_cuda/, again when it or the kernel source changed) with
+    the kernel source of cc/cuda/kernel_source.cc compiled as host code."""
+    import subprocess
+    out = os.path.join(ROOT, "build", "fake_cuda")
+    lib = os.path.join(out, "libfake_cuda.so")
+    sources = [os.path.join(ROOT, "cc", "testing", "fake_cuda.cc"),
+               os.path.join(ROOT, "cc", "cuda", "kernel_source.cc")]
+    if not os.path.exists(lib) or \
+            os.path.getmtime(lib) < max(os.path.getmtime(p) for p in sources):
+        os.makedirs(out, exist_ok=True)
+        text = open(sources[1]).read()
+        start = text.index('R"perseus_cuda(') + len('R"perseus_cuda(')
+        with open(os.path.join(out, "kernels_src.inc"), "w") as f:
+            f.write(text[start:text.index(')perseus_cuda"')])
+        partial = f"{lib}.{os.getpid()}.partial"
+        subprocess.run(["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-I" + out, sources[0],
+                        "-o", partial, "-lpthread"], check=True, capture_output=True, text=True)
+        os.replace(partial, lib)
+    return {"PERSEUS_CUDA_DRIVER": lib, "PERSEUS_NVRTC_LIBRARY": lib,
+            "PERSEUS_KERNEL_CACHE": os.path.join(out, "kernel-cache")}
+
+
 def cuda_devices():
     """How many CUDA devices libperseus_cuda.so sees here (0: none, or the
     library is not built: tests that need a GPU skip then)."""

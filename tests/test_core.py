@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from harness import WORKERS, check_names, cuda_devices, launch, run_checks
+from harness import WORKERS, check_names, cuda_devices, fake_cuda_env, launch, run_checks
 
 CHECKS = check_names("checks_core")
 CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
@@ -23,15 +23,24 @@ CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
            # host memory: NCCL refuses two ranks on one GPU. Skipped without one.
            (2, "cuda"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host"},
            (4, "cuda-tcp"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host",
-                             "PERSEUS_SHM_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_STREAMS": "2"}}
+                             "PERSEUS_SHM_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_STREAMS": "2"},
+           # The same through the CUDA plane (cuda_plane.cc) and kernels.cc on
+           # the CPU: the stand-in driver of cc/testing/fake_cuda.cc runs the
+           # kernels' source as host code. Every machine runs these.
+           (2, "cudaemu"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host"},
+           (4, "cudaemu-tcp"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host",
+                                "PERSEUS_SHM_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_STREAMS": "2"}}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS), ids=lambda k: f"{k[0]}ranks-{k[1]}")
 def launched(request):
-    if request.param[1].startswith("cuda") and cuda_devices() == 0:
+    env = dict(CONFIGS[request.param])
+    if request.param[1].startswith("cudaemu"):
+        env.update(fake_cuda_env())
+    elif request.param[1].startswith("cuda") and cuda_devices() == 0:
         pytest.skip("no GPU here: the CUDA data plane runs on a GPU machine "
                     "(tools/gpu_session.sh)")
-    return run_checks("checks_core", request.param[0], env=CONFIGS[request.param], timeout=300)
+    return run_checks("checks_core", request.param[0], env=env, timeout=300)
 
 
 @pytest.mark.parametrize("check", CHECKS)

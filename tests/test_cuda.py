@@ -158,6 +158,24 @@ def test_an_install_finds_the_wheels_nvrtc_by_itself():
     assert not info["nvrtc_ok"] and "install nvidia-cuda-nvrtc-cu12" in info["nvrtc"], info
 
 
+def test_the_kernels_and_their_launches_match_numpy_on_the_cpu():
+    """tools/gpu_check.py --emulated: every kernel of kernel_source.cc,
+    launched through kernels.cc's C calls (the driver's argument arrays,
+    unpacked by each kernel's parameter types) on the stand-in driver of
+    cc/testing/fake_cuda.cc, against numpy: casts, scaling, the sum of
+    chunks, the NaN check, the batched copy, the scan and top-k with ties.
+    Only the two PTX float16 casts are replaced (by software)."""
+    _built()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import fake_cuda_env
+    env = dict(os.environ, **fake_cuda_env())
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"),
+                           "--emulated", "--lib", LIB], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0 and "0 failed" in proc.stdout, proc.stdout[-6000:] + proc.stderr
+    assert "ok   topk n=100000 k=5000" in proc.stdout and "exclusive_sum n=70001" in proc.stdout
+
+
 def test_the_kernels_match_numpy_on_a_gpu():
     lib = _built()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"),

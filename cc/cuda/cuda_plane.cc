@@ -7,8 +7,11 @@
 // in the device's primary context, the one TF and the CUDA runtime use.
 #include "cc/cuda/cuda_plane.h"
 
+#include "cc/cuda/context.h"
+
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -33,10 +36,6 @@
 namespace perseus {
 namespace {
 
-const cu::Driver& D() { return *cu::Driver::Get(nullptr); }  // loaded before any plane
-
-cu::DevicePtr DP(const void* p) { return reinterpret_cast<cu::DevicePtr>(p); }
-
 void Check(cu::Result r, const char* what, int device) {
   if (r != cu::kSuccess) {
     throw std::runtime_error(std::string("CUDA error in ") + what + " on device " +
@@ -44,30 +43,6 @@ void Check(cu::Result r, const char* what, int device) {
                              (r == kKernelsUnavailable ? KernelsUnavailableReason()
                                                        : D().Describe(r)));
   }
-}
-
-// Device `device`'s primary context (retained once, kept for the process)
-// made current on the calling thread.
-cu::Result UseDevice(int device) {
-  static std::mutex mu;
-  static std::map<int, cu::Context> contexts;
-  cu::Context ctx = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = contexts.find(device);
-    if (it != contexts.end()) {
-      ctx = it->second;
-    } else {
-      cu::Device dev = 0;
-      cu::Result r = D().DeviceGet(&dev, device);
-      if (r == cu::kSuccess) r = D().DevicePrimaryCtxRetain(&ctx, dev);
-      if (r != cu::kSuccess) return r;
-      contexts[device] = ctx;
-    }
-  }
-  cu::Context current = nullptr;
-  D().CtxGetCurrent(&current);
-  return current == ctx ? cu::kSuccess : D().CtxSetCurrent(ctx);
 }
 
 // Device (or managed) memory; plain host memory is unknown to the driver.
@@ -196,6 +171,8 @@ class CudaPlane : public DataPlane {
 
   MemoryKind kind() const override { return MemoryKind::kCuda; }
   int device() const override { return device_; }
+
+  Memory BufferMemory() const override { return {device_bytes_.load(), host_bytes_.load()}; }
 
   std::string DeviceIdentity() const override {
     char bus[64] = {0};
@@ -404,22 +381,26 @@ class CudaPlane : public DataPlane {
     size_t want = bytes < 256 ? 256 : bytes;
     if (want < b.size * 5 / 4) want = b.size * 5 / 4;
     if (host) {
-      if (b.ptr) st.retired_host.push_back(b.ptr);
+      if (b.ptr) st.retired_host.push_back(b.ptr);  // still held: counted on
       b.ptr = nullptr;
       b.size = 0;
       Check(D().MemHostAlloc(&b.ptr, want, cu::kHostAllocPortable), "cuMemHostAlloc", device_);
+      host_bytes_ += want;
     } else {
       if (b.ptr) Check(D().MemFreeAsync(DP(b.ptr), st.stream), "cuMemFreeAsync", device_);
+      device_bytes_ -= b.size;
       b.ptr = nullptr;
       b.size = 0;
       cu::DevicePtr p = 0;
       Check(D().MemAllocAsync(&p, want, st.stream), "cuMemAllocAsync", device_);
       b.ptr = reinterpret_cast<void*>(p);
+      device_bytes_ += want;
     }
     b.size = want;
   }
 
   int device_;
+  std::atomic<size_t> device_bytes_{0}, host_bytes_{0};
   std::vector<std::unique_ptr<PerStream>> streams_;
   std::mutex check_mu_;
   cu::Stream check_stream_ = nullptr;
@@ -427,51 +408,9 @@ class CudaPlane : public DataPlane {
   int* flag_host_ = nullptr;
 };
 
-// The device's clock in kHz, for the test producer's delay (0: unknown).
-// Asked once per device: CUDA 13 took about 0.7 ms to answer on an H100,
-// which spread 40 back-to-back test requests over as many negotiation cycles.
-int TestClockKhz(int device) {
-  static std::mutex mu;
-  static std::map<int, int> khz;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = khz.find(device);
-  if (it != khz.end()) return it->second;
-  int k = 0;
-  cu::Device dev = 0;
-  if (D().DeviceGet(&dev, device) != cu::kSuccess ||
-      D().DeviceGetAttribute(&k, cu::kAttrClockRate, dev) != cu::kSuccess) {
-    k = 0;  // not fatal: assume 1 GHz
-  }
-  khz[device] = k;
-  return k;
-}
-
-// The test producer's stream of `device` (one per device, non-blocking).
-cu::Result TestProducerStream(int device, cu::Stream* out) {
-  static std::mutex mu;
-  static std::map<int, cu::Stream> producers;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = producers.find(device);
-  if (it != producers.end()) {
-    *out = it->second;
-    return cu::kSuccess;
-  }
-  cu::Result e = D().StreamCreate(out, cu::kStreamNonBlocking);
-  if (e == cu::kSuccess) producers[device] = *out;
-  return e;
-}
-
-// The driver, or its reason in a code error_string gives back.
-cu::Result Ready(int device) {
-  if (cu::Driver::Get(nullptr) == nullptr) return kKernelsUnavailable;
-  return UseDevice(device);
-}
-
 }  // namespace
 }  // namespace perseus
 
-using perseus::D;
-using perseus::DP;
 namespace cu = perseus::cu;
 
 extern "C" {
@@ -495,105 +434,6 @@ void* perseus_cuda_plane_create(int device, int streams, char* error, size_t err
     if (error && error_len) std::snprintf(error, error_len, "%s", ex.what());
     return nullptr;
   }
-}
-
-int perseus_cuda_device_count(int* count) {
-  *count = 0;
-  std::string why;
-  const cu::Driver* driver = cu::Driver::Get(&why);
-  return driver == nullptr ? perseus::kKernelsUnavailable : driver->DeviceGetCount(count);
-}
-
-const char* perseus_cuda_error_string(int code) {
-  thread_local std::string text;
-  if (code == perseus::kKernelsUnavailable) {
-    std::string why;
-    text = cu::Driver::Get(&why) == nullptr ? why : perseus::KernelsUnavailableReason();
-  } else {
-    text = cu::Driver::Get(nullptr) ? D().Describe(code) : "CUDA error " + std::to_string(code);
-  }
-  return text.c_str();
-}
-
-// The test's memory comes and goes in the producer stream's order: an
-// ordinary allocation or free could wait for the whole device, NCCL kernels
-// included, which deadlocks ranks whose NCCL kernels wait for each other
-// (as TF's allocator, which never frees to CUDA while it runs, never does).
-// Nothing here waits: the allocation and its fill are ordered before the
-// producer's later work and event (perseus_cuda_test_produce); memory handed
-// over without such an event needs the caller to wait for the stream itself.
-int perseus_cuda_test_alloc(int device, size_t bytes, void** out) {
-  cu::Stream ps = nullptr;
-  cu::Result e = perseus::Ready(device);
-  if (e == cu::kSuccess) e = perseus::TestProducerStream(device, &ps);
-  cu::DevicePtr p = 0;
-  if (e == cu::kSuccess) e = D().MemAllocAsync(&p, bytes ? bytes : 1, ps);
-  if (e == cu::kSuccess) e = D().MemsetD8Async(p, 0xff, bytes ? bytes : 1, ps);
-  *out = reinterpret_cast<void*>(p);
-  return e;
-}
-
-int perseus_cuda_test_free(int device, void* ptr) {
-  cu::Stream ps = nullptr;
-  cu::Result e = perseus::Ready(device);
-  if (e == cu::kSuccess) e = perseus::TestProducerStream(device, &ps);
-  // Called once the runtime's device work on it has finished.
-  return e == cu::kSuccess ? D().MemFreeAsync(DP(ptr), ps) : e;
-}
-
-int perseus_cuda_test_produce(int device, void* dst, const void* host, size_t bytes,
-                              int delay_us, void** stream, void** event) {
-  cu::Result e = perseus::Ready(device);
-  if (e != cu::kSuccess) return e;
-  cu::Stream ps;
-  e = perseus::TestProducerStream(device, &ps);
-  if (e != cu::kSuccess) return e;
-  const int khz = perseus::TestClockKhz(device);
-  if (bytes) {
-    cu::DevicePtr tmp = 0;
-    e = D().MemAllocAsync(&tmp, bytes, ps);
-    if (e == cu::kSuccess) e = D().MemcpyAsync(tmp, DP(host), bytes, ps);
-    if (e != cu::kSuccess) return e;
-    e = perseus_cuda_spin(static_cast<long long>(delay_us) * (khz > 0 ? khz : 1000000) / 1000,
-                          ps);
-    if (e == cu::kSuccess) e = D().MemcpyAsync(DP(dst), tmp, bytes, ps);
-    if (e == cu::kSuccess) e = D().MemFreeAsync(tmp, ps);
-    if (e != cu::kSuccess) return e;
-  }
-  cu::Event ev = nullptr;
-  e = D().EventCreate(&ev, cu::kEventDisableTiming);
-  if (e == cu::kSuccess) e = D().EventRecord(ev, ps);
-  *stream = ps;
-  *event = ev;
-  return e;
-}
-
-int perseus_cuda_test_fetch(int device, void* host, const void* src, size_t bytes) {
-  cu::Result e = perseus::Ready(device);
-  if (e == cu::kSuccess && bytes) e = D().Memcpy(DP(host), DP(src), bytes);
-  return e;
-}
-
-int perseus_cuda_event_destroy(void* event) {
-  return D().EventDestroy(static_cast<cu::Event>(event));
-}
-
-int perseus_cuda_record_event(int device, void* stream, void** event) {
-  *event = nullptr;
-  cu::Result e = perseus::Ready(device);
-  cu::Event ev = nullptr;
-  if (e == cu::kSuccess) e = D().EventCreate(&ev, cu::kEventDisableTiming);
-  if (e == cu::kSuccess) e = D().EventRecord(ev, static_cast<cu::Stream>(stream));
-  if (e != cu::kSuccess) {
-    if (ev != nullptr) D().EventDestroy(ev);
-    return e;
-  }
-  *event = ev;
-  return cu::kSuccess;
-}
-
-int perseus_cuda_event_synchronize(void* event) {
-  return D().EventSynchronize(static_cast<cu::Event>(event));
 }
 
 }  // extern "C"

@@ -1,7 +1,10 @@
 // The GPU data plane's kernels as CUDA C++ source, compiled at run time by
 // NVRTC for the GPU in use (kernels.cc) and cached. Written for NVRTC with
 // no headers at all: fixed-width types are declared here, float16 casts are
-// PTX instructions, and NaN/infinity tests look at the exponent bits.
+// PTX instructions, and NaN/infinity tests look at the exponent bits. The
+// tests also compile it as host C++ (cc/testing/fake_cuda.cc, a stand-in
+// CUDA driver that runs each kernel's threads on the CPU), so that the
+// kernels and the launches of kernels.cc are checked against numpy in CI.
 // Grid-stride loops throughout; element counts are 64-bit.
 #include "cc/cuda/kernels.h"
 
@@ -20,6 +23,7 @@ typedef long long i64;
 #define GRID_STRIDE(i, n) \
   for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)
 
+#ifdef __CUDACC_RTC__
 __device__ __forceinline__ u16 to_half_rn(float f) {
   u16 h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
@@ -31,6 +35,10 @@ __device__ __forceinline__ float from_half(u16 h) {
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
 }
+#else  // the host emulation of the tests (cc/testing/fake_cuda.cc) converts in software
+__device__ __forceinline__ u16 to_half_rn(float f) { return emulated_to_half(f); }
+__device__ __forceinline__ float from_half(u16 h) { return emulated_from_half(h); }
+#endif
 
 extern "C" __global__ void perseus_to_half(const float* in, u16* out, u64 n, float scale) {
   GRID_STRIDE(i, n) out[i] = to_half_rn(in[i] * scale);

@@ -246,8 +246,11 @@ int Launch(Kernel k, unsigned grid, unsigned block, void* stream,
                                                 nullptr);
 }
 
+// The scan's split: blocks of about kScanSpan elements (at most kScanBlocks
+// blocks), each scanned in tiles of kThreads.
+constexpr size_t kScanSpan = 4096;
 size_t ScanPerBlock(size_t n, unsigned* blocks) {
-  size_t b = (n + kThreads - 1) / kThreads;
+  size_t b = (n + kScanSpan - 1) / kScanSpan;
   if (b < 1) b = 1;
   if (b > kScanBlocks) b = kScanBlocks;
   *blocks = static_cast<unsigned>(b);
@@ -344,7 +347,7 @@ int perseus_cuda_exclusive_sum(const uint32_t* in, uint32_t* out, size_t n, void
                  {&in, &count, &per_block, &scratch});
   if (r == 0) r = Launch(perseus::kScanOffsets, 1, 1, stream, {&scratch, &nblocks});
   if (r == 0) {
-    r = Launch(perseus::kScanApply, blocks, 1024, stream,
+    r = Launch(perseus::kScanApply, blocks, perseus::kThreads, stream,
                {&in, &out, &count, &per_block, &scratch});
   }
   return r;

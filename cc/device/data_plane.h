@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -91,6 +92,13 @@ class DataPlane {
   // has finished; the host plane runs it before returning. `error` is empty,
   // or says what failed in the device work.
   virtual void Finish(int stream, std::function<void(const std::string& error)> done) = 0;
+  // The memory the plane holds for its buffers (Buffer, and a device's
+  // copy tables) now: on the device, and in (pinned) host memory.
+  struct Memory {
+    size_t device = 0;
+    size_t host = 0;
+  };
+  virtual Memory BufferMemory() const { return {}; }
   // Which physical device this is, for NCCL's one-GPU-per-rank check:
   // "host|PCI bus id" (the host as NCCL tells hosts apart: NCCL_HOSTID,
   // else the host name); empty for planes without one.

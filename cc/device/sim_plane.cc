@@ -3,6 +3,7 @@
 // and writes declared, so the device checks the ordering the executor
 // relies on. Host staging buffers are host memory.
 #include <array>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -41,6 +42,7 @@ class SimPlane : public DataPlane {
     if (check_ >= 0) dev_.DestroyStream(check_);
   }
   MemoryKind kind() const override { return MemoryKind::kSimulated; }
+  Memory BufferMemory() const override { return {device_bytes_.load(), host_bytes_.load()}; }
 
   void WaitReady(int stream, const Placement& where) override {
     if (where.ready && !skip_wait_) {
@@ -50,7 +52,10 @@ class SimPlane : public DataPlane {
   void* Buffer(int stream, PlaneBuffer which, size_t bytes) override {
     if (which == PlaneBuffer::kStaging) {
       std::vector<char>& b = staging_.at(static_cast<size_t>(stream));
-      if (b.size() < bytes) b.resize(bytes);
+      if (b.size() < bytes) {
+        host_bytes_ += bytes - b.size();
+        b.resize(bytes);
+      }
       return b.data();
     }
     void*& p = buffers_.at(stream)[static_cast<int>(which)];
@@ -58,6 +63,7 @@ class SimPlane : public DataPlane {
     if (size < bytes) {
       void* old = p;
       p = dev_.Alloc(bytes);
+      device_bytes_ += bytes - size;
       size = bytes;
       // Freed once the work queued on this stream before now has finished.
       if (old) dev_.LaunchHostFunc(id(stream), [old] { SimDevice::Get().Free(old); });
@@ -132,6 +138,7 @@ class SimPlane : public DataPlane {
   std::vector<int> ids_;
   std::vector<std::array<void*, static_cast<int>(PlaneBuffer::kCount)>> buffers_;
   std::vector<std::array<size_t, static_cast<int>(PlaneBuffer::kCount)>> sizes_;
+  std::atomic<size_t> device_bytes_{0}, host_bytes_{0};
   std::vector<std::vector<char>> staging_;
   std::mutex check_mu_;
   int check_ = -1;

@@ -11,6 +11,8 @@ pybind11::dict StatsToDict(const Stats& st) {
   d["requests"] = st.requests;
   d["responses"] = st.responses;
   d["fused_responses"] = st.fused_responses;
+  d["device_buffer_bytes"] = st.device_buffer_bytes;
+  d["staging_buffer_bytes"] = st.staging_buffer_bytes;
   d["plans"] = st.plans;
   d["perf_reports"] = st.perf_reports;
   d["slow_ranks"] = st.slow_ranks;

@@ -76,6 +76,17 @@ std::vector<StreamStats> Executor::stats() {
   return stats_;
 }
 
+DataPlane::Memory Executor::DeviceBufferMemory() {
+  std::lock_guard<std::mutex> lock(planes_mu_);
+  DataPlane::Memory sum;
+  for (auto& entry : device_planes_) {
+    const DataPlane::Memory m = entry.second->BufferMemory();
+    sum.device += m.device;
+    sum.host += m.host;
+  }
+  return sum;
+}
+
 bool Executor::RunHereIfIdle(int stream, Response& response, Requests& requests) {
   // Saves a thread hand-off. The stream's order is unchanged: nothing else
   // can be dispatched to it while this thread is busy.

@@ -70,6 +70,8 @@ class Executor {
   bool RunHereIfIdle(int stream, Response& response, Requests& requests);
 
   std::vector<StreamStats> stats();
+  // What the device planes hold for their buffers, summed (Stats).
+  DataPlane::Memory DeviceBufferMemory();
 
   // The data plane of memory placed as `where` (data_plane.h), made on
   // first use with one stream of its own per executor stream. Throws when

@@ -414,9 +414,15 @@ bool Runtime::StopTimeline(std::string* error) { return timeline_.Write(error); 
 
 Stats Runtime::GetStats() {
   std::vector<StreamStats> streams;
-  if (executor_) streams = executor_->stats();
+  DataPlane::Memory buffers;
+  if (executor_) {
+    streams = executor_->stats();
+    buffers = executor_->DeviceBufferMemory();
+  }
   Stats out = stats_.Get();
   if (!streams.empty()) out.streams = std::move(streams);
+  out.device_buffer_bytes = static_cast<int64_t>(buffers.device);
+  out.staging_buffer_bytes = static_cast<int64_t>(buffers.host);
   return out;
 }
 

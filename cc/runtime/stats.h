@@ -39,6 +39,11 @@ struct Stats {
   int64_t requests = 0;
   int64_t responses = 0;
   int64_t fused_responses = 0;
+  // The runtime's own buffers for tensors on devices (fusion, float16,
+  // lifted host tensors, copy tables) and the pinned host memory staging
+  // them, over every device plane; they grow to the largest bucket seen.
+  int64_t device_buffer_bytes = 0;
+  int64_t staging_buffer_bytes = 0;
   std::vector<StreamStats> streams;
 };
 

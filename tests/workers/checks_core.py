@@ -204,6 +204,16 @@ def check_the_simulated_device_carries_the_data_when_asked():
         assert ran >= 3, ran  # the producer's write, the runtime's copies
     else:
         assert ran == 0, ran
+    # The runtime's own device buffers are reported, sized to what it moved.
+    big = [np.ones(300_000, np.float32), np.ones(200_000, np.float32)]
+    _core.submit_group(big, ["sim.buffers.a", "sim.buffers.b"], DTYPE_CODES["float32"]).wait()
+    stats = _core.stats()
+    if os.environ.get("PERSEUS_TEST_DEVICE") in ("sim", "cuda"):
+        fused = sum(b.nbytes for b in big)  # one bucket: packed on the device, staged
+        assert stats["device_buffer_bytes"] >= fused, stats
+        assert stats["staging_buffer_bytes"] >= fused, stats
+    else:
+        assert stats["device_buffer_bytes"] == stats["staging_buffer_bytes"] == 0, stats
 
 
 def _step(names, k, plannable=True, shapes=None):
