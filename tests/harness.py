@@ -215,6 +215,31 @@ def fake_cuda_env():
             "PERSEUS_KERNEL_CACHE": os.path.join(out, "kernel-cache")}
 
 
+def tf_gpu_harness(python=sys.executable):
+    """Builds tools/tf_gpu_harness.cc (TF's GPU kernels on a stand-in GPU
+    device) against `python`'s TensorFlow into build/tf_gpu_harness/, again
+    when it changed; returns its path."""
+    import subprocess
+    out = os.path.join(ROOT, "build", "tf_gpu_harness")
+    lib = os.path.join(out, "libtf_gpu_harness.so")
+    sources = [os.path.join(ROOT, "tools", "tf_gpu_harness.cc"),
+               os.path.join(ROOT, "cc", "cuda", "driver.cc"),
+               os.path.join(ROOT, "cc", "cuda", "driver.h")]
+    if os.path.exists(lib) and os.path.getmtime(lib) >= max(map(os.path.getmtime, sources)):
+        return lib
+    os.makedirs(out, exist_ok=True)
+    flags = subprocess.run(
+        [python, "-c", "import os, tensorflow as tf; print(' '.join(tf.sysconfig.get_compile_flags()"
+         "));print(' '.join(tf.sysconfig.get_link_flags())); print(os.path.dirname(tf.__file__))"],
+        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-3:]
+    partial = f"{lib}.{os.getpid()}.partial"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-I" + ROOT] +
+                   flags[0].split() + sources[:2] + ["-o", partial] + flags[1].split() +
+                   ["-Wl,-rpath," + flags[2]], check=True, capture_output=True, text=True)
+    os.replace(partial, lib)
+    return lib
+
+
 def cuda_devices():
     """How many CUDA devices libperseus_cuda.so sees here (0: none, or the
     library is not built: tests that need a GPU skip then)."""

@@ -176,6 +176,28 @@ def test_the_kernels_and_their_launches_match_numpy_on_the_cpu():
     assert "ok   topk n=100000 k=5000" in proc.stdout and "exclusive_sum n=70001" in proc.stdout
 
 
+@pytest.mark.parametrize("np_", [2, 4])
+def test_the_tf_gpu_kernels_run_in_the_harness(np_):
+    """tools/tf_gpu_harness.py: TF's DEVICE_GPU kernels of every op with a
+    tensor, created through TF's kernel registry on a stand-in GPU device
+    (the stand-in CUDA driver here: its "device" memory is host memory and
+    its streams finish at once), with their memory types (alltoall's splits
+    on the host), run at 2 and 4 ranks against numpy. On a GPU machine the
+    same harness runs on the real driver (tools/gpu_session.sh)."""
+    _built()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import fake_cuda_env, launch, tf_gpu_harness
+    harness_lib = tf_gpu_harness()
+    proc = launch(np_, [sys.executable, os.path.join(ROOT, "tools", "tf_gpu_harness.py"),
+                        harness_lib], timeout=600, env=fake_cuda_env())
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
+    for r in range(np_):
+        assert f"rank {r}: 0 failed" in out, out[-6000:]
+        assert out.count(f"rank {r}: ok ") == 14, out[-6000:]
+    assert "PerseusAlltoall: DEVICE_GPU kernel created, memory types: DH/DH async" in out
+
+
 def test_the_kernels_match_numpy_on_a_gpu():
     lib = _built()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"),

@@ -99,7 +99,7 @@ FIRST_PASS = [
     Job("test_config.py", 10),
     Job("test_contracts.py", 9),
     Job("test_core.py", 23),
-    Job("test_cuda.py", 25, needs=["set-up:cuda-wheels"]),
+    Job("test_cuda.py", 45, needs=["set-up:cuda-wheels"]),
     Job("test_docs.py", 50),
     Job("test_elastic.py", 57),
     Job("test_examples_and_build.py", 170),

@@ -66,7 +66,7 @@ echo "==> $BAZEL build //:native ${extra[*]/#/\/\/:}"
 # bazel-bin for the same flags (-c opt from .bazelrc changes the path).
 bin_dir=$("$BAZEL" "${startup[@]}" info "$@" bazel-bin 2>/dev/null)
 
-for lib in libperseus_core.so _perseus_ops.so _core.so "${extra[@]}"; do
+for lib in libperseus_core.so _perseus_ops.so _core.so libperseus_cuda.so "${extra[@]}"; do
   # Bazel outputs are read-only; replace rather than overwrite.
   rm -f "$out_dir/$lib"
   cp "$bin_dir/$lib" "$out_dir/$lib"

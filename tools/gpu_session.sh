@@ -13,7 +13,7 @@
 # own Python, then runs each step with a time limit. Logs go to $OUT.
 #
 #   bash tools/gpu_session.sh [steps...]
-#       (default: build kernels nccl lone staged ranks hier core corenccl soak;
+#       (default: build kernels nccl lone staged ranks hier core corenccl soak tfharness;
 #       CORE_RANKS="2 4", SOAK_STEPS=400)
 #
 # NCCL refuses two ranks of one host on one GPU; the multi-rank NCCL steps
@@ -26,7 +26,7 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONPATH="$PWD"
 PY=${PYTHON:-python3}
-steps=${*:-build kernels nccl lone staged ranks hier core corenccl soak}
+steps=${*:-build kernels nccl lone staged ranks hier core corenccl soak tfharness}
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_IB_DISABLE=1
 # Runs the rest of the line with NCCL_HOSTID set to the rank's own.
 per_rank_host='export NCCL_HOSTID=perseus-rank$PERSEUS_RANK; exec "$0" "$@"'
@@ -107,6 +107,19 @@ for s in $steps; do
       ;;
     core) core_checks core host ;;
     corenccl) core_checks corenccl nccl sh -c "$per_rank_host" ;;  # a host id per rank
+    tfharness)  # TF's GPU kernels through tools/tf_gpu_harness.py on this GPU: needs
+      # build/tf_gpu_harness/libtf_gpu_harness.so and the op library built on the
+      # development machine, and TF 2.21's libtensorflow_framework.so.2 in .gpu/lib
+      # (carried as .gpu/libtensorflow_framework.so.2.zst: zstd -19 of the wheel's)
+      [ -f .gpu/lib/libtensorflow_framework.so.2 ] || \
+        zstd -q -d .gpu/libtensorflow_framework.so.2.zst -o .gpu/lib/libtensorflow_framework.so.2
+      for n in 1 2 4; do
+        step "tfharness$n" 300 env PERSEUS_GPU_TRANSPORT=host $PY -m perseus_tf.runner -np $n -- \
+          $PY tools/tf_gpu_harness.py build/tf_gpu_harness/libtf_gpu_harness.so
+      done
+      step tfharness_nccl 300 env PERSEUS_GPU_TRANSPORT=nccl $PY tools/tf_gpu_harness.py \
+        build/tf_gpu_harness/libtf_gpu_harness.so
+      ;;
     soak)  # tools/soak.py briefly, every array on the GPU
       step soak 150 env PERSEUS_TEST_DEVICE=cuda PERSEUS_GPU_TRANSPORT=host \
         $PY tools/soak.py --np 2 --steps ${SOAK_STEPS:-400} --seed 41

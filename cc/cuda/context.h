@@ -14,4 +14,12 @@ inline cu::DevicePtr DP(const void* p) { return reinterpret_cast<cu::DevicePtr>(
 // retained once, kept for the process) made current on the calling thread.
 cu::Result UseDevice(int device);
 
+// Events of device `device` (timing off) from a pool: one is created only
+// when none is free, so that steady training creates none. TakeEvent needs
+// the device's context current; GiveEvent takes back an event once nothing
+// will query, wait for or record it again (events not from the pool are
+// destroyed).
+cu::Result TakeEvent(int device, cu::Event* out);
+void GiveEvent(cu::Event event);
+
 }  // namespace perseus

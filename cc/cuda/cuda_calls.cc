@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "cc/cuda/context.h"
 #include "cc/cuda/cuda_plane.h"
@@ -35,6 +36,43 @@ cu::Result UseDevice(int device) {
   cu::Context current = nullptr;
   D().CtxGetCurrent(&current);
   return current == ctx ? cu::kSuccess : D().CtxSetCurrent(ctx);
+}
+
+namespace {
+
+std::mutex g_events_mu;
+std::map<int, std::vector<cu::Event>> g_free_events;  // by device
+std::map<cu::Event, int> g_event_device;              // every event the pool made
+
+}  // namespace
+
+cu::Result TakeEvent(int device, cu::Event* out) {
+  {
+    std::lock_guard<std::mutex> lock(g_events_mu);
+    std::vector<cu::Event>& free = g_free_events[device];
+    if (!free.empty()) {
+      *out = free.back();
+      free.pop_back();
+      return cu::kSuccess;
+    }
+  }
+  const cu::Result r = D().EventCreate(out, cu::kEventDisableTiming);
+  if (r == cu::kSuccess) {
+    std::lock_guard<std::mutex> lock(g_events_mu);
+    g_event_device[*out] = device;
+  }
+  return r;
+}
+
+void GiveEvent(cu::Event event) {
+  if (event == nullptr) return;
+  std::lock_guard<std::mutex> lock(g_events_mu);
+  auto it = g_event_device.find(event);
+  if (it == g_event_device.end()) {
+    D().EventDestroy(event);
+    return;
+  }
+  g_free_events[it->second].push_back(event);
 }
 
 namespace {
@@ -152,7 +190,7 @@ int perseus_cuda_test_produce(int device, void* dst, const void* host, size_t by
     if (e != cu::kSuccess) return e;
   }
   cu::Event ev = nullptr;
-  e = D().EventCreate(&ev, cu::kEventDisableTiming);
+  e = perseus::TakeEvent(device, &ev);
   if (e == cu::kSuccess) e = D().EventRecord(ev, ps);
   *stream = ps;
   *event = ev;
@@ -166,17 +204,18 @@ int perseus_cuda_test_fetch(int device, void* host, const void* src, size_t byte
 }
 
 int perseus_cuda_event_destroy(void* event) {
-  return D().EventDestroy(static_cast<cu::Event>(event));
+  perseus::GiveEvent(static_cast<cu::Event>(event));
+  return cu::kSuccess;
 }
 
 int perseus_cuda_record_event(int device, void* stream, void** event) {
   *event = nullptr;
   cu::Result e = perseus::Ready(device);
   cu::Event ev = nullptr;
-  if (e == cu::kSuccess) e = D().EventCreate(&ev, cu::kEventDisableTiming);
+  if (e == cu::kSuccess) e = perseus::TakeEvent(device, &ev);
   if (e == cu::kSuccess) e = D().EventRecord(ev, static_cast<cu::Stream>(stream));
   if (e != cu::kSuccess) {
-    if (ev != nullptr) D().EventDestroy(ev);
+    if (ev != nullptr) perseus::GiveEvent(ev);
     return e;
   }
   *event = ev;

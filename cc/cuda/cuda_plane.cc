@@ -108,7 +108,7 @@ class Finisher {
           next_warning = now + std::chrono::seconds(60);
         }
       }
-      D().EventDestroy(item.first);
+      GiveEvent(item.first);
       item.second(e == cu::kSuccess ? std::string()
                                     : std::string("CUDA error in the device work of ") + what_ +
                                           ": " + D().Describe(e));
@@ -327,9 +327,9 @@ class CudaPlane : public DataPlane {
   std::function<bool()> Marker(int stream) override {
     Use();
     cu::Event event;
-    Check(D().EventCreate(&event, cu::kEventDisableTiming), "cuEventCreate", device_);
+    Check(TakeEvent(device_, &event), "cuEventCreate", device_);
     Check(D().EventRecord(event, at(stream).stream), "cuEventRecord", device_);
-    auto held = std::shared_ptr<std::remove_pointer_t<cu::Event>>(event, [](cu::Event e) { D().EventDestroy(e); });
+    auto held = std::shared_ptr<std::remove_pointer_t<cu::Event>>(event, GiveEvent);
     const int device = device_;
     return [held, device] {
       const cu::Result e = D().EventQuery(held.get());
@@ -343,7 +343,7 @@ class CudaPlane : public DataPlane {
     Use();
     PerStream& st = at(stream);
     cu::Event event;
-    Check(D().EventCreate(&event, cu::kEventDisableTiming), "cuEventCreate", device_);
+    Check(TakeEvent(device_, &event), "cuEventCreate", device_);
     Check(D().EventRecord(event, st.stream), "cuEventRecord", device_);
     st.finisher->Add(event, std::move(done));
   }

@@ -127,7 +127,8 @@ void MakeDirs(const std::string& path) {
 // cache that cannot be written only costs a compile per process).
 std::string CodeFor(const cu::Nvrtc& nv, const std::string& arch) {
   const std::string key = std::string(kKernelSource) + "|" + arch + "|" +
-                          std::to_string(nv.major) + "." + std::to_string(nv.minor);
+                          std::to_string(nv.major) + "." + std::to_string(nv.minor) + "|" +
+                          nv.path;
   char name[64];
   std::snprintf(name, sizeof(name), "%016llx-%s.bin",
                 static_cast<unsigned long long>(Fnv1a(key)), arch.c_str());

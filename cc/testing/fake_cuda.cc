@@ -312,7 +312,9 @@ Result cuStreamCreate(void** stream, unsigned) {
 Result cuStreamDestroy_v2(void*) { return kSuccess; }
 Result cuStreamSynchronize(void*) { return kSuccess; }
 Result cuStreamWaitEvent(void*, void*, unsigned) { return kSuccess; }
+long g_event_creates = 0;
 Result cuEventCreate(void** event, unsigned) {
+  __atomic_fetch_add(&g_event_creates, 1, __ATOMIC_SEQ_CST);
   *event = new Event();
   return kSuccess;
 }
@@ -383,6 +385,7 @@ Result cuPointerGetAttribute(void* out, int attribute, unsigned long long p) {
 
 // For tests: kernels launched so far, and the last architecture compiled for.
 long fake_cuda_launches() { return g_launches; }
+long fake_cuda_event_creates() { return __atomic_load_n(&g_event_creates, __ATOMIC_SEQ_CST); }
 const char* fake_cuda_last_arch() { return g_last_arch.c_str(); }
 
 // --- NVRTC -------------------------------------------------------------------

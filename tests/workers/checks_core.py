@@ -216,6 +216,28 @@ def check_the_simulated_device_carries_the_data_when_asked():
         assert stats["device_buffer_bytes"] == stats["staging_buffer_bytes"] == 0, stats
 
 
+def check_steady_steps_create_no_cuda_events():
+    """On the CUDA plane events come from a pool (the producer's, the
+    completions', the transports' markers): once warm, steps create none.
+    The stand-in driver of CI counts them; on a GPU the steps only run."""
+    if os.environ.get("PERSEUS_TEST_DEVICE") != "cuda":
+        return
+    import ctypes
+    counter = getattr(ctypes.CDLL(os.environ.get("PERSEUS_CUDA_DRIVER") or "libcuda.so.1"),
+                      "fake_cuda_event_creates", None)
+
+    def steps(k):
+        for i in range(k):
+            x = np.full(1000, R + i, np.float32)
+            allreduce_async(x, f"events.{i % 4}").wait()
+
+    steps(20)
+    before = counter() if counter else 0
+    steps(100)
+    if counter:
+        assert counter() - before == 0, f"{counter() - before} events created by 100 warm steps"
+
+
 def _step(names, k, plannable=True, shapes=None):
     """One training-like step: every name submitted (last first), then waited."""
     arrays = [np.full((shapes or {}).get(n, 3 + i % 4), float(R + 1 + k), np.float32)
