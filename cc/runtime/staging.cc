@@ -43,11 +43,25 @@ bool RunLifted(DataPlane& plane, int stream, Requests& requests, const StagedBod
 }
 
 bool RunStaged(DataPlane& plane, int stream, Requests& requests, const StagedBody& body) {
+  // Inputs and the outputs whose size is known go through one block of the
+  // plane's staging memory (pinned on a GPU, so the copies are asynchronous
+  // and at full speed); outputs the collective sizes itself (allgather,
+  // alltoall) through host vectors, filled once their size is known.
   struct Stage {
-    std::vector<char> in, out;
+    std::vector<char> out;
     std::vector<int64_t> shape;
     bool allocated = false;
   };
+  auto bytes_of = [](const Request& q) {
+    return static_cast<size_t>(NumElements(q.meta.shape)) * DataTypeSize(q.meta.dtype);
+  };
+  size_t total = 0;
+  for (const auto& q : requests) {
+    if (q->input) total += bytes_of(*q);
+    if (q->output && q->output != q->input) total += bytes_of(*q);
+  }
+  char* pinned = static_cast<char*>(plane.Buffer(stream, PlaneBuffer::kStaging, total));
+  size_t offset = 0;
   std::vector<Stage> stages(requests.size());
   Requests host;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -56,18 +70,20 @@ bool RunStaged(DataPlane& plane, int stream, Requests& requests, const StagedBod
     auto h = std::make_shared<Request>();
     h->meta = q.meta;
     const size_t esize = DataTypeSize(q.meta.dtype);
-    const size_t bytes = static_cast<size_t>(NumElements(q.meta.shape)) * esize;
+    const size_t bytes = bytes_of(q);
+    char* in = nullptr;
     if (q.input) {
-      st.in.resize(bytes);
-      plane.ToHost(stream, st.in.data(), q.input, bytes);
-      h->input = st.in.data();
+      in = pinned + offset;
+      offset += bytes;
+      plane.ToHost(stream, in, q.input, bytes);
+      h->input = in;
     }
     if (q.output) {
       if (q.output == q.input) {
-        h->output = st.in.data();
+        h->output = in;
       } else {
-        st.out.resize(bytes);
-        h->output = st.out.data();
+        h->output = pinned + offset;
+        offset += bytes;
       }
     }
     if (q.allocate) {
@@ -95,9 +111,7 @@ bool RunStaged(DataPlane& plane, int stream, Requests& requests, const StagedBod
       }
       plane.FromHost(stream, out, st.out.data(), st.out.size());
     } else if (q.output) {
-      const size_t bytes = static_cast<size_t>(NumElements(q.meta.shape)) *
-                           DataTypeSize(q.meta.dtype);
-      plane.FromHost(stream, q.output, h.output, bytes);
+      plane.FromHost(stream, q.output, h.output, bytes_of(q));
     }
   }
   return true;

@@ -361,7 +361,16 @@ Result cuMemcpy(unsigned long long dst, unsigned long long src, size_t bytes) {
   std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
   return kSuccess;
 }
+long g_pageable_d2h = 0;
 Result cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t bytes, void*) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (bytes && Inside(g_device, static_cast<uintptr_t>(src)) &&
+        !Inside(g_device, static_cast<uintptr_t>(dst)) &&
+        !Inside(g_pinned, static_cast<uintptr_t>(dst))) {
+      ++g_pageable_d2h;  // an asynchronous copy to pageable memory: synchronous on a GPU
+    }
+  }
   return cuMemcpy(dst, src, bytes);
 }
 Result cuMemsetD8Async(unsigned long long dst, unsigned char value, size_t bytes, void*) {
@@ -385,6 +394,10 @@ Result cuPointerGetAttribute(void* out, int attribute, unsigned long long p) {
 
 // For tests: kernels launched so far, and the last architecture compiled for.
 long fake_cuda_launches() { return g_launches; }
+long fake_cuda_pageable_d2h() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_pageable_d2h;
+}
 long fake_cuda_event_creates() { return __atomic_load_n(&g_event_creates, __ATOMIC_SEQ_CST); }
 const char* fake_cuda_last_arch() { return g_last_arch.c_str(); }
 

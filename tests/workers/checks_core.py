@@ -216,6 +216,32 @@ def check_the_simulated_device_carries_the_data_when_asked():
         assert stats["device_buffer_bytes"] == stats["staging_buffer_bytes"] == 0, stats
 
 
+def check_staged_collectives_copy_through_pinned_memory():
+    """Collectives with no device path of their own (allgather, alltoall,
+    reducescatter) stage device tensors through the plane's pinned buffers:
+    the stand-in driver of CI counts asynchronous copies from the device
+    into pageable host memory (synchronous on a GPU), and these make none."""
+    if os.environ.get("PERSEUS_TEST_DEVICE") != "cuda":
+        return
+    import ctypes
+    counter = getattr(ctypes.CDLL(os.environ.get("PERSEUS_CUDA_DRIVER") or "libcuda.so.1"),
+                      "fake_cuda_pageable_d2h", None)
+    f32 = DTYPE_CODES["float32"]
+    before = counter() if counter else 0
+    got = _core.submit(OP_ALLGATHER, np.full((R + 1, 2), R, np.float32), "pinned.ag",
+                       f32).wait()[0]
+    np.testing.assert_array_equal(got, np.concatenate([np.full((r + 1, 2), r) for r in range(N)]))
+    got = _core.submit(OP_REDUCESCATTER, np.ones((2 * N, 3), np.float32), "pinned.rs",
+                       f32).wait()[0]
+    np.testing.assert_array_equal(got, np.full((2, 3), N, np.float32))
+    splits = [1] * N
+    got, _ = _core.submit(OP_ALLTOALL, np.full((N, 2), R, np.float32), "pinned.a2a", f32,
+                          splits=splits).wait()
+    np.testing.assert_array_equal(got[:, 0], np.arange(N, dtype=np.float32))
+    if counter:
+        assert counter() - before == 0, f"{counter() - before} copies into pageable memory"
+
+
 def check_steady_steps_create_no_cuda_events():
     """On the CUDA plane events come from a pool (the producer's, the
     completions', the transports' markers): once warm, steps create none.
