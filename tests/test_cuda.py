@@ -176,6 +176,53 @@ def test_the_kernels_and_their_launches_match_numpy_on_the_cpu():
     assert "ok   topk n=100000 k=5000" in proc.stdout and "exclusive_sum n=70001" in proc.stdout
 
 
+FIRST_LAUNCH_SCRIPT = """
+import ctypes, os, sys
+import numpy as np
+lib = ctypes.CDLL(sys.argv[1])
+fake = ctypes.CDLL(os.environ["PERSEUS_CUDA_DRIVER"])
+fake.fake_cuda_last_arch.restype = ctypes.c_char_p
+lib.perseus_cuda_error_string.restype = ctypes.c_char_p
+x = np.arange(10, dtype=np.float32)
+h = np.zeros(10, np.uint16)
+rc = lib.perseus_cuda_to_half(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(h.ctypes.data),
+                              ctypes.c_size_t(10), ctypes.c_float(1.0), None)
+print(rc, fake.fake_cuda_last_arch().decode() or "cached",
+      lib.perseus_cuda_error_string(rc).decode() if rc else [int(v) for v in h[:3]])
+"""
+
+
+def test_the_kernels_are_compiled_for_the_gpu_in_use_and_cached(tmp_path):
+    """The first launch of a process compiles for the GPU's own architecture
+    (PTX of NVRTC's newest for a newer GPU; a GPU older than NVRTC knows is
+    named), later processes read the cache, and a cache entry the driver
+    refuses is compiled again and replaced."""
+    _built()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import fake_cuda_env
+
+    def first_launch(cc, cache):
+        env = dict(os.environ, **fake_cuda_env())
+        env.update(FAKE_CUDA_CC=str(cc), PERSEUS_KERNEL_CACHE=str(cache))
+        proc = subprocess.run([sys.executable, "-c", FIRST_LAUNCH_SCRIPT, LIB],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.strip()
+
+    cache = tmp_path / "cache"
+    assert first_launch(86, cache) == "0 sm_86 [0, 15360, 16384]"  # float16 of 0, 1, 2
+    (entry,) = cache.iterdir()
+    assert entry.name.endswith("-sm_86.bin") and entry.read_bytes().startswith(b"FAKE-CUBIN")
+    assert first_launch(86, cache) == "0 cached [0, 15360, 16384]"
+    entry.write_bytes(b"a damaged file")
+    assert first_launch(86, cache) == "0 sm_86 [0, 15360, 16384]"
+    assert entry.read_bytes().startswith(b"FAKE-CUBIN")
+    assert first_launch(100, tmp_path / "c2") == "0 compute_90 [0, 15360, 16384]"
+    out = first_launch(35, tmp_path / "c3")
+    assert out.startswith("999999 cached") and "compute capability 3.5, which NVRTC 12.5 " \
+        "does not compile for (it knows 50 to 90)" in out, out
+
+
 @pytest.mark.parametrize("np_", [2, 4])
 def test_the_tf_gpu_kernels_run_in_the_harness(np_):
     """tools/tf_gpu_harness.py: TF's DEVICE_GPU kernels of every op with a

@@ -123,9 +123,10 @@ void MakeDirs(const std::string& path) {
 }
 
 // The code for `arch`, from the cache when a file for this source, arch and
-// NVRTC version is there, else compiled and written there (atomically; a
-// cache that cannot be written only costs a compile per process).
-std::string CodeFor(const cu::Nvrtc& nv, const std::string& arch) {
+// NVRTC version is there (unless `fresh`), else compiled and written there
+// (atomically; a cache that cannot be written only costs a compile per
+// process).
+std::string CodeFor(const cu::Nvrtc& nv, const std::string& arch, bool fresh = false) {
   const std::string key = std::string(kKernelSource) + "|" + arch + "|" +
                           std::to_string(nv.major) + "." + std::to_string(nv.minor) + "|" +
                           nv.path;
@@ -134,7 +135,7 @@ std::string CodeFor(const cu::Nvrtc& nv, const std::string& arch) {
                 static_cast<unsigned long long>(Fnv1a(key)), arch.c_str());
   const std::string dir = CacheDir();
   const std::string path = dir + "/" + name;
-  {
+  if (!fresh) {
     std::ifstream in(path, std::ios::binary);
     if (in) {
       std::stringstream ss;
@@ -207,9 +208,15 @@ const Loaded& KernelsForCurrent() {
   cu::Device device = 0;
   d.CtxGetDevice(&device);
   const std::string arch = ArchFor(d, nv, device);
-  const std::string code = CodeFor(nv, arch);
+  std::string code = CodeFor(nv, arch);
   cu::Module module = nullptr;
   cu::Result r = d.ModuleLoadData(&module, code.data());
+  if (r != cu::kSuccess) {
+    // A cached file the driver refuses (damaged, or from elsewhere): compiled
+    // afresh, and the cache entry replaced.
+    code = CodeFor(nv, arch, /*fresh=*/true);
+    r = d.ModuleLoadData(&module, code.data());
+  }
   if (r != cu::kSuccess) {
     throw std::runtime_error("the CUDA driver could not load the kernels compiled for " + arch +
                              " by NVRTC " + std::to_string(nv.major) + "." +
