@@ -29,7 +29,7 @@ NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') s
     tools/build_native.py \
     tools/gen_store_protocol.py perseus_tf/common/store_protocol.py
 
-.PHONY: demo check test docs ray system system-test install-packages native native-old bazel clean cuda
+.PHONY: demo check test docs ray keras-versions system system-test install-packages native native-old bazel clean cuda
 
 demo: native
 	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
@@ -98,6 +98,13 @@ bazel: $(VENV)/.deps system-test
 
 clean:
 	rm -rf build perseus_tf/*.so *.egg-info $(VENV)/.native $(VENV_OLD)/.native
+
+# The Keras releases tests/test_keras_versions.py runs against (the oldest
+# Keras 3 of each supported TF, and tf_keras), each with `pip install
+# --target` into .keras-versions/<name> (about 330 MB with their NumPy);
+# tests/keras_versions.py lists them.
+keras-versions: $(VENV)/.deps
+	$(PY) tests/keras_versions.py install .keras-versions
 
 # What the tests of the CUDA build need (tests/test_cuda.py; no GPU): the
 # NVRTC that TF's CUDA wheels install (it compiles the kernels for every

@@ -4,6 +4,13 @@ against the TensorFlow installed in the target environment.
 Install with `pip install --no-build-isolation .` (or `-e .`): the build
 imports that TensorFlow for its headers and flags, which an isolated build
 environment would not have.
+
+Supported: TensorFlow 2.15 to 2.21 (the build stops on an older one:
+tools/build_native.py), Keras 3.0 to 3.15, Keras 2.15 and tf_keras 2.15 to
+2.21 (checked when PerseusStrategy() or hvd.init() starts:
+perseus_tf/_keras.py). TensorFlow and Keras are not install requirements:
+the user's own TensorFlow (tensorflow, tensorflow-cpu or
+tensorflow[and-cuda]) and the Keras it brings are built against.
 """
 
 import os
@@ -43,5 +50,6 @@ setup(
     cmdclass={"build_ext": BuildNative},
     entry_points={"console_scripts": ["perseusrun=perseus_tf.runner:main"]},
     python_requires=">=3.11",
+    classifiers=["Programming Language :: Python :: 3.11", "Operating System :: POSIX :: Linux"],
     install_requires=["numpy", "pybind11"],
 )

@@ -134,20 +134,20 @@ def install():
         return
     import tensorflow as tf
 
-    classes = []
-    try:
-        import keras
+    from perseus_tf import _keras
 
-        classes.append(keras.optimizers.Optimizer)
-        if keras.__version__.startswith("3."):
+    classes = []
+    optimizer_modules = [getattr(tf.keras, "optimizers", None)]
+    for flavour in _keras.in_use():
+        classes.append(flavour.package.optimizers.Optimizer)
+        if flavour.major == 3:
             # Keras 3's base class defines apply_gradients on its backend base.
-            classes.extend(c for c in keras.optimizers.Optimizer.__mro__
+            classes.extend(c for c in flavour.package.optimizers.Optimizer.__mro__
                            if "apply_gradients" in c.__dict__)
-    except ImportError:  # pragma: no cover
-        pass
+        else:
+            optimizer_modules.append(flavour.package.optimizers)
     for name in ("Optimizer",):
-        for module in (getattr(tf.keras, "optimizers", None),
-                       getattr(getattr(tf.keras, "optimizers", None), "legacy", None)):
+        for module in [m for opt in optimizer_modules for m in (opt, getattr(opt, "legacy", None))]:
             cls = getattr(module, name, None) if module is not None else None
             if isinstance(cls, type):
                 classes.append(cls)

@@ -27,13 +27,15 @@ import os
 
 # Set-up phases of `make test`, in order: (phase name, make target, whether
 # it may run beside the first tests). The system packages and the TF 2.21
-# venv come first; the CUDA kernels, the TF 2.15 venv and Ray install while
+# venv come first; the CUDA kernels, the TF 2.15 venv, Ray and the other
+# Keras releases (tests/keras_versions.py) install while
 # the lanes already run first-pass jobs (the jobs that need them wait).
 SETUP = [("set-up:system-packages", "system-test", False),
          ("set-up:tf2.21-venv+native", "native", False),
          ("set-up:cuda-wheels", "cuda", True),
          ("set-up:tf2.15-venv+native", "native-old", True),
-         ("set-up:ray", "ray", True)]
+         ("set-up:ray", "ray", True),
+         ("set-up:keras-versions", "keras-versions", True)]
 
 FIRST, SECOND = "tf2.21", "tf2.15"
 
@@ -87,7 +89,7 @@ CHECK = [Job("test_cc_unit.py", 16), Job("test_layout.py", 2), Job("test_config.
          Job("test_bounded.py", 10, select="2ranks"),
          Job("test_compression.py", 10, select="1host"),
          Job("test_soak.py", 20, select="2ranks"), Job("test_tiers.py", 3),
-         Job("test_gpu.py", 5)]
+         Job("test_gpu.py", 5), Job("test_keras_support.py", 8)]
 
 # Every file of the first pass, with its weight (seconds).
 FIRST_PASS = [
@@ -108,6 +110,9 @@ FIRST_PASS = [
     Job("test_gpu.py", 5),
     Job("test_horovod.py", 100),
     Job("test_horovod_examples.py", 28),
+    # The oldest Keras 3 of each TF release, and tf_keras (tests/keras_versions.py).
+    Job("test_keras_support.py", 8),
+    Job("test_keras_versions.py", 420, needs=["set-up:keras-versions"]),
     # (Its ranks of two TF versions start one rank in the TF 2.15 venv.)
     Job("test_launch_mistakes.py", 6, needs=["set-up:tf2.15-venv+native"]),
     Job("test_layout.py", 1),
@@ -163,6 +168,8 @@ SECOND_PASS = [
     Job("test_ops.py", 7),
     # PerseusStrategy under Keras 2.
     Job("test_strategy.py", 53),
+    # The supported Keras range found and enforced with Keras 2.
+    Job("test_keras_support.py", 8),
     # hvd.init() and the strategy's GPU pinning with TF 2.15's tf.config.
     Job("test_gpu.py", 4, select="real_tensorflow"),
 ]

@@ -59,6 +59,23 @@ def place(path, folder):
     return target
 
 
+# The TensorFlow releases Perseus-TF supports (README, docs/installation.md).
+TF_OLDEST, TF_NEWEST = (2, 15), (2, 21)
+
+
+def check_tf_version():
+    """Stops the build on a TensorFlow older than the supported range, and
+    says so (and builds) on one newer than the newest tested."""
+    import tensorflow as tf
+    version = tuple(int(p) for p in tf.__version__.split(".")[:2])
+    if version < TF_OLDEST:
+        raise SystemExit(f"perseus-tf supports TensorFlow 2.15 to 2.21; this environment has "
+                         f"{tf.__version__}: pip install 'tensorflow>=2.15,<2.22'")
+    if version > TF_NEWEST:
+        print(f"perseus-tf: TensorFlow {tf.__version__} is newer than the newest tested "
+              f"(2.21); building anyway", flush=True)
+
+
 def tf_tag():
     """`tf2_15` for TensorFlow 2.15.x: the op library is built per TF minor
     version, so environments with different TensorFlows can share one tree."""
@@ -103,6 +120,7 @@ def build(out_dir=None, jobs=2, verbose=True):
         print("wrote", gen_store_protocol.HEADER, flush=True)
     import pybind11
 
+    check_tf_version()
     tf_cflags, tf_lflags = _tf_flags()
     cxx = os.environ.get("CXX", "g++")
     common = ["-std=c++17", "-O3", "-fPIC", "-Wall", "-Wno-sign-compare", "-I" + ROOT]

@@ -8,7 +8,7 @@ ask `hvd.rank() == 0` once training is over.
 
 import tensorflow as tf
 
-from perseus_tf import ops
+from perseus_tf import _keras, ops
 from perseus_tf.horovod._process_sets import add_process_set, process_set_by_id
 from perseus_tf.horovod._world import _checked, rank, size  # noqa: F401 (API)
 
@@ -27,6 +27,7 @@ def init(comm=None, process_sets=None, **overrides):
         raise NotImplementedError(
             "hvd.init(comm=<MPI communicator>) is not supported: Perseus-TF does not use MPI. "
             "Start the ranks with perseusrun and call hvd.init() without comm.")
+    _keras.check_supported("hvd.init()", imported_only=True)
     ops.init(**overrides)
     if comm is not None and len(comm) and sorted(comm) != list(range(ops.size())):
         raise NotImplementedError(

@@ -23,12 +23,10 @@ import tensorflow as tf
 from perseus_tf import ops
 from perseus_tf.horovod import _world
 
-try:
-    import keras
-except ImportError:  # pragma: no cover - Keras 2 ships inside TF 2.15
-    keras = tf.keras
-
-_KERAS3 = keras.__version__.startswith("3.")
+# As Horovod's: a layer of `tf.keras` (Keras 3 on TF >= 2.16, Keras 2 on
+# TF 2.15, tf_keras under TF_USE_LEGACY_KERAS=1).
+keras = tf.keras
+_KERAS3 = not hasattr(keras.layers.BatchNormalization, "_calculate_mean_and_var")
 
 
 def _global_moments(inputs, axes, keep_dims, mask, name):

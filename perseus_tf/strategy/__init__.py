@@ -5,8 +5,10 @@ MirroredStrategy) made global: the replica count is the world size, datasets
 are sharded per rank, variables start from rank 0's values, and every
 reduction goes through PerseusCrossDeviceOps across processes.
 
-The package also holds the Keras patches the strategy installs:
-keras_mixed (mixed-precision step skipping agreed by all ranks), keras_xla
+The package also holds the Keras patches the strategy installs (the Keras
+releases each supports: perseus_tf/_keras.py): keras_backports (what Keras
+3.8 does under a strategy, on 3.0 to 3.7: averaged gradients, global
+metrics), keras_mixed (mixed-precision step skipping agreed by all ranks), keras_xla
 (no XLA around the collectives),
 keras_files (one writer for checkpoints and backups, restore checks, step
 resume), keras_preempt (a SIGTERM stops every rank after the same batch with
@@ -39,17 +41,21 @@ from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
 from perseus_tf import _gradients
+from perseus_tf import _keras
 from perseus_tf import _malloc
 from perseus_tf import _native
 from perseus_tf import config
 from perseus_tf import gpu
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import keras_files, keras_mixed, keras_preempt, keras_save, keras_xla
+from perseus_tf.strategy import (keras_backports, keras_files, keras_mixed, keras_preempt,
+                                 keras_save, keras_xla)
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
 
+
+_METRIC_AGGREGATION = {"sum": tf.VariableAggregation.SUM, "mean": tf.VariableAggregation.MEAN}
 
 # Set while a Keras 3 BatchNormalization creates its moving statistics.
 _batch_norm_statistics = threading.local()
@@ -58,13 +64,10 @@ _batch_norm_statistics = threading.local()
 def _install_batch_norm_statistics():
     """Marks Keras 3 BatchNormalization's moving statistics as they are
     created (see PerseusExtended._create_variable). Idempotent."""
-    try:
-        import keras
-    except ImportError:  # pragma: no cover
-        return
-    if not keras.__version__.startswith("3."):
+    flavour = _keras.keras3()
+    if flavour is None:
         return  # Keras 2 already creates them ON_READ with MEAN
-    cls = keras.layers.BatchNormalization
+    cls = flavour.package.layers.BatchNormalization
     original = cls.build
     if getattr(original, "_perseus_wrapped", False):
         return
@@ -170,6 +173,11 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
         if getattr(_batch_norm_statistics, "on", False):
             kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
             kwargs["aggregation"] = tf.VariableAggregation.MEAN
+        # Keras 3.0 to 3.6's metric variables, as 3.8 makes them (keras_backports).
+        aggregation = _METRIC_AGGREGATION.get(keras_backports.metric_variable())
+        if aggregation is not None:
+            kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
+            kwargs["aggregation"] = aggregation
         return super()._create_variable(next_creator, **kwargs)
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
@@ -296,6 +304,8 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
 
     def __init__(self, devices=None, cross_device_ops=None, cluster_resolver=None,
                  **options):
+        # A Keras outside the supported range: one line, before anything starts.
+        _keras.check_supported("PerseusStrategy()")
         # Read once: rejects unknown or invalid options even when the runtime
         # is already running, and gives this instance's accumulation setting
         # (the environment's, or the accumulate_n_steps option).
@@ -326,6 +336,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         if cluster_resolver is not None:
             extended._cluster_resolver = cluster_resolver
         keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))
+        keras_backports.install(lambda strategy: isinstance(strategy, PerseusStrategy))
         keras_xla.install(_trains_under_perseus)
         keras_save.install(lambda strategy: isinstance(strategy, PerseusStrategy),
                            lambda tensors: perseus_ops.grouped_allreduce(

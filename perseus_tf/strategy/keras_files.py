@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 
+from perseus_tf import _keras
 from perseus_tf.common.scratch import rank_scratch
 from perseus_tf.strategy.keras_preempt import read_marker
 
@@ -56,14 +57,10 @@ def _writing_scratch(what, directory, rank, write, model):
 
 def install(rank):
     global _installed
-    if rank == 0 or _installed:
+    flavour = _keras.keras3()   # Keras 2 uses the strategy's should_checkpoint / task id
+    if rank == 0 or _installed or flavour is None:
         return
-    try:
-        import keras
-    except ImportError:
-        return
-    if not keras.__version__.startswith("3."):
-        return  # Keras 2 uses the strategy's should_checkpoint / task id
+    keras = flavour.package
     scratch = rank_scratch(rank)
     # Full checkpoint copies: removed when the process exits (and by
     # perseusrun or remote.py when a signal kills it: common/scratch.py).
@@ -110,6 +107,8 @@ def install(rank):
                  "_training_metadata_path": os.path.join(write_dir, "training_metadata.json")}
         paths["_prev_weights_path"] = paths["_weights_path"] + ".bkp"
         paths["_prev_training_metadata_path"] = paths["_training_metadata_path"] + ".bkp"
+        # Keras 3.0 has no metadata file; 3.0 to 3.6 keep no previous copies.
+        paths = {k: v for k, v in paths.items() if k == "backup_dir" or hasattr(self, k)}
         real = {k: getattr(self, k) for k in paths}
         for k, v in paths.items():
             setattr(self, k, v)
@@ -138,11 +137,11 @@ def install_restore_check():
     what they restored: the epoch and a checksum of the weights. Ranks that
     resumed from different states would train on different weights with no
     error, so they fail at once, naming each rank's state."""
-    try:
-        import keras
-        backup = keras.callbacks.BackupAndRestore
-    except (ImportError, AttributeError):
-        return
+    for flavour in _keras.in_use():
+        _install_restore_check(flavour.package.callbacks.BackupAndRestore)
+
+
+def _install_restore_check(backup):
     original = backup.on_train_begin
     if getattr(original, "_perseus_checked", False):
         return
@@ -213,21 +212,16 @@ def _drop_batches(iterator, count):
 
 
 def install_step_resume():
-    try:
-        import keras
-    except ImportError:
-        return
-    if keras.__version__.startswith("3."):
-        _install_step_resume_keras3(keras)
-    else:
-        _install_step_resume_keras2()
+    for flavour in _keras.in_use():
+        if flavour.major == 3:
+            _install_step_resume_keras3(flavour.package)
+        else:
+            _install_step_resume_keras2(flavour)
 
 
-def _install_step_resume_keras2():
-    try:
-        from keras.src.engine import data_adapter
-    except ImportError:
-        return
+def _install_step_resume_keras2(flavour):
+    """Keras 2.15 and tf_keras 2.15 to 2.21: DataHandler.enumerate_epochs."""
+    data_adapter = flavour.src("engine.data_adapter")
     handler = data_adapter.DataHandler
     original = handler.enumerate_epochs
     if getattr(original, "_perseus_step_resume", False):
@@ -260,6 +254,10 @@ def _install_step_resume_keras3(keras):
 
     def on_train_begin(self, logs=None):
         _pending_skip[0] = 0
+        if not hasattr(self, "_training_metadata_path"):
+            # Keras 3.0 backs up the weights only and restarts at epoch 0.
+            _keras.require(_keras.keras3(), (3, 1),
+                           "BackupAndRestore (resuming at the saved epoch)")
         begin(self, logs)
         marked = read_marker(self.backup_dir)   # a preemption's backup, any save_freq
         if marked is not None:
@@ -296,17 +294,39 @@ def _install_step_resume_keras3(keras):
     backup.on_epoch_begin = on_epoch_begin
     backup.on_train_end = on_train_end
 
+    _install_batch_skip_keras3(keras)
+
+
+def _install_batch_skip_keras3(keras):
+    """Drops the batches of _pending_skip at the start of the next epoch.
+
+    Where Keras 3 hands `fit` its batches, by release (all checked in CI at
+    the ends of the range, tests/test_keras_versions.py):
+      - 3.0 to 3.6: the TF backend's TFEpochIterator.enumerate_epoch yields
+        (step, iterator);
+      - 3.7 to 3.10: EpochIterator._enumerate_iterator yields (step, iterator);
+      - 3.11 and later: EpochIterator._enumerate_iterator yields
+        (first step, last step, iterator).
+    One call of the step function takes steps_per_execution batches.
+    """
     from keras.src.trainers import epoch_iterator as epoch_iterator_module
     iterator_class = epoch_iterator_module.EpochIterator
-    enumerate_original = iterator_class._enumerate_iterator
+    method = "_enumerate_iterator"
+    if not hasattr(iterator_class, method):   # Keras 3.0 to 3.6
+        from keras.src.backend.tensorflow import trainer as tf_trainer
+        iterator_class, method = tf_trainer.TFEpochIterator, "enumerate_epoch"
+    enumerate_original = getattr(iterator_class, method)
 
-    def _enumerate_iterator(self):
+    def enumerate_batches(self):
         skip, _pending_skip[0] = _pending_skip[0], 0
-        for begin_step, end_step, iterator in enumerate_original(self):
+        for item in enumerate_original(self):
+            begin_step, iterator = item[0], item[-1]
+            end_step = item[1] if len(item) == 3 else \
+                begin_step + max(1, int(getattr(self, "steps_per_execution", 1) or 1)) - 1
             if skip > 0 and begin_step < skip:
                 if not _drop_batches(iterator, end_step - begin_step + 1):
                     return
                 continue
-            yield begin_step, end_step, iterator
+            yield item
 
-    iterator_class._enumerate_iterator = _enumerate_iterator
+    setattr(iterator_class, method, enumerate_batches)

@@ -20,15 +20,11 @@ def install(is_perseus):
     the strategies whose replicas must agree (given by the strategy module,
     which this one does not import)."""
     global _installed
-    if _installed:
+    from perseus_tf import _keras
+    flavour = _keras.keras3()
+    if _installed or flavour is None:
         return
-    try:
-        import keras
-    except ImportError:  # pragma: no cover
-        return
-    if not keras.__version__.startswith("3."):
-        return
-    optimizer_cls = keras.optimizers.LossScaleOptimizer
+    optimizer_cls = flavour.package.optimizers.LossScaleOptimizer
     local_check = optimizer_cls.check_finite
 
     def check_finite(self, grads):

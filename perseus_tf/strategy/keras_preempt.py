@@ -151,17 +151,21 @@ def _restart_after_failure(error):
 
 
 def install(is_perseus):
-    """Patches BackupAndRestore (Keras 2 or 3) and Model.fit; idempotent.
-    is_perseus(strategy) tells PerseusStrategy apart."""
-    try:
-        import keras
-    except ImportError:  # pragma: no cover
-        return
+    """Patches BackupAndRestore and Model.fit of every Keras in use (Keras 3,
+    Keras 2.15, tf_keras); idempotent. is_perseus(strategy) tells
+    PerseusStrategy apart."""
+    from perseus_tf import _keras
+    for flavour in _keras.in_use():
+        _install(flavour, is_perseus)
+
+
+def _install(flavour, is_perseus):
+    keras = flavour.package
     backup = keras.callbacks.BackupAndRestore
     if getattr(backup, "_perseus_preempt", False):
         return
     from perseus_tf import ops
-    keras3 = keras.__version__.startswith("3.")
+    keras3 = flavour.major == 3
 
     def active(callback):
         model = getattr(callback, "model", None)
@@ -227,7 +231,7 @@ def install(is_perseus):
         hooks = backup._implements_train_batch_hooks
         backup._implements_train_batch_hooks = \
             lambda self: active(self) or hooks(self)
-    _install_marker_upkeep(backup, keras3)
+    _install_marker_upkeep(backup, flavour)
 
     model_class = keras.Model
     fit = model_class.fit
@@ -247,10 +251,10 @@ def install(is_perseus):
     backup._perseus_preempt = True
 
 
-def _install_marker_upkeep(backup, keras3):
+def _install_marker_upkeep(backup, flavour):
     """A later regular backup supersedes a preemption marker: rank 0 removes it."""
     from perseus_tf import ops
-    if keras3:
+    if flavour.major == 3:
         save_model = backup._save_model
 
         def _save_model(self):
@@ -260,8 +264,7 @@ def _install_marker_upkeep(backup, keras3):
 
         backup._save_model = _save_model
         return
-    from keras.src.distribute import worker_training_state as wts
-    state = wts.WorkerTrainingState
+    state = flavour.src("distribute.worker_training_state").WorkerTrainingState
     back_up, counters = state.back_up, state.maybe_load_initial_counters_from_ckpt
 
     def backup_dir(self):

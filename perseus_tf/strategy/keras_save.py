@@ -157,12 +157,10 @@ def install(is_ours, allreduce_average):
     if _installed:
         return
     _installed = True
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - Keras 2 ships inside TF 2.15
-        keras = tf.keras
-    _patch_saving(keras)
-    _patch_epoch_ends(keras, is_ours, allreduce_average)
+    from perseus_tf import _keras
+    for flavour in _keras.in_use():
+        _patch_saving(flavour.package)
+        _patch_epoch_ends(flavour, is_ours, allreduce_average)
 
 
 def _reading_locally(fn):
@@ -194,16 +192,15 @@ def _patch_saving(keras):
         saving.save_model = _reading_locally(fn)
 
 
-def _callback_list_class(keras):
-    try:
-        from keras.src.callbacks import callback_list  # Keras 3
-        return callback_list.CallbackList
-    except ImportError:
-        return keras.callbacks.CallbackList  # Keras 2
+def _callback_list_class(flavour):
+    if flavour.major == 3:
+        return flavour.src("callbacks.callback_list").CallbackList
+    return flavour.package.callbacks.CallbackList  # Keras 2
 
 
-def _patch_epoch_ends(keras, is_ours, allreduce_average):
-    callback_list = _callback_list_class(keras)
+def _patch_epoch_ends(flavour, is_ours, allreduce_average):
+    keras = flavour.package
+    callback_list = _callback_list_class(flavour)
 
     class AverageOnReadVariables(keras.callbacks.Callback):
         """Every rank averages the model's sync-on-read statistics."""

@@ -33,13 +33,9 @@ def install(holds_collectives):
     make_*_function methods once."""
     if holds_collectives not in _predicates:
         _predicates.append(holds_collectives)
-    classes = [tf.keras.Model]
-    try:
-        import keras
-        classes.append(keras.Model)
-    except ImportError:  # pragma: no cover
-        pass
-    for cls in classes:
+    from perseus_tf import _keras
+    classes = [tf.keras.Model] + [f.package.Model for f in _keras.in_use()]
+    for cls in dict.fromkeys(classes):
         for method in ("make_train_function", "make_test_function", "make_predict_function"):
             fn = getattr(cls, method, None)
             if fn is None or getattr(fn, "_perseus_xla", False):

@@ -220,6 +220,13 @@ def reference(name, initial, size, entry):
     logical CPUs, the same global batches (accumulation: N of them make one
     update, so the reference batch is N times larger)."""
     devices = [f"/cpu:{i}" for i in range(size)]
+    # Keras 3.0 to 3.7 do not average gradients under any strategy (3.0 to
+    # 3.4 never reduce them, 3.5 to 3.7 sum them unscaled); PerseusStrategy
+    # trains as Keras 3.8 does there (keras_backports), so the reference
+    # must too. (checks_strategy.py compares those releases with training
+    # under no strategy at all.)
+    from perseus_tf.strategy import keras_backports
+    keras_backports.install(lambda s: isinstance(s, tf.distribute.MirroredStrategy))
     # Reduced on one device: no collective ops, whose keys a second
     # MirroredStrategy in one process would reuse.
     strategy = tf.distribute.MirroredStrategy(

@@ -29,17 +29,13 @@ import sys
 
 import tensorflow as tf
 
+from perseus_tf import _keras
 from perseus_tf.horovod._gradients import GradientReducer, LocalAccumulator
 
 
 def keras_optimizer_classes():
     """The Keras optimizer base classes importable here (tf.keras, keras, legacy)."""
-    modules = [tf.keras.optimizers]
-    try:
-        import keras
-        modules.append(keras.optimizers)
-    except ImportError:  # pragma: no cover
-        pass
+    modules = [tf.keras.optimizers] + [f.package.optimizers for f in _keras.in_use()]
     classes = []
     for module in modules:
         for holder in (module, getattr(module, "legacy", None)):
@@ -112,7 +108,9 @@ class _DistributedMixin:
                 return tf.constant(True)
 
         def skip():
-            with tf.control_dependencies([self.iterations.assign_add(1)]):
+            # (Keras 3.0 to 3.2's assign_add returns None; the update runs.)
+            counted = self.iterations.assign_add(1)
+            with tf.control_dependencies([] if counted is None else [counted]):
                 return tf.constant(False)
 
         return tf.cond(is_step, step, skip)
@@ -209,19 +207,18 @@ def reduce_before_loss_scaling():
     they are finite (see the module's docstring). Around any other optimizer
     they behave as before."""
     targets = []
-    try:
-        import keras
-        if keras.__version__.startswith("3."):
-            targets.append((keras.optimizers.LossScaleOptimizer, "apply",
-                            _keras3_loss_scale_apply))
-    except ImportError:  # pragma: no cover
-        pass
-    base = getattr(getattr(tf.keras, "mixed_precision", None), "LossScaleOptimizer", None)
-    module = sys.modules.get(getattr(base, "__module__", ""), None)
-    for name in ("LossScaleOptimizer", "LossScaleOptimizerV3"):
-        cls = getattr(module, name, None)
-        if isinstance(cls, type) and not _is_keras3(cls) and "apply_gradients" in vars(cls):
-            targets.append((cls, "apply_gradients", _keras2_loss_scale_apply_gradients))
+    flavour = _keras.keras3()
+    if flavour is not None:
+        targets.append((flavour.package.optimizers.LossScaleOptimizer, "apply",
+                        _keras3_loss_scale_apply))
+    keras2 = [tf.keras] + [f.package for f in _keras.keras2()]
+    for base in dict.fromkeys(getattr(getattr(k, "mixed_precision", None), "LossScaleOptimizer",
+                                      None) for k in keras2):
+        module = sys.modules.get(getattr(base, "__module__", ""), None)
+        for name in ("LossScaleOptimizer", "LossScaleOptimizerV3"):
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and not _is_keras3(cls) and "apply_gradients" in vars(cls):
+                targets.append((cls, "apply_gradients", _keras2_loss_scale_apply_gradients))
     for cls, method, wrap in targets:
         if (cls, method) not in _loss_scale_wrapped:
             setattr(cls, method, wrap(vars(cls)[method]))
