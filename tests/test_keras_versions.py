@@ -21,11 +21,11 @@ import tempfile
 
 import pytest
 
-from harness import ROOT, WORKERS, check_names, launch, run_checks
+from harness import WORKERS, check_names, launch, run_checks
 from keras_versions import VERSIONS, env, path
+from test_docs import _quick_start
 
 NAMES = list(VERSIONS)
-README = os.path.join(ROOT, "README.md")
 
 
 @pytest.fixture(params=NAMES)
@@ -36,12 +36,11 @@ def version(request):
 
 
 def _quick_starts(directory, name):
-    """README's quick-start scripts written into `directory`; under tf_keras
-    their `import keras` reads `import tf_keras as keras`, as such a script
-    would."""
-    text = open(README).read()
+    """README's quick-start scripts (read as test_docs.py reads them) written
+    into `directory`; under tf_keras their `import keras` reads `import
+    tf_keras as keras`, as such a script would."""
     files = []
-    for script, code in re.findall(r"<!-- quickstart: (\S+) -->\n```python\n(.*?)```", text, re.S):
+    for script, code in sorted(_quick_start()[0].items()):
         if name == "tf_keras":
             code = code.replace("\nimport keras\n", "\nimport tf_keras as keras\n")
         target = os.path.join(directory, script)
