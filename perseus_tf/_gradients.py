@@ -137,21 +137,10 @@ def install():
     from perseus_tf import _keras
 
     classes = []
-    optimizer_modules = [getattr(tf.keras, "optimizers", None)]
-    for flavour in _keras.in_use():
-        classes.append(flavour.package.optimizers.Optimizer)
-        if flavour.major == 3:
-            # Keras 3's base class defines apply_gradients on its backend base.
-            classes.extend(c for c in flavour.package.optimizers.Optimizer.__mro__
-                           if "apply_gradients" in c.__dict__)
-        else:
-            optimizer_modules.append(flavour.package.optimizers)
-    for name in ("Optimizer",):
-        for module in [m for opt in optimizer_modules for m in (opt, getattr(opt, "legacy", None))]:
-            cls = getattr(module, name, None) if module is not None else None
-            if isinstance(cls, type):
-                classes.append(cls)
-                classes.extend(c for c in cls.__mro__ if "apply_gradients" in c.__dict__)
+    for cls in _keras.optimizer_classes():
+        # Keras 3's base class defines apply_gradients on its backend base.
+        classes.append(cls)
+        classes.extend(c for c in cls.__mro__ if "apply_gradients" in c.__dict__)
     classes.append(tf.compat.v1.train.Optimizer)
     for cls in classes:
         _wrap(cls)

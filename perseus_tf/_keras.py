@@ -139,6 +139,20 @@ def keras2():
     return [f for f in in_use() if f.major == 2]
 
 
+def optimizer_classes():
+    """The Keras optimizer base classes a script may train with: those of
+    `tf.keras` and of each Keras in use, and their `legacy` ones."""
+    import tensorflow as tf
+    modules = [getattr(tf.keras, "optimizers", None)] + [f.package.optimizers for f in in_use()]
+    classes = []
+    for module in modules:
+        for holder in (module, getattr(module, "legacy", None)):
+            cls = getattr(holder, "Optimizer", None)
+            if isinstance(cls, type) and cls not in classes:
+                classes.append(cls)
+    return tuple(classes)
+
+
 _warned = set()
 
 

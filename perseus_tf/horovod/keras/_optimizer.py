@@ -35,14 +35,7 @@ from perseus_tf.horovod._gradients import GradientReducer, LocalAccumulator
 
 def keras_optimizer_classes():
     """The Keras optimizer base classes importable here (tf.keras, keras, legacy)."""
-    modules = [tf.keras.optimizers] + [f.package.optimizers for f in _keras.in_use()]
-    classes = []
-    for module in modules:
-        for holder in (module, getattr(module, "legacy", None)):
-            cls = getattr(holder, "Optimizer", None)
-            if isinstance(cls, type) and cls not in classes:
-                classes.append(cls)
-    return tuple(classes)
+    return _keras.optimizer_classes()
 
 
 def _is_keras3(cls):
