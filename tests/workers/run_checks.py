@@ -16,9 +16,10 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def main():
-    module = importlib.import_module(sys.argv[1])
-    out_dir = sys.argv[2]
+def run_module(name, out_dir):
+    """Runs the module's checks on this rank, writing its results into out_dir
+    (tests/workers/keras_version_worker.py runs them beside other work)."""
+    module = importlib.import_module(name)
     rank = module.setup()
     results, seconds = {}, {}
     path = os.path.join(out_dir, f"rank{rank}.json")
@@ -50,6 +51,10 @@ def main():
     teardown = getattr(module, "teardown", None)
     if teardown:
         teardown()
+
+
+def main():
+    run_module(sys.argv[1], sys.argv[2])
 
 
 if __name__ == "__main__":
