@@ -29,6 +29,10 @@ The patches and the Keras internals each reaches, by release:
   strategy/keras_mixed.py      Keras 3: LossScaleOptimizer.check_finite
   strategy/keras_preempt.py    BackupAndRestore, Model.fit; Keras 2:
                                distribute.worker_training_state
+  strategy/keras_predict.py    trainer.reduce_per_replica (Keras 3: backend.tensorflow;
+                               Keras 2: engine.training); Keras 3:
+                               TensorFlowTrainer.predict_on_batch, and
+                               TensorFlowTrainer.predict on 3.0-3.2
   strategy/keras_save.py       Model/Layer saving methods, CallbackList
   strategy/keras_xla.py        Model.make_{train,test,predict}_function
   strategy/__init__.py         Keras 3: BatchNormalization.build

@@ -7,6 +7,7 @@ runtime tested) where TensorFlow is not installed.
 import atexit
 import functools
 import os
+import socket
 import sys
 import threading
 
@@ -74,7 +75,8 @@ def init(cluster=None, **overrides):
         if topo.host_store and _store_server is None:
             from perseus_tf.common.store import StoreServer
             bind = _config.store_bind_address(topo, cfg.gloo_iface)
-            server = StoreServer(host=bind, port=topo.store_port, secret=topo.secret)
+            server = StoreServer(host=bind, port=topo.store_port, secret=topo.secret,
+                                 served_by=f"rank {topo.rank} on {socket.gethostname()}")
             try:
                 server.start()
             except OSError as e:
@@ -295,8 +297,17 @@ def gradient_compression():
 
 def ensure_initialized():
     """Starts the runtime on first use only: after a failure or an explicit
-    shutdown, collectives must report that, not silently reconnect."""
+    shutdown, collectives must report that, not silently reconnect. Nor in
+    a process forked after init(): it would join its parent's job as its
+    parent's rank; it must call init() itself."""
     if _core.state() == "uninitialized":
+        forked = _core.forked_after_init()
+        if forked:
+            raise RuntimeError(
+                f"Perseus is not initialized in this process: {forked}, and a fork does not "
+                f"share its parent's runtime. A forked process must call perseus_tf.init() "
+                f"itself (as a rank of a job of its own), or fork before init() (or use "
+                f"multiprocessing's 'spawn' start method)")
         init()
 
 
@@ -452,6 +463,22 @@ def stats(process_set_id=0):
 
 
 atexit.register(_shutdown_all)
+
+
+def _after_fork_in_child():
+    """In a child forked after init() the native runtime is a new one, not
+    initialized (cc/runtime/process_sets.cc); what this module kept of the
+    parent's goes too (the store server's thread did not come along)."""
+    global _lock, _store_server, _config_in_use, _topology
+    if not _core.forked_after_init():
+        return
+    _lock = threading.Lock()
+    _store_server = _config_in_use = _topology = None
+    _process_sets.clear()
+    _launcher_watched.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,7 +40,7 @@ def _same_device(a, b):
         (a.device_index or 0) == (b.device_index or 0)
 
 
-def _collective_device(t):
+def collective_device(t):
     """Where a collective of `t` runs: on its GPU when it lives on one (the
     op library has GPU kernels: the runtime reads and writes TF's GPU memory,
     with NCCL or staged through the host), else on the CPU."""
@@ -128,7 +128,7 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
                         compression=compression if dtype == tf.float32 else 0,
                         gradients=gradients)
 
-                with tf.device(_collective_device(inputs[0])):
+                with tf.device(collective_device(inputs[0])):
                     if pending is None:
                         outs = reduce()
                     else:
@@ -174,7 +174,7 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
                 perm = [axis] + [i for i in range(rank) if i != axis]
                 inverse = [perm.index(i) for i in range(rank)]
                 local = tf.transpose(local, perm)
-            with tf.device(_collective_device(local)):
+            with tf.device(collective_device(local)):
                 local = perseus_ops.allgather(local)
             if axis != 0:
                 local = tf.transpose(local, inverse)

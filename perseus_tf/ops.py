@@ -174,6 +174,29 @@ def _name(name):
     return "" if name is None else str(name)
 
 
+# The dtypes the op library's kernels take (cc/tf/ops.cc kTypes).
+_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, tf.uint8,
+           tf.int8, tf.uint16, tf.int16, tf.bool)
+
+
+def _check_dtypes(what, tensors, name):
+    """A tensor of a dtype the kernels do not take (complex64, string) is
+    named here, not by TF's dump of the op's NodeDef."""
+    for tensor in tensors:
+        dtype = getattr(tensor, "dtype", None)
+        try:
+            dtype = None if dtype is None else tf.as_dtype(dtype)
+        except TypeError:
+            dtype = None  # numpy object arrays and the like: TF's conversion says why
+        if dtype is not None and dtype not in _DTYPES:
+            label = f"tensor {name!r}" if name else "a tensor"
+            raise TypeError(
+                f"Perseus {what} of {label}: dtype {dtype.name} is not supported; it takes "
+                + ", ".join(d.name for d in _DTYPES)
+                + (" (send a complex tensor as its real and imaginary parts)"
+                   if dtype.is_complex else ""))
+
+
 def _plannable(gradients):
     """PERSEUS_OFFLINE_NEG: 1 every allreduce may run from an offline plan, 0
     none, unset (auto) only gradient reductions (`gradients=True`)."""
@@ -202,6 +225,7 @@ def allreduce(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=No
       gradients: marks a training step's gradient reduction: with
         PERSEUS_OFFLINE_NEG unset it may then run from an offline plan.
     """
+    _check_dtypes("allreduce", [tensor], name)
     _native.ensure_initialized()
     if op == Adasum:
         return _adasum([tensor], prescale_factor, postscale_factor, name, process_set_id)[0]
@@ -218,6 +242,7 @@ def grouped_allreduce(tensors, op=Sum, prescale_factor=1.0, postscale_factor=1.0
     """Reduces a list of tensors as one request, fused into as few buckets as fit."""
     _native.ensure_initialized()
     tensors = list(tensors)
+    _check_dtypes("grouped_allreduce", tensors, name)
     if not tensors:
         return []
     if op == Adasum:
@@ -253,6 +278,7 @@ def _adasum(tensors, prescale_factor, postscale_factor, name, process_set_id):
 def broadcast(tensor, root_rank=0, name=None, process_set_id=0):
     """Returns root_rank's `tensor` on every rank (in a process set, root_rank
     is a position in the set, not a world rank)."""
+    _check_dtypes("broadcast", [tensor], name)
     _native.ensure_initialized()
     return _LIB.perseus_broadcast(tensor, tensor_name=_name(name), root_rank=int(root_rank),
                                   process_set_id=int(process_set_id))
@@ -260,6 +286,7 @@ def broadcast(tensor, root_rank=0, name=None, process_set_id=0):
 
 def allgather(tensor, name=None, process_set_id=0):
     """Concatenates every rank's tensor along dimension 0 (sizes may differ)."""
+    _check_dtypes("allgather", [tensor], name)
     _native.ensure_initialized()
     return _LIB.perseus_allgather(tensor, tensor_name=_name(name),
                                   process_set_id=int(process_set_id))
@@ -270,6 +297,7 @@ def alltoall(tensor, splits=None, name=None, process_set_id=0):
 
     Without splits, dimension 0 is divided evenly among the ranks.
     """
+    _check_dtypes("alltoall", [tensor], name)
     _native.ensure_initialized()
     has_splits = splits is not None
     splits = tf.cast(splits, tf.int32) if has_splits else tf.zeros([0], tf.int32)
@@ -283,6 +311,7 @@ def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, nam
 
     Rows are dealt out evenly; the first (dim0 % size) ranks get one more.
     """
+    _check_dtypes("reducescatter", [tensor], name)
     _native.ensure_initialized()
     return _LIB.perseus_reducescatter(tensor, tensor_name=_name(name),
                                       reduce_op=_native_op(op),

@@ -164,6 +164,14 @@ class NetnsHosts:
                 raise RuntimeError(f"sshd on {self.addrs[host]} did not come back")
             time.sleep(0.2)
 
+    def cut(self, host):
+        """Cuts host off the network, both ways (its switch port goes down):
+        its packets are dropped, nobody gets a reset. mend(host) undoes it."""
+        _run("ip", "-n", self.switch, "link", "set", f"port{host}", "down")
+
+    def mend(self, host):
+        _run("ip", "-n", self.switch, "link", "set", f"port{host}", "up")
+
     def ssh_env(self, base=None):
         env = dict(os.environ if base is None else base)
         env["PATH"] = self.bindir + os.pathsep + env.get("PATH", "")

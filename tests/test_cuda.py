@@ -264,11 +264,11 @@ for op in ("PerseusAllreduce", "PerseusGroupedAllreduce", "PerseusBroadcast", "P
     found[op] = sorted([k.device_type, sorted(k.host_memory_arg)]
                        for k in kernels.get_registered_kernels_for_op(op).kernel)
 # Where PerseusStrategy puts a collective of a tensor placed on each device.
-from perseus_tf.cross_device_ops import _collective_device
+from perseus_tf.cross_device_ops import collective_device
 class Placed:
     def __init__(self, device):
         self.device = device
-found["strategy"] = [_collective_device(Placed(d)) for d in
+found["strategy"] = [collective_device(Placed(d)) for d in
                      ("/job:worker/replica:0/task:1/device:GPU:1", "/device:CPU:0", "")]
 print(json.dumps(found))
 """

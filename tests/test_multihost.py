@@ -171,22 +171,34 @@ def test_killed_remote_rank_ends_the_job_naming_rank_and_host(hosts, mode):
     _no_process_left(hosts, 15)
 
 
+SLEEPER = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
+
+
+def _sleeping_job(hosts, flags):
+    """perseusrun FLAGS over ssh (from host 0) of ranks that print `up` and
+    sleep; returns the launcher once every rank is up."""
+    np_ = int(flags[flags.index("-np") + 1])
+    launcher = hosts.popen(0, PERSEUSRUN + flags + ["-i", hosts.key, "--", sys.executable, "-c",
+                                                    SLEEPER],
+                           env=_env(hosts), cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    seen = 0
+    deadline = time.monotonic() + 60
+    while seen < np_ and time.monotonic() < deadline:
+        seen += launcher.stdout.readline().endswith("up\n")
+    if seen < np_:
+        launcher.kill()
+        launcher.communicate()
+        raise AssertionError("ranks did not start")
+    return launcher
+
+
 @pytest.mark.parametrize("mode,how", [("ssh", "SIGKILL"), ("ssh", "SIGTERM"), ("ssh", "SIGINT"),
                                       ("mpi", "SIGKILL"), ("mpi", "SIGTERM")])
 def test_killed_perseusrun_leaves_no_rank_on_any_host(hosts, mode, how):
     a, b = hosts.addrs
-    script = "import time\nprint('up', flush=True)\ntime.sleep(600)\n"
-    launcher = hosts.popen(0, PERSEUSRUN + MODES[mode] + ["-np", "4", "-H", f"{a}:2,{b}:2", "-i", hosts.key,
-                                            "--", sys.executable, "-c", script],
-                           env=_env(hosts), cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    launcher = _sleeping_job(hosts, MODES[mode] + ["-np", "4", "-H", f"{a}:2,{b}:2"])
     try:
-        seen = 0
-        deadline = time.monotonic() + 60
-        while seen < 4 and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            seen += line.endswith("up\n")
-        assert seen == 4, "ranks did not start"
         assert len(hosts.pids(1)) >= 2  # the remote ranks run
         # `ip netns exec` execs perseusrun: launcher.pid is perseusrun.
         killed_at = time.monotonic()
@@ -196,6 +208,84 @@ def test_killed_perseusrun_leaves_no_rank_on_any_host(hosts, mode, how):
         print(f"{mode}: perseusrun {how}: no process on any host after "
               f"{gone_at - killed_at:.1f} s")
     finally:
+        launcher.kill()
+        launcher.communicate()
+
+
+def _no_rank_left(hosts, host, needle, within_s):
+    """Waits until no process on host runs a rank (its command line holds
+    needle) or remote.py; sshd's own session processes are not ours."""
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [p for p in hosts.pids(host)
+                if needle in hosts.describe([p]) or "perseus_tf.runner.remote" in hosts.describe([p])]
+        if not left:
+            return time.monotonic()
+        assert time.monotonic() < deadline, f"still there after {within_s} s: " + hosts.describe(left)
+        time.sleep(0.5)
+
+
+def _wait_for(path, within_s):
+    deadline = time.monotonic() + within_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} did not appear within {within_s} s"
+        time.sleep(0.1)
+
+
+def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path):
+    """Host 1 is cut off (both ways, for good) while its rank and rank 0 run
+    allreduces; perseusrun, which serves the store, is on host 0. Rank 1
+    once waited about 1,000 s (the kernel's retries) on a store call with no
+    deadline. Now, within 1.2 x GLOO_TIMEOUT_SECONDS, rank 1 names the store
+    and rank 0 names rank 1."""
+    a, b = hosts.addrs
+    timeout = 10
+    markers = str(tmp_path)
+    launcher = hosts.popen(0, PERSEUSRUN + ["-np", "2", "-H", f"{a}:1,{b}:1", "-i", hosts.key,
+                                            "--", sys.executable,
+                                            os.path.join(WORKERS, "store_fault_worker.py"),
+                                            markers],
+                           env=_env(hosts, {"GLOO_TIMEOUT_SECONDS": str(timeout)}), cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for r in range(2):
+            _wait_for(os.path.join(markers, f"running{r}"), 120)
+        cut_at = time.time()
+        hosts.cut(1)
+        for r in range(2):
+            _wait_for(os.path.join(markers, f"failed{r}"), 1.2 * timeout + 30)
+        launcher.communicate(timeout=60)
+        _no_rank_left(hosts, 1, "store_fault_worker", 30)
+    finally:
+        hosts.mend(1)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    lines = [open(os.path.join(markers, f"failed{r}")).read().split(" ", 2) for r in range(2)]
+    for rank, (_, when, message) in enumerate(lines):
+        print(f"rank {rank}: {float(when) - cut_at:.1f} s after the cut: {message.strip()}")
+        assert float(when) - cut_at <= 1.2 * timeout + 1, (rank, float(when) - cut_at, message)
+    assert "rendezvous store" in lines[1][2] and "stopped answering" in lines[1][2], lines[1]
+    assert "served by perseusrun" in lines[1][2], lines[1]
+    assert "rank 1 stopped responding" in lines[0][2], lines[0]
+
+
+def test_a_remote_rank_cut_off_from_perseusrun_does_not_outlive_it(hosts):
+    """A rank that runs no collective (it sleeps) on host 1, cut off: ssh on
+    that host never learns that perseusrun is gone, and the rank once lived
+    on for as long as its script ran. remote.py now hears perseusrun every
+    5 s and stops the rank 30 s after the last word."""
+    a, b = hosts.addrs
+    launcher = _sleeping_job(hosts, ["-np", "2", "-H", f"{a}:1,{b}:1"])
+    try:
+        hosts.cut(1)
+        cut_at = time.monotonic()
+        os.kill(launcher.pid, signal.SIGTERM)
+        launcher.wait(60)
+        gone_at = _no_rank_left(hosts, 1, "time.sleep(600)", 60 - (time.monotonic() - cut_at))
+        print(f"the cut-off rank stopped {gone_at - cut_at:.1f} s after the cut")
+    finally:
+        hosts.mend(1)
         launcher.kill()
         launcher.communicate()
 

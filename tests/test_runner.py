@@ -713,9 +713,15 @@ def test_mpirun_command_line(monkeypatch):
     assert text.endswith("perseus_tf.runner.remote --mpi -- python t.py")
 
 
-def test_unresolvable_host_is_rejected(capsys):
+def test_unresolvable_host_is_rejected(capsys, tmp_path):
     assert launcher.main(["-np", "2", "-H", "no-such-host.invalid:2", "true"]) == 2
-    assert "cannot resolve host 'no-such-host.invalid'" in capsys.readouterr().err
+    assert "-H/--hosts: cannot resolve host 'no-such-host.invalid'" in capsys.readouterr().err
+    # From a hostfile, the error names the hostfile (it once said -H).
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("no-such-host.invalid slots=2\n")
+    assert launcher.main(["-np", "2", "--hostfile", str(hostfile), "true"]) == 2
+    err = capsys.readouterr().err
+    assert "--hostfile: cannot resolve host 'no-such-host.invalid'" in err, err
 
 
 def test_more_ranks_than_slots_is_rejected(capsys):

@@ -462,6 +462,7 @@ PYBIND11_MODULE(_core, m) {
   });
   m.def("is_initialized", [] { return Runtime::Get().initialized(); });
   m.def("state", [] { return std::string(Runtime::Get().state_name()); });
+  m.def("forked_after_init", [] { return Runtime::ForkedAfterInit(); });
   m.def("first_failure", []() -> py::object {
     FirstFailure f = GetFirstFailure();
     if (!f.seen) return py::none();

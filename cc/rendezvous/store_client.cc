@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -15,6 +16,7 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -28,8 +30,11 @@ namespace {
 // perseus_tf/common/store_protocol.py).
 namespace protocol = store_protocol;
 
-// How long connecting may keep failing before the constructor gives up.
-constexpr auto kConnectWindow = std::chrono::seconds(30);
+using Clock = std::chrono::steady_clock;
+
+// One connect() may take this long (a host cut off answers no SYN: the
+// kernel's own retries would take about two minutes).
+constexpr auto kConnectAttempt = std::chrono::seconds(10);
 static_assert(protocol::kMacLen == kSha256Bytes, "the handshake's proofs are HMAC-SHA256");
 
 // Reads or writes all n bytes; false on error, timeout or end of stream.
@@ -55,6 +60,73 @@ bool RecvFully(int fd, void* data, size_t n) {
     n -= static_cast<size_t>(k);
   }
   return true;
+}
+
+// Waits until fd is ready for `events` or the deadline passes: 1 ready (or
+// in error: the next read or write says which), -1 the deadline passed.
+int ReadyBy(int fd, short events, Clock::time_point deadline) {
+  for (;;) {
+    int wait_ms = -1;
+    if (deadline != Clock::time_point::max()) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return -1;
+      wait_ms = static_cast<int>(std::min<int64_t>(left.count() + 1, 1 << 30));
+    }
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, wait_ms);
+    if (rc > 0) return 1;
+    if (rc < 0 && errno != EINTR) return 1;
+  }
+}
+
+// A request's bytes, each side by the request's deadline: 1 done, 0 the
+// connection broke or closed, -1 the deadline passed.
+int SendBy(int fd, const void* data, size_t n, Clock::time_point deadline) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    if (ReadyBy(fd, POLLOUT, deadline) < 0) return -1;
+    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (k <= 0) return 0;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return 1;
+}
+
+int RecvBy(int fd, void* data, size_t n, Clock::time_point deadline) {
+  char* p = static_cast<char*>(data);
+  while (n > 0) {
+    if (ReadyBy(fd, POLLIN, deadline) < 0) return -1;
+    ssize_t k = ::recv(fd, p, n, MSG_DONTWAIT);
+    if (k < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (k <= 0) return 0;
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return 1;
+}
+
+// connect() that gives up after `limit`; 0 or -1 with errno set.
+int ConnectWithin(int fd, const sockaddr* addr, socklen_t len, std::chrono::milliseconds limit) {
+  const int flags = ::fcntl(fd, F_GETFL, 0);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int rc = ::connect(fd, addr, len);
+  if (rc != 0 && errno == EINPROGRESS) {
+    if (ReadyBy(fd, POLLOUT, Clock::now() + limit) < 0) {
+      errno = ETIMEDOUT;
+      return -1;
+    }
+    int error = 0;
+    socklen_t size = sizeof(error);
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &size);
+    rc = error == 0 ? 0 : -1;
+    errno = error;
+  }
+  const int saved = errno;
+  ::fcntl(fd, F_SETFL, flags);
+  errno = saved;
+  return rc;
 }
 
 // Nonces: from getrandom(2), or /dev/urandom where the kernel lacks it.
@@ -103,7 +175,8 @@ void AppendPod(std::vector<char>* buf, T v) {
 
 StoreClient::StoreClient(const std::string& host, int port,
                          const std::string& secret,
-                         std::chrono::milliseconds wait_timeout)
+                         std::chrono::milliseconds wait_timeout,
+                         std::chrono::milliseconds connect_window)
     : where_(host + ":" + std::to_string(port)), wait_timeout_(wait_timeout) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
@@ -118,16 +191,24 @@ StoreClient::StoreClient(const std::string& host, int port,
   // The launcher may still be starting its server, or the store may be
   // closing new connections while a flood of strangers fills its quota of
   // unauthenticated ones: try again, backing off, for a while.
-  const auto deadline = std::chrono::steady_clock::now() + kConnectWindow;
+  const auto deadline = Clock::now() + connect_window;
   auto backoff = std::chrono::milliseconds(50);
   std::string last_error;
+  bool timed_out = false;  // the last attempt's: no answer, not a refusal
+  handshake_limit_ = std::min<std::chrono::milliseconds>(protocol::kHandshakeTimeout,
+                                                         std::max(connect_window,
+                                                                  std::chrono::milliseconds(100)));
   for (;;) {
     for (addrinfo* ai = res.get(); ai && fd_ < 0; ai = ai->ai_next) {
       int fd = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
       if (fd < 0) continue;
-      if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto limit = std::max(std::chrono::milliseconds(100),
+                                  std::min<std::chrono::milliseconds>(left, kConnectAttempt));
+      if (ConnectWithin(fd, ai->ai_addr, ai->ai_addrlen, limit) == 0) {
         fd_ = fd;
       } else {
+        timed_out = errno == ETIMEDOUT;
         last_error = std::strerror(errno);
         ::close(fd);
       }
@@ -137,7 +218,7 @@ StoreClient::StoreClient(const std::string& host, int port,
       setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       bool done = false;
       try {
-        done = Authenticate(secret, &last_error);
+        done = Authenticate(secret, &last_error, &timed_out);
       } catch (...) {
         ::close(fd_);
         fd_ = -1;
@@ -147,12 +228,16 @@ StoreClient::StoreClient(const std::string& host, int port,
       ::close(fd_);
       fd_ = -1;
     }
-    if (std::chrono::steady_clock::now() > deadline) break;
+    if (Clock::now() > deadline) break;
     // Jitter spreads out the retries of many ranks turned away together.
     uint8_t jitter = 0;
     RandomBytes(&jitter, 1);
     std::this_thread::sleep_for(backoff / 2 + backoff * jitter / 512);
     backoff = std::min(backoff * 2, std::chrono::milliseconds(1000));
+  }
+  if (timed_out) {
+    throw StoreUnanswered("the rendezvous store at " + where_ + " did not answer (" +
+                          last_error + ")");
   }
   throw std::runtime_error("cannot connect to the rendezvous store at " + where_ + " (" +
                            last_error +
@@ -160,14 +245,19 @@ StoreClient::StoreClient(const std::string& host, int port,
                            "PERSEUS_RENDEZVOUS_ADDR/PORT right?");
 }
 
-bool StoreClient::Authenticate(const std::string& secret, std::string* why_not) {
+bool StoreClient::Authenticate(const std::string& secret, std::string* why_not,
+                               bool* timed_out) {
   // A store answers each handshake step at once; this only bounds a server
   // that accepted and then went silent (the store itself drops a client
   // that has not finished within the same time).
-  SetIoTimeout(protocol::kHandshakeTimeout);
+  SetSocketTimeout(handshake_limit_);
   uint8_t hello[protocol::kHelloLen + protocol::kNonceLen];
+  *timed_out = false;
   if (!RecvFully(fd_, hello, sizeof(hello))) {
-    *why_not = "the store closed the connection before the handshake; busy?";
+    *timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+    *why_not = *timed_out ? "no greeting from the store within " +
+                                std::to_string(handshake_limit_.count()) + " ms"
+                          : "the store closed the connection before the handshake; busy?";
     return false;
   }
   // The magic and the version byte.
@@ -208,8 +298,8 @@ bool StoreClient::Authenticate(const std::string& secret, std::string* why_not) 
                              "without proving that it knows the job's secret (are "
                              "PERSEUS_RENDEZVOUS_ADDR/PORT right?)");
   }
-  // Requests may wait on a GET for as long as the caller asks.
-  SetIoTimeout(std::chrono::milliseconds(0));
+  // Requests bound their own waits (Begin, SendAll, RecvAll).
+  SetSocketTimeout(std::chrono::milliseconds(0));
   return true;
 }
 
@@ -217,13 +307,34 @@ StoreClient::~StoreClient() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+void StoreClient::Begin(std::chrono::milliseconds wait) {
+  if (!unanswered_.empty()) throw StoreUnanswered(unanswered_);
+  deadline_ = answer_timeout_.count() == 0 ? Clock::time_point::max()
+                                           : Clock::now() + wait + answer_timeout_;
+}
+
+void StoreClient::Unanswered() {
+  std::ostringstream msg;
+  msg << "the rendezvous store at " << where_ << " stopped answering (no reply within "
+      << answer_timeout_.count() / 1000.0 << " s)";
+  unanswered_ = msg.str();
+  ::close(fd_);
+  fd_ = -1;
+  throw StoreUnanswered(unanswered_);
+}
+
 void StoreClient::SendAll(const void* data, size_t n) {
-  if (!SendFully(fd_, data, n)) {
-    throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
-  }
+  const int rc = SendBy(fd_, data, n, deadline_);
+  if (rc < 0) Unanswered();
+  if (rc == 0) throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
 }
 
 void StoreClient::SetIoTimeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  answer_timeout_ = timeout;
+}
+
+void StoreClient::SetSocketTimeout(std::chrono::milliseconds timeout) {
   timeval tv{};
   tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
   tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
@@ -232,9 +343,9 @@ void StoreClient::SetIoTimeout(std::chrono::milliseconds timeout) {
 }
 
 void StoreClient::RecvAll(void* data, size_t n) {
-  if (!RecvFully(fd_, data, n)) {
-    throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
-  }
+  const int rc = RecvBy(fd_, data, n, deadline_);
+  if (rc < 0) Unanswered();
+  if (rc == 0) throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
 }
 
 void StoreClient::set(const std::string& key, const std::vector<char>& data) {
@@ -248,6 +359,7 @@ void StoreClient::set(const std::string& key, const std::vector<char>& data) {
   AppendPod<uint64_t>(&msg, data.size());
   msg.insert(msg.end(), data.begin(), data.end());
   std::lock_guard<std::mutex> lock(mu_);
+  Begin(std::chrono::milliseconds(0));
   SendAll(msg.data(), msg.size());
   uint8_t status;
   RecvAll(&status, 1);
@@ -259,6 +371,7 @@ bool StoreClient::TryGet(const std::string& key, std::chrono::milliseconds timeo
   AppendKey(&msg, key);
   AppendPod<uint32_t>(&msg, static_cast<uint32_t>(timeout.count()));
   std::lock_guard<std::mutex> lock(mu_);
+  Begin(timeout);
   SendAll(msg.data(), msg.size());
   uint8_t status;
   RecvAll(&status, 1);
@@ -301,6 +414,7 @@ int64_t StoreClient::Add(const std::string& key, int64_t delta) {
   AppendKey(&msg, key);
   AppendPod<int64_t>(&msg, delta);
   std::lock_guard<std::mutex> lock(mu_);
+  Begin(std::chrono::milliseconds(0));
   SendAll(msg.data(), msg.size());
   int64_t value;
   RecvAll(&value, 8);
@@ -311,6 +425,7 @@ void StoreClient::Own(const std::string& label) {
   std::vector<char> msg{static_cast<char>(protocol::kCmdOwn)};
   AppendKey(&msg, label);
   std::lock_guard<std::mutex> lock(mu_);
+  Begin(std::chrono::milliseconds(0));
   SendAll(msg.data(), msg.size());
   uint8_t status;
   RecvAll(&status, 1);

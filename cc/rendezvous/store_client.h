@@ -22,6 +22,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -29,15 +30,27 @@
 
 namespace perseus {
 
+// A request the store did not answer in time: its process is stopped or
+// overloaded, or the network to it is cut. The connection is closed (a late
+// reply would be read as the next request's); every later request on this
+// client throws this again at once.
+class StoreUnanswered : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class StoreClient : public gloo::rendezvous::Store {
  public:
-  // Connects and authenticates, trying again for up to 30 s while the
-  // connection is refused or closed before the store's verdict (the store is
-  // not up yet, or is shedding a flood of unauthenticated connections).
-  // Throws std::runtime_error with a message naming the address on failure,
-  // at once when the store rejects the secret or fails to prove it knows it.
+  // Connects and authenticates, trying again for up to connect_window
+  // while the connection is refused, times out, or is closed before the
+  // store's verdict (the store is not up yet, or is shedding a flood of
+  // unauthenticated connections). Throws std::runtime_error with a message
+  // naming the address on failure (StoreUnanswered when the last attempt
+  // got no answer at all), at once when the store rejects the secret or
+  // fails to prove it knows it.
   StoreClient(const std::string& host, int port, const std::string& secret,
-              std::chrono::milliseconds wait_timeout);
+              std::chrono::milliseconds wait_timeout,
+              std::chrono::milliseconds connect_window = std::chrono::seconds(30));
   ~StoreClient() override;
 
   void set(const std::string& key, const std::vector<char>& data) override;
@@ -50,22 +63,37 @@ class StoreClient : public gloo::rendezvous::Store {
   bool TryGet(const std::string& key, std::chrono::milliseconds timeout,
               std::vector<char>* value);
   int64_t Add(const std::string& key, int64_t delta);
-  // Reads and writes that take longer than this fail (0: wait forever), so
-  // a store whose process is stopped cannot block the caller.
+  // How long the store may take to answer a request, beyond the wait a GET
+  // asks for (0: forever). A request it does not answer in time throws
+  // StoreUnanswered, so a store whose process is stopped, or whose host is
+  // cut off, cannot block the caller. The default: kDefaultAnswerTimeout.
   void SetIoTimeout(std::chrono::milliseconds timeout);
   void Own(const std::string& label);
+  const std::string& where() const { return where_; }
+
+  static constexpr std::chrono::milliseconds kDefaultAnswerTimeout{60000};
 
  private:
   // One handshake on fd_; false when the connection broke or stalled before
   // the verdict (worth another try), throws when trying again cannot help.
-  bool Authenticate(const std::string& secret, std::string* why_not);
+  bool Authenticate(const std::string& secret, std::string* why_not, bool* timed_out);
+  // Under mu_: a request's start (throws StoreUnanswered once the
+  // connection was given up), its bytes, each by the request's deadline.
+  void Begin(std::chrono::milliseconds wait);
   void SendAll(const void* data, size_t n);
   void RecvAll(void* data, size_t n);
+  [[noreturn]] void Unanswered();
+  // Sets SO_RCVTIMEO and SO_SNDTIMEO of fd_ (0: none).
+  void SetSocketTimeout(std::chrono::milliseconds timeout);
 
   std::mutex mu_;
   int fd_ = -1;
   std::string where_;
   std::chrono::milliseconds wait_timeout_;
+  std::chrono::milliseconds answer_timeout_ = kDefaultAnswerTimeout;
+  std::chrono::milliseconds handshake_limit_{0};
+  std::chrono::steady_clock::time_point deadline_;  // the request's
+  std::string unanswered_;  // set once a request was not answered in time
 };
 
 }  // namespace perseus

@@ -42,6 +42,10 @@ constexpr uint8_t kCmdOwn = 4;
 // Reply status bytes of SET, GET and OWN.
 constexpr uint8_t kStatusOk = 0;
 constexpr uint8_t kStatusTimeout = 1;
+// The server sets this key when it starts, to who serves the store ("rank 0
+// on HOST", "perseusrun on HOST"): the ranks name it when it stops answering.
+constexpr char kServedByKey[] = "__served_by__";
+constexpr size_t kServedByKeyLen = 13;
 // When a connection marked with OWN label closes, the server sets
 // CLOSED_PREFIX + label.
 constexpr char kClosedPrefix[] = "__closed__/";

@@ -137,37 +137,111 @@ std::string HealthMonitor::HeartbeatKey(int world_rank) const {
   return c_.options.job_id + "/heartbeat/" + std::to_string(world_rank);
 }
 
+namespace {
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+// A 250 ms wait of the heartbeat that took longer than this: the process
+// was not running.
+constexpr int64_t kFrozeMs = 5000;
+
+std::string Seconds(int64_t ms) {
+  std::ostringstream out;
+  out << (ms / 100) / 10.0 << " s";
+  return out.str();
+}
+
+}  // namespace
+
+std::shared_ptr<StoreClient> HealthMonitor::Beats() {
+  std::lock_guard<std::mutex> lock(beats_mu_);
+  return beats_;
+}
+
 void HealthMonitor::StartHeartbeat() {
   StopHeartbeat();
+  // How long one beat may wait for the store, and how long the store may
+  // stay silent before it is the failure (GLOO_TIMEOUT_SECONDS: a
+  // collective waiting for a rank gives up as late).
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c_.options.timeout_seconds * 1000));
+  const auto beat_limit = std::max(std::chrono::milliseconds(500),
+                                   std::min<std::chrono::milliseconds>(timeout / 10,
+                                                                       std::chrono::seconds(3)));
+  auto connect = [this, beat_limit] {
+    auto client = std::make_shared<StoreClient>(c_.options.store_addr, c_.options.store_port,
+                                                c_.options.secret, beat_limit, beat_limit);
+    client->SetIoTimeout(beat_limit);
+    return client;
+  };
   try {
-    beats_.reset(new StoreClient(c_.options.store_addr, c_.options.store_port, c_.options.secret,
-                                 std::chrono::milliseconds(1000)));
-    beats_->SetIoTimeout(std::chrono::milliseconds(3000));
+    auto first = connect();
+    std::vector<char> who;
+    if (first->TryGet(store_protocol::kServedByKey, std::chrono::milliseconds(0), &who)) {
+      served_by_.assign(who.begin(), who.end());
+    }
+    std::lock_guard<std::mutex> lock(beats_mu_);
+    beats_ = first;
   } catch (const std::exception&) {
-    beats_.reset();  // failures are then told apart by the census alone
-    return;
+    // the thread tries again
   }
   stop_ = false;
+  last_answer_ms_ = NowMs();
   const std::string key = HeartbeatKey(WorldRank(c_.options.rank));
   const std::string closed_key = ClosedCountKey(c_.world_prefix);
-  thread_ = std::thread([this, key, closed_key] {
+  thread_ = std::thread([this, key, closed_key, connect, timeout] {
     NameThisThread("perseus-health");
     int64_t closed_seen = 0;
     std::unique_lock<std::mutex> lock(mu_);
     while (!stop_) {
       lock.unlock();
       try {
-        beats_->Add(key, 1);
-        const int64_t closed = beats_->Add(closed_key, 0);
+        auto beats = Beats();
+        if (!beats) {
+          beats = connect();
+          std::lock_guard<std::mutex> guard(beats_mu_);
+          beats_ = beats;
+        }
+        beats->Add(key, 1);
+        const int64_t closed = beats->Add(closed_key, 0);
+        last_answer_ms_ = NowMs();
         if (closed > closed_seen) {
           closed_seen = closed;
-          WatchClosedPeers();
+          WatchClosedPeers(beats.get());
+        }
+      } catch (const StoreUnanswered&) {
+        {
+          std::lock_guard<std::mutex> guard(beats_mu_);
+          beats_.reset();  // the next turn connects again
+        }
+        const int64_t silent = NowMs() - last_answer_ms_.load();
+        if (silent >= timeout.count() && !c_.ending()) {
+          store_lost_ = true;
+          AbortGlooWaits(c_.report("this rank stopped waiting for it"));
+          return;
         }
       } catch (const std::exception&) {
-        return;  // the store is gone: nothing left to tell
+        // The store's process exited (refused, closed): the job is ending,
+        // or the ranks' own connections tell the rest.
+        std::lock_guard<std::mutex> guard(beats_mu_);
+        beats_.reset();
+        last_answer_ms_ = 0;
+        return;
       }
       lock.lock();
+      // A timed wait of 250 ms that takes seconds: this process did not
+      // run (stopped by a signal or a debugger, or starved).
+      const int64_t before = NowMs();
+      asleep_since_ms_ = before;
       cv_.wait_for(lock, std::chrono::milliseconds(250), [this] { return stop_; });
+      asleep_since_ms_ = 0;
+      const int64_t slept = NowMs() - before;
+      if (slept > kFrozeMs) {
+        froze_for_ms_ = slept;
+        froze_until_ms_ = NowMs();
+      }
     }
   });
 }
@@ -179,10 +253,42 @@ void HealthMonitor::StopHeartbeat() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  std::lock_guard<std::mutex> lock(beats_mu_);
   beats_.reset();
 }
 
-void HealthMonitor::WatchClosedPeers() {
+std::string HealthMonitor::StoreSilence(std::vector<int>* culprits) {
+  const int64_t last = last_answer_ms_.load();
+  if (last == 0) return "";
+  const int64_t silent = NowMs() - last;
+  if (!store_lost_ && silent < 2000) return "";
+  const std::string who = served_by_.empty() ? std::string() : ", served by " + served_by_;
+  // The store's host stopped: when it is a rank, that rank is the cause.
+  if (served_by_.rfind("rank ", 0) == 0) culprits->assign(1, std::atoi(served_by_.c_str() + 5));
+  return "the rendezvous store (at " + c_.options.store_addr + ":" +
+         std::to_string(c_.options.store_port) + who + ") stopped answering " + Seconds(silent) +
+         " ago: its process is stopped or overloaded, or the network to its host is cut";
+}
+
+std::string HealthMonitor::ThisProcessFroze(std::vector<int>* culprits) {
+  const int64_t now = NowMs();
+  int64_t until = froze_until_ms_.load();
+  int64_t length = froze_for_ms_.load();
+  // Just resumed: the heartbeat's 250 ms wait has not returned yet.
+  const int64_t asleep = asleep_since_ms_.load();
+  if (asleep != 0 && now - asleep > kFrozeMs) {
+    until = now;
+    length = now - asleep;
+  }
+  const auto timeout = static_cast<int64_t>(c_.options.timeout_seconds * 1000);
+  if (until == 0 || now - until > timeout + 10000) return "";
+  culprits->assign(1, WorldRank(c_.options.rank));
+  return "this process did not run for " + Seconds(length) +
+         " (stopped by a signal or a debugger, or starved of CPU), so the other ranks gave up "
+         "on it";
+}
+
+void HealthMonitor::WatchClosedPeers(StoreClient* beats) {
   if (c_.ending()) return;
   // Over the heartbeat's own connection, the ranks that closed it, but for
   // those done (a normal shutdown) or left between plan steps by shutdown:
@@ -192,7 +298,7 @@ void HealthMonitor::WatchClosedPeers() {
   const std::string& round = c_.world_prefix;
   std::vector<char> value;  // the last key read's
   auto has = [&](const std::string& k) {
-    return beats_->TryGet(k, std::chrono::milliseconds(0), &value);
+    return beats->TryGet(k, std::chrono::milliseconds(0), &value);
   };
   std::vector<int> dead, failed;
   for (int r = 0; r < c_.options.size; ++r) {
@@ -226,25 +332,35 @@ void HealthMonitor::WatchClosedPeers() {
 
 std::string HealthMonitor::IdentifyFailedRanks(std::vector<int>* culprits) {
   if (!c_.store) return "";
+  // A process that did not run for a while is why the others gave up.
+  std::string who = ThisProcessFroze(culprits);
+  if (!who.empty()) return who;
+  // A store that does not answer cannot tell who failed: say so at once.
+  who = StoreSilence(culprits);
+  if (!who.empty()) return who;
   try {
     const std::string census = c_.key_prefix + "/census/rank";
     c_.store->set(census + std::to_string(c_.options.rank), {'1'});
     // Every live process beats every 250 ms, even while blocked in a
     // collective; take a first reading now, a second after the dead check.
-    bool beats = beats_ != nullptr;
+    auto beats = Beats();
     std::vector<int64_t> first(c_.options.size, -1);
     const auto first_at = Clock::now();
     if (beats) {
       try {
-        for (int r = 0; r < c_.options.size; ++r) first[r] = beats_->Add(HeartbeatKey(WorldRank(r)), 0);
+        for (int r = 0; r < c_.options.size; ++r) first[r] = beats->Add(HeartbeatKey(WorldRank(r)), 0);
       } catch (const std::exception&) {
-        beats = false;
+        beats.reset();
       }
     }
-    std::string who = LeftRanks(culprits);
+    who = LeftRanks(culprits);
     if (who.empty()) who = DeadRanks(culprits);
-    if (who.empty()) who = SilentRanks(first, first_at, beats, culprits);
+    if (who.empty()) who = SilentRanks(beats.get(), first, first_at, culprits);
     return who;
+  } catch (const StoreUnanswered& e) {
+    store_lost_ = true;
+    who = StoreSilence(culprits);
+    return who.empty() ? std::string(e.what()) : who;
   } catch (const std::exception&) {
     return "the rendezvous store is gone (the launcher or rank 0 exited)";
   }
@@ -294,8 +410,8 @@ std::string HealthMonitor::DeadRanks(std::vector<int>* culprits) {
                                             : " exited or lost their connection");
 }
 
-std::string HealthMonitor::SilentRanks(const std::vector<int64_t>& first,
-                                       Clock::time_point first_at, bool beats,
+std::string HealthMonitor::SilentRanks(StoreClient* beats, const std::vector<int64_t>& first,
+                                       Clock::time_point first_at,
                                        std::vector<int>* culprits) {
   // Nobody died. A rank whose heartbeat did not move in 1.5 s (six beats)
   // is stopped: this names it about 1.5 s after the timeout.
@@ -305,7 +421,7 @@ std::string HealthMonitor::SilentRanks(const std::vector<int64_t>& first,
     try {
       for (int r = 0; r < c_.options.size; ++r) {
         if (r == c_.options.rank) continue;
-        if (beats_->Add(HeartbeatKey(WorldRank(r)), 0) == first[r]) stopped.push_back(WorldRank(r));
+        if (beats->Add(HeartbeatKey(WorldRank(r)), 0) == first[r]) stopped.push_back(WorldRank(r));
       }
       *culprits = stopped;
       if (!stopped.empty()) return RankList(stopped) + " stopped responding";

@@ -10,6 +10,7 @@
 // summary) is kept here too.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -69,7 +70,13 @@ class HealthMonitor {
   // rank's counter in the store every 250 ms over its own connection. A
   // rank whose counter stops is stopped (SIGSTOP, a debugger), not merely
   // slow or dead. When the store's count of closed ranks grows, it looks
-  // at once for a rank that died or failed (report).
+  // at once for a rank that died or failed (report). A store that does not
+  // answer is tried again (a new connection each time) until it has been
+  // silent for GLOO_TIMEOUT_SECONDS: then the store itself is the failure
+  // (report), on every rank. A store whose process exited (refused, closed)
+  // ends the beat quietly: the job is ending, or its ranks' connections
+  // tell the rest. The thread also notices when this process itself did not
+  // run for a while (SIGSTOP, a debugger): its failures then say so.
   void StartHeartbeat();
   void StopHeartbeat();
 
@@ -90,19 +97,36 @@ class HealthMonitor {
 
  private:
   std::string HeartbeatKey(int world_rank) const;
+  // The heartbeat's connection (null while it has none): shared with the
+  // census, which reads counters over it from other threads.
+  std::shared_ptr<StoreClient> Beats();
+  // Why the store is not answering, and since when; "" while it answers.
+  std::string StoreSilence(std::vector<int>* culprits);
+  // Why this process did not run for a while lately; "" if it ran.
+  std::string ThisProcessFroze(std::vector<int>* culprits);
   int WorldRank(int r) const { return WorldRankOf(c_.options, r); }
   // From the heartbeat thread, when the store's count of closed ranks grows:
   // fails the round at once if one of them died or failed.
-  void WatchClosedPeers();
+  void WatchClosedPeers(StoreClient* beats);
   // The census, heartbeats and left marks, read for IdentifyFailedRanks.
   std::string LeftRanks(std::vector<int>* culprits);
   std::string DeadRanks(std::vector<int>* culprits);
-  std::string SilentRanks(const std::vector<int64_t>& first_beats,
+  std::string SilentRanks(StoreClient* beats, const std::vector<int64_t>& first_beats,
                           std::chrono::steady_clock::time_point first_at,
-                          bool beats, std::vector<int>* culprits);
+                          std::vector<int>* culprits);
 
   HealthContext c_;
-  std::unique_ptr<StoreClient> beats_;  // the heartbeat's own connection
+  std::mutex beats_mu_;                 // guards beats_
+  std::shared_ptr<StoreClient> beats_;  // the heartbeat's own connection
+  std::string served_by_;               // who serves the store (its SERVED_BY key)
+  // Steady-clock milliseconds: the store's last answer to the heartbeat
+  // (0: no heartbeat), and the end and length of this process's last
+  // freeze that the heartbeat saw.
+  std::atomic<int64_t> last_answer_ms_{0};
+  std::atomic<int64_t> froze_until_ms_{0};
+  std::atomic<int64_t> froze_for_ms_{0};
+  std::atomic<int64_t> asleep_since_ms_{0};  // the heartbeat's wait began (0: not waiting)
+  std::atomic<bool> store_lost_{false};
   std::thread thread_;
   std::mutex mu_;  // guards stop_ and the perf check's sums
   std::condition_variable cv_;

@@ -10,6 +10,9 @@
 #include <map>
 #include <sstream>
 
+#include <pthread.h>
+#include <unistd.h>
+
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
 #include "cc/runtime/runtime_internal.h"
@@ -26,10 +29,40 @@ std::map<int, Runtime*>& Registry() {
   return *registry;
 }
 
-Runtime& Runtime::Get() {
+namespace {
+// Set in a child forked after init(): which rank it was forked from.
+std::string forked_after_init;
+}  // namespace
+
+Runtime*& Runtime::WorldSlot() {
   static Runtime* runtime = new Runtime();
-  return *runtime;
+  return runtime;
 }
+
+// In the child of fork(): only the forking thread exists. The parent's
+// runtimes, whose threads stayed behind, are left as they are (never
+// touched again); the child gets a world runtime of its own, not
+// initialized, and an empty registry. A lock some other thread held at the
+// fork is held for ever here: the registry's is made anew.
+void Runtime::InChildAfterFork() {
+  Runtime* parent = WorldSlot();
+  const std::string state = parent->state_name();
+  if (state == "uninitialized" || state == "shutdown") return;
+  forked_after_init = "this process is a fork (made after init()) of rank " +
+                      std::to_string(parent->options().rank) + ", pid " +
+                      std::to_string(static_cast<long>(::getppid()));
+  WorldSlot() = new Runtime();
+  new (&registry_mu) std::mutex();
+  new (&Registry()) std::map<int, Runtime*>();
+}
+
+Runtime& Runtime::Get() {
+  static const bool watching_forks = ::pthread_atfork(nullptr, nullptr, InChildAfterFork) == 0;
+  (void)watching_forks;
+  return *WorldSlot();
+}
+
+std::string Runtime::ForkedAfterInit() { return forked_after_init; }
 
 Runtime* Runtime::Find(int process_set_id) {
   if (process_set_id == 0) return &Get();

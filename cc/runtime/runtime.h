@@ -72,6 +72,10 @@ class Runtime {
  public:
   // The world's runtime (process set 0).
   static Runtime& Get();
+  // In a process forked after init(): "" in any other. The child does not
+  // share its parent's runtime (whose threads did not come with it): the
+  // fork gets a runtime of its own, not initialized, and this says so.
+  static std::string ForkedAfterInit();
   // The runtime of a process set this process belongs to, or null.
   static Runtime* Find(int process_set_id);
   // Collective over the members only (the caller checks membership and that
@@ -124,6 +128,10 @@ class Runtime {
   Status RawAllreduce(void* data, size_t count, DataType dtype);
 
  private:
+  // The world's runtime, and what a child forked after init() does with it
+  // (process_sets.cc).
+  static Runtime*& WorldSlot();
+  static void InChildAfterFork();
   enum class State { kUninitialized, kRunning, kFailed, kShutdown };
   // A round's place in the store.
   struct RoundKeys {

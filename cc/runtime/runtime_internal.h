@@ -25,4 +25,11 @@ inline std::chrono::milliseconds StartupStoreWait(std::chrono::milliseconds gloo
   return std::max(gloo_timeout, std::chrono::milliseconds(300000));
 }
 
+// How long the store may take to answer a request of the round's connection
+// beyond the wait it asks for (store_client.h): GLOO_TIMEOUT_SECONDS, at
+// least 5 s. The heartbeat names a silent store sooner (health.h).
+inline std::chrono::milliseconds StoreAnswerTimeout(std::chrono::milliseconds gloo_timeout) {
+  return std::max(gloo_timeout, std::chrono::milliseconds(5000));
+}
+
 }  // namespace perseus

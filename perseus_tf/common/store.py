@@ -44,7 +44,7 @@ import time
 from perseus_tf.common.store_protocol import (
     ACCEPTED, CLIENT_PROOF_LABEL, CLOSED_COUNT_SUFFIX, CLOSED_PREFIX, CMD_ADD, CMD_GET, CMD_OWN,
     CMD_SET, HANDSHAKE_TIMEOUT_S, HELLO, MAC_LEN, MAX_KEY_LEN, MAX_VALUE_LEN, NONCE_LEN,
-    PROTOCOL_VERSION, REJECTED, SERVER_PROOF_LABEL, STATUS_OK, STATUS_TIMEOUT)
+    PROTOCOL_VERSION, REJECTED, SERVED_BY_KEY, SERVER_PROOF_LABEL, STATUS_OK, STATUS_TIMEOUT)
 
 # Connections the kernel completes before we accept them. socketserver's
 # default of 5 makes a burst of ranks wait for SYN retransmissions (1 s, then
@@ -362,16 +362,19 @@ class StoreServer:
       max_pending_handshakes: connections allowed in the handshake at once.
       job_hosts: the addresses the job's ranks connect from; when the
         handshake slots are all taken, their connections displace others.
+      served_by: who serves it ("rank 0 on HOST"), kept under SERVED_BY_KEY
+        for the ranks' messages when the store stops answering.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  secret: bytes = b"",
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
-                 job_hosts=()):
+                 job_hosts=(), served_by: str = ""):
         if not secret:
             raise ValueError("StoreServer needs a non-empty secret")
         self._job_hosts = tuple(job_hosts)
+        self._served_by = served_by or f"the process with pid {os.getpid()}"
         self._address = (host, port)
         self._secret = bytes(secret)
         self._handshake_timeout_s = handshake_timeout_s
@@ -393,6 +396,7 @@ class StoreServer:
         self._server = _TCPServer(self._address, self._secret,
                                   self._handshake_timeout_s,
                                   self._max_pending_handshakes, self._job_hosts)
+        self._server.table.set(SERVED_BY_KEY, self._served_by.encode())
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
             name="perseus-store", daemon=True)

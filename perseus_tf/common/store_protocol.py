@@ -75,6 +75,9 @@ CMD_OWN = 4
 # Reply status bytes of SET, GET and OWN.
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
+# The server sets this key when it starts, to who serves the store ("rank 0
+# on HOST", "perseusrun on HOST"): the ranks name it when it stops answering.
+SERVED_BY_KEY = b"__served_by__"
 # When a connection marked with OWN label closes, the server sets
 # CLOSED_PREFIX + label.
 CLOSED_PREFIX = b"__closed__/"

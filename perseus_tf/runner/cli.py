@@ -282,6 +282,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list):
         raise UsageError(f"-np {args.np} is more than the {total_slots} slots "
                          f"given by {flag}")
     args.host_slots = entries
+    args.hosts_source = flag
     return args
 
 

@@ -184,7 +184,8 @@ class ElasticJob:
 
     def _resolve(self, name):
         try:
-            return self.fix_host(resolve_host(name))
+            return self.fix_host(resolve_host(name, getattr(self.args, "hosts_source",
+                                                            "-H/--hosts")))
         except UsageError as err:
             log(f"host {name}: {err}")
             return None

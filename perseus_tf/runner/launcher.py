@@ -31,6 +31,7 @@ import os
 import secrets
 import shlex
 import signal
+import socket
 import sys
 
 from perseus_tf.config.elastic import EXIT_RESTART
@@ -53,7 +54,8 @@ def _parse_args(parser, argv: list):
     if args.host_discovery_script:
         from perseus_tf.runner.elastic import discover_once
         args.host_slots = discover_once(args)  # the hosts to start on
-    args.hosts = resolve_hosts(args.host_slots)
+        args.hosts_source = f"--host-discovery-script {args.host_discovery_script}"
+    args.hosts = resolve_hosts(args.host_slots, args.hosts_source)
     if args.network_interface:
         interface_address(args.network_interface)  # exists here
     return args
@@ -127,7 +129,8 @@ def main(argv=None) -> int:
     # rendezvous address itself or loopback): those connections are served
     # first when strangers hold the store's handshake slots.
     job_hosts = {p.host.addr for p in placements} | {rendezvous_addr, "127.0.0.1"}
-    store = StoreServer(rendezvous_addr, 0, secret, job_hosts=job_hosts)
+    store = StoreServer(rendezvous_addr, 0, secret, job_hosts=job_hosts,
+                        served_by=f"perseusrun on {socket.gethostname()}")
     port = store.start()
     show_tf_logs = (args.tf_logs or os.environ.get("PERSEUS_TF_LOGS") == "1"
                     or "TF_CPP_MIN_LOG_LEVEL" in os.environ)

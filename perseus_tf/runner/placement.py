@@ -44,23 +44,26 @@ class Placement:
     host: Host
 
 
-def resolve_host(name: str) -> Host:
-    """The Host for a -H name (slots filled in by the caller): its IPv4
-    address, and whether it is this machine."""
+def resolve_host(name: str, source: str = "-H/--hosts") -> Host:
+    """The Host for a name of -H, --hostfile or another source (named in
+    the error; slots filled in by the caller): its IPv4 address, and whether
+    it is this machine."""
     if name == "localhost":
         return Host(name, "127.0.0.1", 1, True)
     try:
         addr = socket.getaddrinfo(name, None, socket.AF_INET)[0][4][0]
     except (socket.gaierror, UnicodeError):
         raise UsageError(
-            f"-H/--hosts: cannot resolve host {name!r} to an IPv4 address") from None
+            f"{source}: cannot resolve host {name!r} to an IPv4 address") from None
     local = ipaddress.ip_address(addr).is_loopback or netaddr.can_bind(addr)
     return Host(name, addr, 1, local)
 
 
-def resolve_hosts(host_slots: list) -> list:
-    """The Hosts of the command line's (name, slots) pairs, in order."""
-    return [dataclasses.replace(resolve_host(name), slots=slots) for name, slots in host_slots]
+def resolve_hosts(host_slots: list, source: str = "-H/--hosts") -> list:
+    """The Hosts of the command line's (name, slots) pairs, in order; source
+    says where they came from (-H, --hostfile, the Slurm allocation)."""
+    return [dataclasses.replace(resolve_host(name, source), slots=slots)
+            for name, slots in host_slots]
 
 
 def interface_address(name: str) -> str:

@@ -7,10 +7,13 @@ Over ssh (``python -m perseus_tf.runner.remote -- COMMAND...``):
   second line is a hex-encoded JSON object of the variables perseusrun's -x
   names (API keys, say): they join the rank's environment, also never on a
   command line.
-- The rest of standard input stays open while perseusrun lives. When it
-  closes (perseusrun exited, was killed, or the ssh connection broke), the
-  rank's process group gets SIGTERM, then SIGKILL after a few seconds: no
-  rank outlives its launcher on any host.
+- The rest of standard input stays open while perseusrun lives, and
+  perseusrun writes a byte to it every KEEPALIVE_S seconds. When it closes
+  (perseusrun exited, was killed, or the ssh connection broke), or nothing
+  has come for KEEPALIVE_LOST_S (the network to perseusrun's host is cut,
+  and ssh on this side may not notice for many minutes), the rank's process
+  group gets SIGTERM, then SIGKILL after a few seconds: no rank outlives its
+  launcher on any host.
 - SIGINT, SIGTERM and SIGHUP are passed to the rank's process group.
 - The exit status is the rank's (128+N when signal N killed it), which ssh
   hands back to perseusrun.
@@ -37,6 +40,10 @@ import time
 
 SECRET_WAIT_S = 30.0
 KILL_DELAY_S = 3.0
+# perseusrun's keep-alive (supervise.RankGroup): one byte this often, and
+# how long without one means perseusrun is cut off.
+KEEPALIVE_S = 5.0
+KEEPALIVE_LOST_S = 30.0
 
 
 def _usage() -> int:
@@ -107,13 +114,18 @@ def _stop(proc, why: str = "") -> None:
             time.sleep(0.05)
 
 
-def _watch_input(proc) -> None:
+def _watch_input(proc, lost_s: float = KEEPALIVE_LOST_S) -> None:
     fd = sys.stdin.fileno()
     while True:
         try:
-            chunk = os.read(fd, 4096)
+            ready = select.select([fd], [], [], lost_s)[0]
+            chunk = os.read(fd, 4096) if ready else None
         except OSError:
             chunk = b""
+        if chunk is None:
+            _stop(proc, f"no word from perseusrun for {lost_s:g} s (the network to its host "
+                        f"is cut, or it is stopped)")
+            return
         if not chunk:
             break
     _stop(proc, "perseusrun is gone (its connection closed)")

@@ -16,9 +16,12 @@ from perseus_tf.runner.placement import forwarded_env
 
 
 def ssh_base(args, connect_timeout: float) -> list:
-    """ssh with perseusrun's -p and -i, never prompting (BatchMode)."""
+    """ssh with perseusrun's -p and -i, never prompting (BatchMode); a
+    connection whose far end stops answering ends within 30 s (its rank is
+    then lost, and remote.py on that host stops the rank as soon)."""
     cmd = ["ssh", "-o", "BatchMode=yes",
-           "-o", f"ConnectTimeout={max(1, int(connect_timeout))}"]
+           "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
+           "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=6"]
     if args.ssh_port:
         cmd += ["-p", str(args.ssh_port)]
     if args.ssh_identity_file:

@@ -24,6 +24,10 @@ KILL_DELAY_S = 5.0
 # get SIGTERM, then SIGKILL KILL_DELAY_S later. A second Ctrl-C kills at once.
 INTERRUPT_GRACE_S = 3.0
 POLL_INTERVAL_S = 0.05
+# Every remote rank's remote.py hears from perseusrun this often (a byte on
+# its standard input, over ssh); it stops the rank when nothing has come for
+# remote.KEEPALIVE_LOST_S.
+KEEPALIVE_S = 5.0
 
 
 def log(message: str) -> None:
@@ -96,6 +100,7 @@ class RankGroup:
         self._quiet = quiet  # drop TF's C++ log noise from the output
         self._stdout_lock = stream_lock(sys.stdout)
         self._stderr_lock = stream_lock(sys.stderr)
+        self._keepalive = None  # the thread of _keep_alive, once a rank reads input
         # Ranks' failure records (perseus_tf/_failure_record.py) by rank.
         self.records = {}
         self._records_lock = threading.Lock()
@@ -131,6 +136,10 @@ class RankGroup:
                 pass
         child = _Child(proc, label or f"rank {rank}", f" on {host}" if host else "", remote, rank)
         self.children.append(child)
+        if stdin_data is not None and self._keepalive is None:
+            self._keepalive = threading.Thread(target=self._keep_alive, daemon=True,
+                                               name="perseusrun-keepalive")
+            self._keepalive.start()
         tag = (f"[{rank}] " if tag is None else tag).encode() if prefix else b""
         for pipe, stream, lock in ((proc.stdout, sys.stdout, self._stdout_lock),
                                    (proc.stderr, sys.stderr, self._stderr_lock)):
@@ -141,6 +150,21 @@ class RankGroup:
             reader.start()
             self._readers.append(reader)
         return child
+
+    def _keep_alive(self) -> None:
+        """A byte to every running child that reads perseusrun's input (a
+        remote rank's remote.py, through ssh) every KEEPALIVE_S."""
+        while True:
+            time.sleep(KEEPALIVE_S)
+            for child in list(self.children):
+                stdin = child.proc.stdin
+                if stdin is None or stdin.closed or child.proc.returncode is not None:
+                    continue
+                try:
+                    os.set_blocking(stdin.fileno(), False)
+                    os.write(stdin.fileno(), b"\n")
+                except (OSError, ValueError):
+                    pass  # ssh is gone or stuck: its exit tells the rest
 
     def _add_record(self, record: dict) -> None:
         with self._records_lock:

@@ -48,8 +48,8 @@ from perseus_tf import config
 from perseus_tf import gpu
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import (keras_backports, keras_files, keras_mixed, keras_preempt,
-                                 keras_save, keras_xla)
+from perseus_tf.strategy import (keras_backports, keras_files, keras_mixed, keras_predict,
+                                 keras_preempt, keras_save, keras_xla)
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -342,6 +342,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
                            lambda tensors: perseus_ops.grouped_allreduce(
                                tensors, op=perseus_ops.Average,
                                name="perseus.average_on_read_variables"))
+        keras_predict.install(lambda strategy: isinstance(strategy, PerseusStrategy))
         _gradients.install()
         _install_batch_norm_statistics()
         keras_files.install_step_resume()   # before the restore check wraps it

@@ -83,25 +83,36 @@ def _steps_everywhere(steps, name):
     return every
 
 
+def _disagreement(model, steps, name, is_ours):
+    """Under PerseusStrategy with several ranks: (each rank's count as text,
+    the smallest count) when the ranks' step counts differ where all know
+    theirs; else None. Every rank of such a strategy calls it alike."""
+    if not is_ours(getattr(model, "distribute_strategy", None)):
+        return None
+    from perseus_tf import ops
+    if ops.size() < 2:
+        return None
+    every = _steps_everywhere(steps, name)
+    if every is None:
+        return None
+    return ", ".join(f"rank {r}: {s}" for r, s in enumerate(every)), min(every)
+
+
 def _check_steps_agree(model, params, is_ours):
     """fit(): every rank must run the same number of steps per epoch, or the
     one that runs out first leaves the epoch while the others still reduce
     gradients. Where Keras knows the count on every rank (a dataset of known
     length, or steps_per_epoch), the ranks compare it before the first step."""
-    if not is_ours(getattr(model, "distribute_strategy", None)):
+    found = _disagreement(model, (params or {}).get("steps"), "perseus.fit.steps_per_epoch",
+                          is_ours)
+    if found is None:
         return
-    from perseus_tf import ops
-    if ops.size() < 2:
-        return
-    every = _steps_everywhere((params or {}).get("steps"), "perseus.fit.steps_per_epoch")
-    if every is None:
-        return
-    listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(every))
+    listing, fewest = found
     raise ValueError(
         f"PerseusStrategy fit(): the ranks would run different numbers of steps per epoch "
         f"({listing}) because their datasets have different lengths. Give every rank the same "
         f"number of batches: shard the data evenly, or repeat() it and pass "
-        f"steps_per_epoch={min(every)}")
+        f"steps_per_epoch={fewest}")
 
 
 def _validation_steps(model, params, in_fit):
@@ -124,25 +135,37 @@ def _check_validation_steps_agree(model, params, is_ours, in_fit):
     rank's metric reductions with another's end-of-data exchange."""
     if not is_ours(getattr(model, "distribute_strategy", None)):
         return
-    from perseus_tf import ops
-    if ops.size() < 2:
-        return
-    every = _steps_everywhere(_validation_steps(model, params, in_fit),
-                              "perseus.evaluate.steps")
-    if every is None:
+    found = _disagreement(model, _validation_steps(model, params, in_fit),
+                          "perseus.evaluate.steps", is_ours)
+    if found is None:
         return
     if in_fit:  # fit keeps its validation data for the next fit when it fails
         for cached in ("_eval_epoch_iterator", "_eval_data_handler"):
             if getattr(model, cached, None) is not None:
                 setattr(model, cached, None)
-    listing = ", ".join(f"rank {r}: {s}" for r, s in enumerate(every))
+    listing, fewest = found
     where, knob = (("fit() validation", "validation_steps") if in_fit
                    else ("evaluate()", "steps"))
     raise ValueError(
         f"PerseusStrategy {where}: the ranks would run different numbers of evaluation steps "
         f"({listing}) because their validation datasets have different lengths (the training "
         f"data's lengths are checked the same way). Give every rank the same number of "
-        f"batches: shard the validation data evenly, or pass {knob}={min(every)}")
+        f"batches: shard the validation data evenly, or pass {knob}={fewest}")
+
+
+def _check_predict_steps_agree(model, params, is_ours):
+    """predict(): every rank gathers every step's rows (keras_predict), so
+    all must run the same number of steps; a rank that ran out first would
+    leave the others waiting in a gather. Checked like fit's steps."""
+    found = _disagreement(model, (params or {}).get("steps"), "perseus.predict.steps", is_ours)
+    if found is None:
+        return
+    listing, fewest = found
+    raise ValueError(
+        f"PerseusStrategy predict(): the ranks would run different numbers of steps "
+        f"({listing}) because their inputs have different lengths. Every rank passes the "
+        f"same input (each predicts its slice of every batch, and every rank gets all the "
+        f"rows back), or pass steps={fewest}")
 
 
 def install(is_ours, allreduce_average):
@@ -213,6 +236,9 @@ def _patch_epoch_ends(flavour, is_ours, allreduce_average):
 
         def on_test_begin(self, logs=None):
             _check_validation_steps_agree(self.model, self.params, is_ours, self.in_fit)
+
+        def on_predict_begin(self, logs=None):
+            _check_predict_steps_agree(self.model, self.params, is_ours)
 
         def on_epoch_end(self, epoch, logs=None):
             _average_into_local_copies(self.model, is_ours, allreduce_average)

@@ -286,6 +286,12 @@ def check_invalid_arguments_raise_locally():
     expect(tf.errors.InvalidArgumentError, lambda: ptf.allgather(tf.constant(1.0)), "scalar")
     expect(NotImplementedError, lambda: ptf.reducescatter(tf.ones([N]), op=ptf.Adasum),
            "allreduce and grouped_allreduce only")
+    # A dtype the kernels do not take: named, not TF's dump of the NodeDef.
+    for fn in (ptf.allreduce, ptf.allgather, ptf.broadcast, ptf.reducescatter):
+        expect(TypeError, lambda: fn(tf.constant([1 + 2j] * N, tf.complex64), name="cx"),
+               "tensor 'cx'", "complex64 is not supported", "float32", "real and imaginary")
+    expect(TypeError, lambda: ptf.grouped_allreduce([tf.ones([1]), tf.constant(["a"])]),
+           "grouped_allreduce", "string is not supported")
     # Adasum of identical tensors is that tensor (not their sum).
     np.testing.assert_allclose(ptf.allreduce(tf.constant([1.0, 2.0]), op=ptf.Adasum).numpy(),
                                [1.0, 2.0], rtol=1e-6)

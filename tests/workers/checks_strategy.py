@@ -1,6 +1,7 @@
 """PerseusStrategy with Keras and custom loops, at 2 ranks (none of these
-checks branches on the world size or has a case that only more ranks reach;
-`fit` under PerseusStrategy at 4 ranks runs in tests/test_model_matrix.py).
+checks branches on the world size or has a case that only more ranks reach
+but predict's, which tests/test_strategy.py also runs at 3; `fit` under
+PerseusStrategy at 4 ranks runs in tests/test_model_matrix.py).
 
 Rank 0 also trains the same model without any strategy on the same global
 data: the distributed weights must equal that single-process result.
@@ -637,6 +638,47 @@ def check_fit_refuses_different_steps_per_epoch_on_every_rank():
     model.fit(same, validation_data=mine, validation_steps=4, epochs=1, verbose=0)
     model.evaluate(mine, steps=4, verbose=0)
     same_on_all_ranks([w.numpy() for w in model.weights])
+
+
+def check_predict_returns_every_row_in_order_on_every_rank():
+    # Each rank predicts its slice of every global batch; predict once
+    # returned only those rows (rows 0-7, 16-23, ... on rank 0), silently.
+    # Now every rank gets every row in the input's order, as under
+    # MultiWorkerMirroredStrategy: also with a partial last batch, and one
+    # of a single row (rank 1's slice of it is empty).
+    with STRATEGY.scope():
+        model = make_model(seed=5)
+    expected = model(X).numpy()
+    for n in (64, 61, 3 * GLOBAL_BATCH + 1):
+        got = model.predict(X[:n], batch_size=GLOBAL_BATCH, verbose=0)
+        assert got.shape == (n, 1), (n, got.shape)
+        np.testing.assert_allclose(got, expected[:n], rtol=1e-5, atol=1e-6, err_msg=str(n))
+        got = model.predict(dataset(n), verbose=0)
+        np.testing.assert_allclose(got, expected[:n], rtol=1e-5, atol=1e-6, err_msg=str(n))
+    # A model of two outputs: each gathered, in order.
+    inputs = keras.Input((6,))
+    with STRATEGY.scope():
+        keras.utils.set_random_seed(6)
+        two = keras.Model(inputs, [keras.layers.Dense(2)(inputs), keras.layers.Dense(3)(inputs)])
+    first, second = two.predict(X[:40], batch_size=GLOBAL_BATCH, verbose=0)
+    want = [t.numpy() for t in two(X[:40])]
+    np.testing.assert_allclose(first, want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(second, want[1], rtol=1e-5, atol=1e-6)
+    # predict_on_batch: the batch's rows once each, in order (Keras 3 gives
+    # each rank's replica the whole batch: gathered, every row came twice).
+    np.testing.assert_allclose(model.predict_on_batch(X[:10]), expected[:10], rtol=1e-5,
+                               atol=1e-6)
+    # A custom loop: the model under strategy.run, gathered by the strategy.
+    dist = STRATEGY.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices(X[:48]).batch(GLOBAL_BATCH))
+    rows = [STRATEGY.gather(STRATEGY.run(model, (batch,)), axis=0).numpy() for batch in dist]
+    np.testing.assert_allclose(np.concatenate(rows), expected[:48], rtol=1e-5, atol=1e-6)
+    # Inputs of different lengths: named on every rank before the first
+    # batch (rank 1 would otherwise wait in a gather rank 0 never makes).
+    expect(ValueError, lambda: model.predict(X[:64 if R == 0 else 96], batch_size=GLOBAL_BATCH,
+                                             verbose=0),
+           "predict()", "different numbers of steps", "rank 0: 4", "rank 1: 6", "steps=4")
+    same_on_all_ranks([model.predict(X[:32], batch_size=GLOBAL_BATCH, verbose=0)])
 
 
 def check_jit_compile_true_trains_without_xla_after_one_warning():
