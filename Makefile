@@ -6,7 +6,7 @@
 #   make test   set up, then the whole suite: TF 2.21 (Keras 3) and, in a
 #               second venv, what differs under TF 2.15 (Keras 2, tf.estimator);
 #               what CI runs. What runs where: tests/tiers.py. Both tiers run
-#               in parallel lanes (PERSEUS_TEST_LANES, default 2) and print a
+#               in parallel lanes (PERSEUS_TEST_LANES, default 3) and print a
 #               timing table at the end (tools/run_tests.py).
 PYTHON ?= python3
 VENV ?= .venv

@@ -5,9 +5,10 @@ venv (the newest Keras 3 is the venv's own: every other test file runs it).
 At 2 ranks, for each: README's two quick starts train with identical weights
 on every rank; PerseusStrategy's checks (tests/workers/checks_strategy.py:
 equality with one process in fit and custom loops, metrics, accumulation,
-mixed precision, BackupAndRestore, saving) pass; and a real model trains
-under PerseusStrategy equal to one process (tests/model_matrix.py's worker:
-MobileNetV2 on 3.0, TF's tutorial CNN on the others).
+mixed precision, BackupAndRestore, saving; between the ends, those of the
+patches whose Keras internals change inside Keras 3: BETWEEN) pass; and a
+real model trains under PerseusStrategy equal to one process
+(tests/model_matrix.py's worker: TF's tutorial CNN).
 All three run in one launch per release (tests/workers/keras_version_worker.py):
 one TensorFlow import per rank, not three.
 At the two ends, Keras 3.0 and tf_keras, the Horovod shim's Keras checks
@@ -15,8 +16,8 @@ At the two ends, Keras 3.0 and tf_keras, the Horovod shim's Keras checks
 precision, callbacks, elastic state) pass too, all but the one of gradient
 groups overlapping backprop (12 trainings, the file's slowest): that is the
 gradient marking of perseus_tf/_gradients.py, whose Keras-dependent part
-(_keras.optimizer_classes) checks_strategy's overlap check takes on every
-release.
+(_keras.optimizer_classes) checks_strategy's overlap check takes at the same
+ends (and on the newest Keras 3 in tests/test_strategy.py).
 """
 
 import json
@@ -34,11 +35,32 @@ from test_docs import _quick_start
 
 NAMES = list(VERSIONS)
 
-# MobileNetV2 (batch normalisation) at the oldest release, where every
-# backport of strategy/keras_backports.py applies; TF's tutorial CNN on the
-# others. (The Keras 2 half of tests/model_matrix.py trains MobileNetV2 on
-# TF 2.15's Keras 2.)
-MODEL = {"keras-3.0.5": "mobilenet:fit"}
+# The checks run between the ends (3.2, 3.5, 3.10, 3.12): those of the
+# patches whose Keras internals change inside Keras 3 (perseus_tf/_keras.py
+# lists them by release): gradient reduction and fit's loss scaling (3.5,
+# 3.8), the TF optimizer's apply path, metric and statistics variables read
+# on-read (3.7), the epoch iterator of step resume (3.7, 3.11), predict's
+# reduction (3.3). Keras 3.0 and tf_keras run every check; so does the newest
+# Keras 3 in tests/test_strategy.py. Patches whose internals are the same in
+# every Keras 3 (saving, TensorBoard, ModelCheckpoint, XLA, the loss-scale
+# check) are checked at the ends.
+BETWEEN = ["check_fit_equals_single_process_sgd", "check_fit_with_last_partial_batch",
+           "check_custom_training_loop_equals_single_process",
+           "check_accumulation_equals_a_larger_batch",
+           "check_backup_and_restore_resumes_on_every_rank",
+           "check_batch_norm_moving_statistics_are_averaged_when_read",
+           "check_predict_returns_every_row_in_order_on_every_rank"]
+ENDS = ("keras-3.0.5", "tf_keras")
+
+
+def strategy_checks(name):
+    return check_names("checks_strategy") if name in ENDS else BETWEEN
+
+# TF's tutorial CNN on every release (batch normalisation's statistics are
+# checks_strategy's check_batch_norm_moving_statistics_are_averaged_when_read
+# on each; tests/model_matrix.py trains MobileNetV2 on the newest Keras 3
+# and on TF 2.15's Keras 2).
+MODEL = "cnn:fit"
 
 
 class Launch:
@@ -61,9 +83,10 @@ def launched(request):
     assert os.path.isdir(path(name)), f"{path(name)} is missing: run `make keras-versions`"
     with tempfile.TemporaryDirectory() as out:
         scripts = _quick_starts(out, name)
-        settings = dict(env(name), PERSEUS_ALLREDUCE_DTYPE="1", PERSEUS_STALL_TIMEOUT_SECONDS="60")
+        settings = dict(env(name), PERSEUS_ALLREDUCE_DTYPE="1", PERSEUS_STALL_TIMEOUT_SECONDS="60",
+                        PERSEUS_CHECKS_NAMES=",".join(strategy_checks(name)))
         proc = launch(2, [sys.executable, os.path.join(WORKERS, "keras_version_worker.py"), out,
-                          MODEL.get(name, "cnn:fit")] + scripts, env=settings, timeout=1200)
+                          MODEL] + scripts, env=settings, timeout=1200)
         yield Launch(name, proc, out, settings)
 
 
@@ -107,14 +130,13 @@ def _all_pass(checks, names):
 
 
 def test_strategy_checks(launched):
-    _all_pass(launched.checks, check_names("checks_strategy"))
+    _all_pass(launched.checks, strategy_checks(launched.name))
 
 
 def test_real_model_equals_one_process(launched):
     """A real model in fit under PerseusStrategy, exact settings: trainable
     weights identical on both ranks and equal to one process."""
-    item = MODEL.get(launched.name, "cnn:fit")
-    assert launched.model.get(item) == "ok", (launched.model, launched.output)
+    assert launched.model.get(MODEL) == "ok", (launched.model, launched.output)
     assert launched.proc.returncode == 0, launched.output
 
 

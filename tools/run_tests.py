@@ -8,7 +8,8 @@ every phase and prints CI's timing table at the end.
 Why lanes: the suite waits more than it computes. A launch of ranks spends
 much of its time in deadlines the tests exercise, in sleeps of stuck ranks,
 in sshd and Slurm start-up, and one pytest process keeps this 2-core machine
-about half busy. Each lane is a worker that takes the next job (one test file
+about half busy; two kept it 80% busy (CPU time over twice the wall time of
+a whole `make test`), three about 90%. Each lane is a worker that takes the next job (one test file
 of one pass, or a named part of one) from a shared queue, longest first by
 the weights in tests/tiers.py, and runs it as a pytest process of its own.
 Jobs of one pass share nothing but the machine: each pytest run has its own
@@ -268,8 +269,8 @@ def report(out, top):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tier", choices=["check", "test"])
-    parser.add_argument("--lanes", type=int, default=env_number("PERSEUS_TEST_LANES", 2, 1),
-                        help="parallel pytest processes (default 2, or PERSEUS_TEST_LANES)")
+    parser.add_argument("--lanes", type=int, default=env_number("PERSEUS_TEST_LANES", 3, 1),
+                        help="parallel pytest processes (default 3, or PERSEUS_TEST_LANES)")
     parser.add_argument("--only", nargs="*", default=None,
                         help="job names (test files, e.g. test_core.py) to run, nothing else")
     parser.add_argument("--no-setup", action="store_true",
