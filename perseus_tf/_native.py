@@ -303,11 +303,7 @@ def ensure_initialized():
     if _core.state() == "uninitialized":
         forked = _core.forked_after_init()
         if forked:
-            raise RuntimeError(
-                f"Perseus is not initialized in this process: {forked}, and a fork does not "
-                f"share its parent's runtime. A forked process must call perseus_tf.init() "
-                f"itself (as a rank of a job of its own), or fork before init() (or use "
-                f"multiprocessing's 'spawn' start method)")
+            raise RuntimeError(forked)
         init()
 
 

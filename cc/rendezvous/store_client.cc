@@ -1,7 +1,5 @@
 #include "cc/rendezvous/store_client.h"
 
-#include <sys/time.h>
-
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -37,23 +35,11 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kConnectAttempt = std::chrono::seconds(10);
 static_assert(protocol::kMacLen == kSha256Bytes, "the handshake's proofs are HMAC-SHA256");
 
-// Reads or writes all n bytes; false on error, timeout or end of stream.
-bool SendFully(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0 && errno == EINTR) continue;
-    if (k <= 0) return false;
-    p += k;
-    n -= static_cast<size_t>(k);
-  }
-  return true;
-}
-
-bool RecvFully(int fd, void* data, size_t n) {
+// Reads all n bytes of /dev/urandom; false on error or end of stream.
+bool ReadFully(int fd, void* data, size_t n) {
   char* p = static_cast<char*>(data);
   while (n > 0) {
-    ssize_t k = ::read(fd, p, n);  // a socket, or /dev/urandom
+    ssize_t k = ::read(fd, p, n);
     if (k < 0 && errno == EINTR) continue;
     if (k <= 0) return false;
     p += k;
@@ -140,7 +126,7 @@ void RandomBytes(uint8_t* out, size_t n) {
   }
   if (got == n) return;
   int fd = ::open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-  const bool ok = fd >= 0 && RecvFully(fd, out, n);
+  const bool ok = fd >= 0 && ReadFully(fd, out, n);
   if (fd >= 0) ::close(fd);
   if (!ok) throw std::runtime_error("cannot read random bytes for the rendezvous handshake");
 }
@@ -249,12 +235,13 @@ bool StoreClient::Authenticate(const std::string& secret, std::string* why_not,
                                bool* timed_out) {
   // A store answers each handshake step at once; this only bounds a server
   // that accepted and then went silent (the store itself drops a client
-  // that has not finished within the same time).
-  SetSocketTimeout(handshake_limit_);
+  // that has not finished within the same time). One deadline for the whole
+  // handshake, as the protocol has.
+  const auto by = Clock::now() + handshake_limit_;
   uint8_t hello[protocol::kHelloLen + protocol::kNonceLen];
-  *timed_out = false;
-  if (!RecvFully(fd_, hello, sizeof(hello))) {
-    *timed_out = errno == EAGAIN || errno == EWOULDBLOCK;
+  const int greeted = RecvBy(fd_, hello, sizeof(hello), by);
+  *timed_out = greeted < 0;
+  if (greeted <= 0) {
     *why_not = *timed_out ? "no greeting from the store within " +
                                 std::to_string(handshake_limit_.count()) + " ms"
                           : "the store closed the connection before the handshake; busy?";
@@ -276,7 +263,7 @@ bool StoreClient::Authenticate(const std::string& secret, std::string* why_not,
                                    protocol::kClientProofLabelLen, server_nonce, client_nonce);
   std::memcpy(answer + protocol::kNonceLen, proof.data(), proof.size());
   uint8_t verdict = 0;
-  if (!SendFully(fd_, answer, sizeof(answer)) || !RecvFully(fd_, &verdict, 1)) {
+  if (SendBy(fd_, answer, sizeof(answer), by) <= 0 || RecvBy(fd_, &verdict, 1, by) <= 0) {
     *why_not = "the store closed the connection during the handshake; busy?";
     return false;
   }
@@ -286,7 +273,7 @@ bool StoreClient::Authenticate(const std::string& secret, std::string* why_not,
                              "does not match the job's secret");
   }
   Sha256Digest server_proof;
-  if (!RecvFully(fd_, server_proof.data(), server_proof.size())) {
+  if (RecvBy(fd_, server_proof.data(), server_proof.size(), by) <= 0) {
     *why_not = "the store closed the connection during the handshake; busy?";
     return false;
   }
@@ -298,8 +285,6 @@ bool StoreClient::Authenticate(const std::string& secret, std::string* why_not,
                              "without proving that it knows the job's secret (are "
                              "PERSEUS_RENDEZVOUS_ADDR/PORT right?)");
   }
-  // Requests bound their own waits (Begin, SendAll, RecvAll).
-  SetSocketTimeout(std::chrono::milliseconds(0));
   return true;
 }
 
@@ -329,17 +314,9 @@ void StoreClient::SendAll(const void* data, size_t n) {
   if (rc == 0) throw std::runtime_error("lost the connection to the rendezvous store at " + where_);
 }
 
-void StoreClient::SetIoTimeout(std::chrono::milliseconds timeout) {
+void StoreClient::SetAnswerTimeout(std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);
   answer_timeout_ = timeout;
-}
-
-void StoreClient::SetSocketTimeout(std::chrono::milliseconds timeout) {
-  timeval tv{};
-  tv.tv_sec = static_cast<time_t>(timeout.count() / 1000);
-  tv.tv_usec = static_cast<suseconds_t>((timeout.count() % 1000) * 1000);
-  setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
 void StoreClient::RecvAll(void* data, size_t n) {

@@ -67,7 +67,7 @@ class StoreClient : public gloo::rendezvous::Store {
   // asks for (0: forever). A request it does not answer in time throws
   // StoreUnanswered, so a store whose process is stopped, or whose host is
   // cut off, cannot block the caller. The default: kDefaultAnswerTimeout.
-  void SetIoTimeout(std::chrono::milliseconds timeout);
+  void SetAnswerTimeout(std::chrono::milliseconds timeout);
   void Own(const std::string& label);
   const std::string& where() const { return where_; }
 
@@ -83,8 +83,6 @@ class StoreClient : public gloo::rendezvous::Store {
   void SendAll(const void* data, size_t n);
   void RecvAll(void* data, size_t n);
   [[noreturn]] void Unanswered();
-  // Sets SO_RCVTIMEO and SO_SNDTIMEO of fd_ (0: none).
-  void SetSocketTimeout(std::chrono::milliseconds timeout);
 
   std::mutex mu_;
   int fd_ = -1;

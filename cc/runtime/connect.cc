@@ -174,7 +174,7 @@ std::string Runtime::ConnectWithDeadline(const TransportOptions& bo) {
     store_.release();
     store_.reset(new StoreClient(options_.store_addr, options_.store_port, options_.secret,
                                  StartupStoreWait(bo.timeout)));
-    store_->SetIoTimeout(StoreAnswerTimeout(bo.timeout));
+    store_->SetAnswerTimeout(StoreAnswerTimeout(bo.timeout));
     return "connecting to the other ranks did not finish within GLOO_TIMEOUT_SECONDS + 10 s "
            "(Gloo is stuck on a connection)";
   }

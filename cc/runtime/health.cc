@@ -173,7 +173,7 @@ void HealthMonitor::StartHeartbeat() {
   auto connect = [this, beat_limit] {
     auto client = std::make_shared<StoreClient>(c_.options.store_addr, c_.options.store_port,
                                                 c_.options.secret, beat_limit, beat_limit);
-    client->SetIoTimeout(beat_limit);
+    client->SetAnswerTimeout(beat_limit);
     return client;
   };
   try {

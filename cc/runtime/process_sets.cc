@@ -48,9 +48,13 @@ void Runtime::InChildAfterFork() {
   Runtime* parent = WorldSlot();
   const std::string state = parent->state_name();
   if (state == "uninitialized" || state == "shutdown") return;
-  forked_after_init = "this process is a fork (made after init()) of rank " +
+  forked_after_init = "Perseus is not initialized in this process: this process is a fork "
+                      "(made after init()) of rank " +
                       std::to_string(parent->options().rank) + ", pid " +
-                      std::to_string(static_cast<long>(::getppid()));
+                      std::to_string(static_cast<long>(::getppid())) +
+                      ", and a fork does not share its parent's runtime. A forked process "
+                      "must call init() itself (as a rank of a job of its own), or fork "
+                      "before init() (or use multiprocessing's 'spawn' start method)";
   WorldSlot() = new Runtime();
   new (&registry_mu) std::mutex();
   new (&Registry()) std::map<int, Runtime*>();

@@ -25,13 +25,7 @@ Status Runtime::StoppedStatus(State state) {
                              "; no collective can run after shutdown()");
   }
   const std::string forked = ForkedAfterInit();
-  if (!forked.empty()) {
-    return Status::Error(StatusCode::kFailedPrecondition,
-                         "Perseus is not initialized in this process: " + forked +
-                             ", and a fork does not share its parent's runtime. A forked "
-                             "process must call init() itself (as a rank of a job of its own), "
-                             "or fork before init()");
-  }
+  if (!forked.empty()) return Status::Error(StatusCode::kFailedPrecondition, forked);
   return Status::Error(StatusCode::kFailedPrecondition,
                        "Perseus is not initialized: call perseus_tf.init() (or hvd.init()) first");
 }

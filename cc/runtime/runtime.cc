@@ -104,7 +104,7 @@ Status Runtime::JoinRound(TransportOptions* bo) {
   if (o.size > 1) {
     store_.reset(new StoreClient(o.store_addr, o.store_port, o.secret,
                                  StartupStoreWait(bo->timeout)));
-    store_->SetIoTimeout(StoreAnswerTimeout(bo->timeout));
+    store_->SetAnswerTimeout(StoreAnswerTimeout(bo->timeout));
   }
   // The round's keys. The world's round is the job's, read from the store:
   // every process that init()s joins the round after the last one whose

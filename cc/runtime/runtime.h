@@ -72,9 +72,10 @@ class Runtime {
  public:
   // The world's runtime (process set 0).
   static Runtime& Get();
-  // In a process forked after init(): "" in any other. The child does not
-  // share its parent's runtime (whose threads did not come with it): the
-  // fork gets a runtime of its own, not initialized, and this says so.
+  // In a process forked after init(), why a collective cannot run there
+  // (the whole message); "" in any other. The child does not share its
+  // parent's runtime (whose threads did not come with it): the fork gets a
+  // runtime of its own, not initialized.
   static std::string ForkedAfterInit();
   // The runtime of a process set this process belongs to, or null.
   static Runtime* Find(int process_set_id);

@@ -14,6 +14,8 @@ import time
 
 from perseus_tf.config.elastic import EXIT_RESTART, RESTART_CODES
 from perseus_tf.runner.output import forward_lines, stream_lock, write_line
+# How often remote.py hears from perseusrun (a byte on its standard input).
+from perseus_tf.runner.remote import KEEPALIVE_S
 
 # The name on the command line, and at the start of perseusrun's own messages.
 PROG = "perseusrun"
@@ -24,10 +26,6 @@ KILL_DELAY_S = 5.0
 # get SIGTERM, then SIGKILL KILL_DELAY_S later. A second Ctrl-C kills at once.
 INTERRUPT_GRACE_S = 3.0
 POLL_INTERVAL_S = 0.05
-# Every remote rank's remote.py hears from perseusrun this often (a byte on
-# its standard input, over ssh); it stops the rank when nothing has come for
-# remote.KEEPALIVE_LOST_S.
-KEEPALIVE_S = 5.0
 
 
 def log(message: str) -> None:
