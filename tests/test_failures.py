@@ -91,6 +91,11 @@ def test_stuck_rank_is_named_after_the_timeout(np_):
     for seconds, message in reports.values():
         assert f"rank {np_ - 1} stopped responding" in message, message
         assert timeout - 1 <= seconds <= 1.2 * timeout + 1, seconds
+        # What held the survivor: its negotiation thread in the cycle the
+        # stopped rank never joined, or a stream in a collective with it.
+        held = re.search(r"On this rank, .*had been (waiting|running) [^;]* for ([\d.]+) s",
+                         message)
+        assert held and float(held.group(2)) >= timeout - 1, message
 
 
 def _failures(outputs):

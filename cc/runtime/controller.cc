@@ -98,7 +98,9 @@ void Controller::RunCycle(bool* stop) {
   const int size = c_.options.size;
   const auto exchange_start = Clock::now();
   const size_t my_requests = mine.requests.size();
+  Doing("waiting in a negotiation cycle's exchange with the other ranks");
   Exchanged x = ExchangeControl(std::move(mine), my_clock, in_plan);
+  Doing(nullptr);
   std::vector<CycleMessage>& all = x.all;
   const bool any_in_plan = x.any_in_plan;
   const int64_t sent = x.control_bytes;
@@ -247,6 +249,15 @@ void Controller::ReportStalls(const std::vector<std::string>& stalls) const {
     std::fputs(msg.str().c_str(), stderr);
     std::fflush(stderr);
   }
+
+void Controller::Doing(const char* what) {
+  if (!c_.activity) return;
+  if (what) {
+    c_.activity->Set(Activity::kNegotiation, what);
+  } else {
+    c_.activity->Clear(Activity::kNegotiation);
+  }
+}
 
 void Controller::Dispatch(Response response, bool lone, bool any_in_plan, bool joined) {
   if (!response.real_request.empty() && !response.real_request[c_.options.rank]) {

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cc/core/timeline.h"
+#include "cc/runtime/activity.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
 #include "cc/runtime/options.h"
@@ -45,6 +46,8 @@ struct ControllerContext {
   StatsBook* stats = nullptr;
   Timeline* timeline = nullptr;
   const std::atomic<bool>* mark_cycles = nullptr;  // the timeline records cycles
+  // The negotiation thread says here what it waits for (failure reports).
+  std::shared_ptr<Activity> activity;
   FaultInjector* faults = nullptr;                 // test-only; null in production
   // Whether the round still runs (not failed, not shut down).
   std::function<bool()> running;
@@ -80,6 +83,8 @@ class Controller {
   };
 
   void Loop();
+  // Records in the activity board what this thread waits for (null: done).
+  void Doing(const char* what);
   void RunCycle(bool* stop);
   // The cycle's control allgather (one fixed slot per rank, a second
   // allgather for what did not fit).

@@ -87,6 +87,29 @@ DataPlane::Memory Executor::DeviceBufferMemory() {
   return sum;
 }
 
+namespace {
+
+// An Activity entry (activity.h): "running allgather of 'x' and 3 more".
+std::string Running(const Response& r) {
+  std::string out = std::string("running ") + OpTypeName(r.op) + " of '" +
+                    (r.names.empty() ? std::string() : r.names[0]) + "'";
+  if (r.names.size() > 1) out += " and " + std::to_string(r.names.size() - 1) + " more";
+  if (r.carrier_vote >= 0) out += " (an offline plan bucket)";
+  return out;
+}
+
+}  // namespace
+
+void Executor::Note(int stream, const Response* running, bool here) {
+  if (!c_.activity) return;
+  const int slot = Activity::StreamSlot(stream);
+  if (!running) {
+    c_.activity->Clear(slot);
+  } else {
+    c_.activity->Set(slot, Running(*running) + (here ? " on the negotiation thread" : ""));
+  }
+}
+
 bool Executor::RunHereIfIdle(int stream, Response& response, Requests& requests) {
   // Saves a thread hand-off. The stream's order is unchanged: nothing else
   // can be dispatched to it while this thread is busy.
@@ -96,7 +119,9 @@ bool Executor::RunHereIfIdle(int stream, Response& response, Requests& requests)
     if (!s.queue.empty() || s.busy) return false;
     s.busy = true;
   }
+  Note(stream, &response, /*here=*/true);
   Run(stream, response, requests);
+  Note(stream, nullptr, false);
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.busy = false;
@@ -131,7 +156,9 @@ void Executor::StreamLoop(int index) {
       s.work.pop_front();
       s.busy = true;
     }
+    Note(index, &response, /*here=*/false);
     Run(index, response, requests);
+    Note(index, nullptr, false);
     {
       std::lock_guard<std::mutex> lock(s.mu);
       s.busy = false;

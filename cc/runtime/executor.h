@@ -24,6 +24,7 @@
 #include "cc/core/common.h"
 #include "cc/core/timeline.h"
 #include "cc/device/data_plane.h"
+#include "cc/runtime/activity.h"
 #include "cc/runtime/compression/compression.h"
 #include "cc/runtime/negotiation.h"
 #include "cc/runtime/options.h"
@@ -41,6 +42,8 @@ struct ExecutorContext {
   AllreduceTopology topology;  // how allreduces travel
   AllreduceGroups groups;
   Timeline* timeline = nullptr;
+  // Each stream says here what it runs (failure reports).
+  std::shared_ptr<Activity> activity;
   // The runtime's failure once it failed (OK while it runs): queued work
   // then completes with it instead of running.
   std::function<Status()> failure;
@@ -94,6 +97,9 @@ class Executor {
   };
 
   void StreamLoop(int stream);
+  // Records in the activity board what `stream` runs (null: nothing);
+  // here: on the negotiation thread (RunHereIfIdle).
+  void Note(int stream, const Response* running, bool here);
   void Run(int stream, Response& response, Requests& requests);
   // The plane a response's requests run on: with NCCL, a CUDA plane when the
   // response's tensors are on a device on every rank (this rank's too, were

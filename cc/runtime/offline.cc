@@ -77,8 +77,10 @@ void Controller::Attach(RequestTable::PlanWork& work) {
 }
 
 void Controller::RunOffline(bool* stop) {
+  Doing("waiting for this rank's tensors of an offline plan step, or for online requests");
   const std::string late = table_.WaitForPlanWork(
       [this] { return !c_.running() || negotiator_->HasPending(); }, PlanDeadline());
+  Doing(nullptr);
   if (!late.empty()) {
     std::fputs(late.c_str(), stderr);
     std::fflush(stderr);

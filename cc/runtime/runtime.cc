@@ -188,6 +188,10 @@ void Runtime::StartRound() {
     s.shm = transports_->shm();
     s.round = keys_.round;
   });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    activity_ = std::make_shared<Activity>(o.streams);
+  }
   state_ = State::kRunning;
   mark_cycles_ = true;
   timeline_.Start(o.process_set_id == 0 ? o.timeline_path : std::string(), WorldRank(o.rank),
@@ -201,6 +205,7 @@ ExecutorContext Runtime::MakeExecutorContext(const TransportOptions& bo) {
   ec.topology = transports_->topology();
   ec.groups = transports_->groups();
   ec.timeline = &timeline_;
+  ec.activity = activity_;
   ec.failure = [this] { return failure(); };
   ec.fail = [this](const std::string& what) {
     Fail(what);
@@ -260,6 +265,7 @@ void Runtime::StartController() {
   cc.stats = &stats_;
   cc.timeline = &timeline_;
   cc.mark_cycles = &mark_cycles_;
+  cc.activity = activity_;
   cc.faults = faults_.get();
   cc.running = [this] { return state_.load() == State::kRunning; };
   cc.fail = [this](const std::string& what) { Fail(what); };
@@ -326,6 +332,14 @@ std::string Runtime::Fail(const std::string& what) {
   msg << "Perseus rank " << options_.rank << ": ";
   if (!who.empty()) msg << who << "; ";
   msg << what << ". Collectives cannot continue; restart the job.";
+  std::shared_ptr<Activity> activity;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    activity = activity_;
+  }
+  // What held this rank's threads (only waits of a second or more).
+  const std::string doing = activity ? activity->Describe(std::chrono::seconds(1)) : "";
+  if (!doing.empty()) msg << " On this rank, " << doing << ".";
   Status status = Status::Error(StatusCode::kUnavailable, msg.str());
   RecordFirstFailure(culprits, msg.str());
   if (transports_) transports_->Abort();  // ranks waiting in a shared-memory barrier stop waiting

@@ -193,6 +193,9 @@ class Runtime {
   std::unique_ptr<HealthMonitor> health_;
   std::unique_ptr<Executor> executor_;      // the streams
   std::unique_ptr<Controller> controller_;  // the negotiation thread
+  // What the round's threads are doing, for failure reports (activity.h);
+  // made by each round, shared with its controller and executor (mu_).
+  std::shared_ptr<Activity> activity_;
   std::unique_ptr<FaultInjector> faults_;   // test-only faults (faults.h); null in production
   StatsBook stats_;
   Timeline timeline_;
