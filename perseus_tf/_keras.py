@@ -22,7 +22,8 @@ The patches and the Keras internals each reaches, by release:
   strategy/keras_backports.py  3.0-3.7: TFOptimizer, TensorFlowTrainer.train_step,
                                scale_loss, Metric.add_variable (3.8+: nothing)
   strategy/keras_files.py      Keras 3: ModelCheckpoint, TensorBoard, BackupAndRestore
-                               (3.1+ for resume), the epoch iterator (3.0-3.6:
+                               (3.1+ for resume; its _save_model and file paths,
+                               the *.bkp pair from 3.7), the epoch iterator (3.0-3.6:
                                TFEpochIterator.enumerate_epoch; 3.7+:
                                EpochIterator._enumerate_iterator, 3-tuples from 3.11);
                                Keras 2: engine.data_adapter.DataHandler

@@ -200,6 +200,51 @@ def test_a_missing_rank_is_named_while_waiting(store):
     assert "Perseus rank 0: waiting for rank(s) 1 to start" in err, err
 
 
+def test_a_rank_with_a_different_secret_is_named_by_the_ranks_waiting_for_it(store):
+    """Rank 1's secret differs: the store refuses it and it fails at once;
+    rank 0, still waiting for a rank 1, says at once that the store refused a
+    process and why, instead of only waiting out its start timeout."""
+    common = dict(os.environ, PYTHONPATH=str(REPO), PERSEUS_JOB_ID=f"secret{os.getpid()}",
+                  PERSEUS_RENDEZVOUS_ADDR="127.0.0.1", PERSEUS_RENDEZVOUS_PORT=str(store),
+                  PERSEUS_SIZE="2", GLOO_TIMEOUT_SECONDS="60")
+    waiting = subprocess.Popen(
+        [sys.executable, "-c", CHILD],
+        env=dict(common, PERSEUS_RANK="0", PERSEUS_RENDEZVOUS_SECRET=SECRET.hex()),
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        refused = subprocess.run(
+            [sys.executable, "-c", CHILD],
+            env=dict(common, PERSEUS_RANK="1", PERSEUS_RENDEZVOUS_SECRET=(b"x" * 32).hex()),
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 3 and "INIT FAILED" in refused.stdout, refused.stdout
+        # Rank 0's next note would come after GLOO_TIMEOUT_SECONDS (60 s):
+        # the refusal is said at once, within a few seconds of it.
+        deadline = time.monotonic() + 20
+        text = ""
+        while "refused a process" not in text and time.monotonic() < deadline:
+            time.sleep(0.5)
+            text += _read_available(waiting.stderr)
+    finally:
+        waiting.kill()
+        waiting.communicate()
+    assert ("waiting for rank(s) 1 to start; the store refused a process at 127.0.0.1 whose "
+            "secret differs from this job's") in text, text
+
+
+def _read_available(stream):
+    """What a pipe holds now, without waiting for more."""
+    import fcntl
+    fd = stream.fileno()
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    try:
+        return os.read(fd, 1 << 16).decode(errors="replace")
+    except BlockingIOError:
+        return ""
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
 def _stray_connections_during_init(store_server, port):
     """Starts 2 ranks; while they connect, opens and closes a TCP connection
     to every listening address Gloo publishes in the store (as a port scan

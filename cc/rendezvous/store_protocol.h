@@ -46,6 +46,12 @@ constexpr uint8_t kStatusTimeout = 1;
 // on HOST", "perseusrun on HOST"): the ranks name it when it stops answering.
 constexpr char kServedByKey[] = "__served_by__";
 constexpr size_t kServedByKeyLen = 13;
+// The server sets this key to the address of each client it rejects (the
+// last one): a rank waiting for the others says at once that a process
+// there was refused for a different secret, rather than only that a rank
+// did not come.
+constexpr char kRejectedFromKey[] = "__rejected_from__";
+constexpr size_t kRejectedFromKeyLen = 17;
 // When a connection marked with OWN label closes, the server sets
 // CLOSED_PREFIX + label.
 constexpr char kClosedPrefix[] = "__closed__/";

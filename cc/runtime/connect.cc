@@ -13,6 +13,7 @@
 
 #include "cc/core/reduce.h"
 #include "cc/rendezvous/store_client.h"
+#include "cc/rendezvous/store_protocol.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/gloo_transport.h"
 
@@ -68,6 +69,44 @@ Status CompareSettings(const std::map<std::string, std::string>& mine,
   return Status::OK();
 }
 
+// The last process the store refused (a different secret), which a rank
+// waiting for the others names once per address: often the missing rank
+// itself, which failed at once on its side.
+class RefusedByStore {
+ public:
+  // Whether the store refused a process at a new address since last asked.
+  bool Changed(StoreClient* store) {
+    std::vector<char> from;
+    if (!store->TryGet(store_protocol::kRejectedFromKey, std::chrono::milliseconds(0), &from) ||
+        std::string(from.begin(), from.end()) == from_) {
+      return false;
+    }
+    from_.assign(from.begin(), from.end());
+    return true;
+  }
+  // "; the store refused a process at ADDR ..." or "" when none was.
+  std::string Note() const {
+    if (from_.empty()) return "";
+    return "; the store refused a process at " + from_ +
+           " whose secret differs from this job's (give every rank the same "
+           "PERSEUS_RENDEZVOUS_SECRET or PERSEUS_RENDEZVOUS_SECRET_FILE)";
+  }
+
+ private:
+  std::string from_;
+};
+
+// The roll call's error when ranks did not come within its wait.
+Status NotStarted(const InitOptions& o, const std::vector<int>& missing, int64_t waited,
+                  const std::string& refused_note) {
+  return Status::Error(
+      StatusCode::kUnavailable,
+      "Perseus rank " + std::to_string(o.rank) + ": rank(s) " + Join(missing) + " of " +
+          std::to_string(o.size) + " did not start within " + std::to_string(waited) +
+          " s (PERSEUS_SIZE=" + std::to_string(o.size) + "; is every rank launched, " +
+          "with the same PERSEUS_JOB_ID and rendezvous address?" + refused_note + ")");
+}
+
 }  // namespace
 
 // Before any connection: every process claims its rank (a second claim of
@@ -96,6 +135,7 @@ Status Runtime::RollCall(const InitOptions& o, const std::string& prefix,
   const auto note_every = std::chrono::milliseconds(
       std::max<int64_t>(1000, static_cast<int64_t>(o.timeout_seconds * 1000)));
   auto next_note = start + note_every;
+  RefusedByStore refused;
   for (;;) {
     std::vector<int> missing;
     for (int r = 0; r < o.size; ++r) {
@@ -113,22 +153,19 @@ Status Runtime::RollCall(const InitOptions& o, const std::string& prefix,
     }
     if (missing.empty()) return Status::OK();
     if (store_->Add(claim, 0) > 1) return duplicate();
+    if (refused.Changed(store_.get())) {
+      std::fprintf(stderr, "Perseus rank %d: waiting for rank(s) %s to start%s\n", o.rank,
+                   Join(missing).c_str(), refused.Note().c_str());
+    }
     const auto now = std::chrono::steady_clock::now();
     const auto waited = std::chrono::duration_cast<std::chrono::seconds>(now - start).count();
-    if (now - start >= wait) {
-      return Status::Error(
-          StatusCode::kUnavailable,
-          "Perseus rank " + me + ": rank(s) " + Join(missing) + " of " +
-              std::to_string(o.size) + " did not start within " + std::to_string(waited) +
-              " s (PERSEUS_SIZE=" + std::to_string(o.size) + "; is every rank launched, " +
-              "with the same PERSEUS_JOB_ID and rendezvous address?)");
-    }
+    if (now - start >= wait) return NotStarted(o, missing, waited, refused.Note());
     if (now >= next_note) {
       std::fprintf(stderr,
                    "Perseus rank %d: waiting for rank(s) %s to start (%lld s so far; gives up "
-                   "after %lld s)\n",
+                   "after %lld s%s)\n",
                    o.rank, Join(missing).c_str(), static_cast<long long>(waited),
-                   static_cast<long long>(wait.count() / 1000));
+                   static_cast<long long>(wait.count() / 1000), refused.Note().c_str());
       next_note = now + note_every;
     }
   }

@@ -44,7 +44,8 @@ import time
 from perseus_tf.common.store_protocol import (
     ACCEPTED, CLIENT_PROOF_LABEL, CLOSED_COUNT_SUFFIX, CLOSED_PREFIX, CMD_ADD, CMD_GET, CMD_OWN,
     CMD_SET, HANDSHAKE_TIMEOUT_S, HELLO, MAC_LEN, MAX_KEY_LEN, MAX_VALUE_LEN, NONCE_LEN,
-    PROTOCOL_VERSION, REJECTED, SERVED_BY_KEY, SERVER_PROOF_LABEL, STATUS_OK, STATUS_TIMEOUT)
+    PROTOCOL_VERSION, REJECTED, REJECTED_FROM_KEY, SERVED_BY_KEY, SERVER_PROOF_LABEL, STATUS_OK,
+    STATUS_TIMEOUT)
 
 # Connections the kernel completes before we accept them. socketserver's
 # default of 5 makes a burst of ranks wait for SYN retransmissions (1 s, then
@@ -199,6 +200,7 @@ class _Handler(socketserver.StreamRequestHandler):
         client_nonce, client_proof = answer[:NONCE_LEN], answer[NONCE_LEN:]
         expected = _proof(secret, CLIENT_PROOF_LABEL, server_nonce, client_nonce)
         if not hmac.compare_digest(client_proof, expected):
+            self.server.table.set(REJECTED_FROM_KEY, str(self.client_address[0]).encode())
             _send_before(sock, bytes([REJECTED]), deadline)
             return False
         server_proof = _proof(secret, SERVER_PROOF_LABEL, client_nonce, server_nonce)

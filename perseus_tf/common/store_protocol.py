@@ -78,6 +78,11 @@ STATUS_TIMEOUT = 1
 # The server sets this key when it starts, to who serves the store ("rank 0
 # on HOST", "perseusrun on HOST"): the ranks name it when it stops answering.
 SERVED_BY_KEY = b"__served_by__"
+# The server sets this key to the address of each client it rejects (the
+# last one): a rank waiting for the others says at once that a process
+# there was refused for a different secret, rather than only that a rank
+# did not come.
+REJECTED_FROM_KEY = b"__rejected_from__"
 # When a connection marked with OWN label closes, the server sets
 # CLOSED_PREFIX + label.
 CLOSED_PREFIX = b"__closed__/"

@@ -243,6 +243,80 @@ def _install_step_resume_keras2(flavour):
     handler.enumerate_epochs = enumerate_epochs
 
 
+# Keras 3 writes a backup in two steps, the weights, then the metadata that
+# says which epoch and batch they are of; a job stopped between them leaves
+# new weights beside old metadata. Rank 0 adds the weights file's digest to
+# the metadata once both are written, and a restore checks it.
+_DIGEST_KEY = "perseus_weights_sha256"
+
+
+def _file_digest(path):
+    import hashlib
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _record_weights_digest(callback):
+    """Adds the weights' digest to the metadata Keras just wrote (replacing
+    the file whole, so it is never half written)."""
+    import json
+    weights, metadata = callback._weights_path, callback._training_metadata_path
+    if not (os.path.isfile(weights) and os.path.isfile(metadata)):
+        return  # a remote backup_dir (gs://...): Keras' own files only
+    with open(metadata) as f:
+        saved = json.load(f)
+    saved[_DIGEST_KEY] = _file_digest(weights)
+    partial = metadata + ".perseus-partial"
+    with open(partial, "w") as f:
+        json.dump(saved, f)
+    os.replace(partial, metadata)
+
+
+def _torn(weights, metadata):
+    """The metadata (a dict) when it holds a digest that `weights` does not
+    match; else None (a whole backup, or one written without a digest)."""
+    import json
+    try:
+        with open(metadata) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(saved, dict) or not saved.get(_DIGEST_KEY) or not os.path.isfile(weights):
+        return None
+    return None if _file_digest(weights) == saved[_DIGEST_KEY] else saved
+
+
+def _whole_backup(callback):
+    """(weights path, metadata path) to restore from: the backup itself, or,
+    when it is torn and Keras kept the previous one (double_checkpoint), that
+    one. A torn backup with nothing to fall back to is refused, named."""
+    from perseus_tf import ops
+    weights, metadata = callback._weights_path, callback._training_metadata_path
+    saved = _torn(weights, metadata)
+    if saved is None:
+        return weights, metadata
+    what = (f"the backup in {callback.backup_dir} is torn: {os.path.basename(weights)} is not "
+            f"the file that {os.path.basename(metadata)} (epoch {saved.get('epoch')}, batch "
+            f"{saved.get('batch')}) describes; the job was stopped while Keras wrote a backup "
+            "(during or after its weights, before its metadata), so the weights are not those "
+            "of the step the metadata names")
+    prev_w = getattr(callback, "_prev_weights_path", None)
+    prev_m = getattr(callback, "_prev_training_metadata_path", None)
+    if (getattr(callback, "double_checkpoint", False) and prev_w and os.path.isfile(prev_w)
+            and os.path.isfile(prev_m) and _torn(prev_w, prev_m) is None):
+        if ops.rank() == 0:
+            print(f"Perseus-TF: BackupAndRestore: {what}. Resuming from the previous backup "
+                  f"({os.path.basename(prev_w)}) instead.", flush=True)
+        return prev_w, prev_m
+    raise RuntimeError(
+        f"BackupAndRestore: refusing to resume: {what}. Delete {callback.backup_dir} to start "
+        "over (BackupAndRestore(double_checkpoint=True), Keras 3.7 or newer, keeps the "
+        "previous backup to fall back to)")
+
+
 def _install_step_resume_keras3(keras):
     import json
 
@@ -251,6 +325,47 @@ def _install_step_resume_keras3(keras):
         return
     begin, epoch_begin, train_end = backup.on_train_begin, backup.on_epoch_begin, \
         backup.on_train_end
+    save = backup._save_model
+
+    def _save_model(self):
+        save(self)
+        from perseus_tf import ops
+        # Only rank 0's backup is read back (the others write a scratch copy).
+        if hasattr(self, "_training_metadata_path") and ops.rank() == 0:
+            _record_weights_digest(self)
+
+    def _begin(self, logs, weights, metadata):
+        """Keras' restore from these files, a damaged one named; returns the
+        metadata it restored (None: none). The previous
+        backup's files (named *.bkp, which Keras will not load) are read
+        through copies under their usual names, in a folder of this rank's:
+        the backup itself is left as it is."""
+        import tempfile
+        real = self._weights_path, self._training_metadata_path
+        copies = None
+        if weights != real[0]:
+            copies = tempfile.mkdtemp(prefix="perseus-restore-")
+            for source, usual in ((weights, real[0]), (metadata, real[1])):
+                shutil.copyfile(source, os.path.join(copies, os.path.basename(usual)))
+            weights, metadata = (os.path.join(copies, os.path.basename(p)) for p in real)
+        self._weights_path, self._training_metadata_path = weights, metadata
+        try:
+            begin(self, logs)
+            # Read after Keras' restore: on a damaged file, Keras itself
+            # falls back to the previous pair, copied over these.
+            if not os.path.exists(metadata):
+                return None
+            with open(metadata) as f:
+                return json.load(f)
+        except OSError as e:
+            raise RuntimeError(
+                f"BackupAndRestore could not read its backup {weights} ({e}): the file is "
+                f"damaged, for instance by a process stopped while writing it. Delete "
+                f"{self.backup_dir} to start over") from e
+        finally:
+            self._weights_path, self._training_metadata_path = real
+            if copies:
+                shutil.rmtree(copies, ignore_errors=True)
 
     def on_train_begin(self, logs=None):
         _pending_skip[0] = 0
@@ -258,15 +373,15 @@ def _install_step_resume_keras3(keras):
             # Keras 3.0 backs up the weights only and restarts at epoch 0.
             _keras.require(_keras.keras3(), (3, 1),
                            "BackupAndRestore (resuming at the saved epoch)")
-        begin(self, logs)
+            begin(self, logs)
+            return
+        saved = _begin(self, logs, *_whole_backup(self))
         marked = read_marker(self.backup_dir)   # a preemption's backup, any save_freq
         if marked is not None:
             epoch, done = marked
-        elif self.save_freq == "epoch" or not os.path.exists(self._training_metadata_path):
+        elif self.save_freq == "epoch" or saved is None:
             return
         else:
-            with open(self._training_metadata_path) as f:
-                saved = json.load(f)
             epoch, done = int(saved.get("epoch", 0)), int(saved.get("batch", -1)) + 1
         steps = (self.params or {}).get("steps")
         if done <= 0:
@@ -293,6 +408,7 @@ def _install_step_resume_keras3(keras):
     backup.on_train_begin = on_train_begin
     backup.on_epoch_begin = on_epoch_begin
     backup.on_train_end = on_train_end
+    backup._save_model = _save_model   # keras_files.install() wraps it on ranks > 0
 
     _install_batch_skip_keras3(keras)
 
