@@ -164,13 +164,24 @@ class NetnsHosts:
                 raise RuntimeError(f"sshd on {self.addrs[host]} did not come back")
             time.sleep(0.2)
 
-    def cut(self, host):
-        """Cuts host off the network, both ways (its switch port goes down):
-        its packets are dropped, nobody gets a reset. mend(host) undoes it."""
-        _run("ip", "-n", self.switch, "link", "set", f"port{host}", "down")
+    def cut(self, host, way="both"):
+        """Cuts host off the network: its packets are dropped, nobody gets a
+        reset. way="both": its switch port goes down; "in": nothing reaches
+        it, what it sends still goes out; "out": the reverse. A one-way cut
+        is a token bucket too small for any packet (`tc` tbf; this kernel
+        has no netem or netfilter), on the switch port toward the host or on
+        the host's own interface. mend(host) undoes any of them."""
+        if way == "both":
+            _run("ip", "-n", self.switch, "link", "set", f"port{host}", "down")
+            return
+        ns, dev = (self.switch, f"port{host}") if way == "in" else (self.names[host], "eth0")
+        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", "8kbit",
+             "burst", "20", "limit", "20")
 
     def mend(self, host):
         _run("ip", "-n", self.switch, "link", "set", f"port{host}", "up")
+        for ns, dev in ((self.switch, f"port{host}"), (self.names[host], "eth0")):
+            _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
 
     def ssh_env(self, base=None):
         env = dict(os.environ if base is None else base)

@@ -8,6 +8,7 @@ Needs root; without it the tests skip with the reason.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -232,12 +233,14 @@ def _wait_for(path, within_s):
         time.sleep(0.1)
 
 
-def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path):
-    """Host 1 is cut off (both ways, for good) while its rank and rank 0 run
-    allreduces; perseusrun, which serves the store, is on host 0. Rank 1
-    once waited about 1,000 s (the kernel's retries) on a store call with no
-    deadline. Now, within 1.2 x GLOO_TIMEOUT_SECONDS, rank 1 names the store
-    and rank 0 names rank 1."""
+@pytest.mark.parametrize("way", ["both", "in", "out"])
+def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path, way):
+    """Host 1 is cut off for good (both ways; or only what reaches it, "in";
+    or only what leaves it, "out") while its rank and rank 0 run allreduces;
+    perseusrun, which serves the store, is on host 0. Rank 1 once waited
+    about 1,000 s (the kernel's retries) on a store call with no deadline.
+    Now, within 1.2 x GLOO_TIMEOUT_SECONDS, rank 1 names the store and rank 0
+    names rank 1."""
     a, b = hosts.addrs
     timeout = 10
     markers = str(tmp_path)
@@ -251,7 +254,7 @@ def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path):
         for r in range(2):
             _wait_for(os.path.join(markers, f"running{r}"), 120)
         cut_at = time.time()
-        hosts.cut(1)
+        hosts.cut(1, way)
         for r in range(2):
             _wait_for(os.path.join(markers, f"failed{r}"), 1.2 * timeout + 30)
         launcher.communicate(timeout=60)
@@ -267,7 +270,9 @@ def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path):
         assert float(when) - cut_at <= 1.2 * timeout + 1, (rank, float(when) - cut_at, message)
     assert "rendezvous store" in lines[1][2] and "stopped answering" in lines[1][2], lines[1]
     assert "served by perseusrun" in lines[1][2], lines[1]
-    assert "rank 1 stopped responding" in lines[0][2], lines[0]
+    # Cut one way in, rank 1's closing connections still reach the store.
+    assert re.search(r"rank 1 (stopped responding|exited or lost its connection)", lines[0][2]), \
+        lines[0]
 
 
 def test_a_remote_rank_cut_off_from_perseusrun_does_not_outlive_it(hosts):
