@@ -37,6 +37,7 @@ The patches and the Keras internals each reaches, by release:
   strategy/keras_save.py       Model/Layer saving methods, CallbackList
   strategy/keras_xla.py        Model.make_{train,test,predict}_function
   strategy/__init__.py         Keras 3: BatchNormalization.build
+  (TensorFlow's own: strategy/input_teardown.py, multi_device_iterator_ops)
   _gradients.py, horovod/keras/_optimizer.py   optimizers' apply paths,
                                LossScaleOptimizer (Keras 3 and 2)
 

@@ -48,8 +48,8 @@ from perseus_tf import config
 from perseus_tf import gpu
 from perseus_tf import ops as perseus_ops
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import (keras_backports, keras_files, keras_mixed, keras_predict,
-                                 keras_preempt, keras_save, keras_xla)
+from perseus_tf.strategy import (input_teardown, keras_backports, keras_files, keras_mixed,
+                                 keras_predict, keras_preempt, keras_save, keras_xla)
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -143,13 +143,17 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
             raise NotImplementedError("InputReplicationMode.PER_REPLICA is only supported in "
                                       "distribute_datasets_from_function")
         return input_util.get_distributed_dataset(
-            dataset, self._input_workers_with_options(options), self._container_strategy(),
+            input_teardown.without_model_thread(dataset),
+            self._input_workers_with_options(options), self._container_strategy(),
             num_replicas_in_sync=self._num_replicas_in_sync,
             input_context=self._make_input_context(), options=options)
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        def without_model_thread(context):
+            return input_teardown.without_model_thread(dataset_fn(context))
+
         return input_util.get_distributed_datasets_from_function(
-            dataset_fn, self._input_workers_with_options(options),
+            without_model_thread, self._input_workers_with_options(options),
             [self._make_input_context()], self._container_strategy(), options)
 
     def _experimental_distribute_values_from_function(self, value_fn):
@@ -343,6 +347,7 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
                                tensors, op=perseus_ops.Average,
                                name="perseus.average_on_read_variables"))
         keras_predict.install(lambda strategy: isinstance(strategy, PerseusStrategy))
+        input_teardown.install()
         _gradients.install()
         _install_batch_norm_statistics()
         keras_files.install_step_resume()   # before the restore check wraps it

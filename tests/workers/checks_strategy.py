@@ -721,3 +721,28 @@ def check_data_of_unknown_length_runs_to_the_longest_rank():
     model.fit(mine, epochs=2, verbose=0, callbacks=[count])
     assert count.batches == 2 * 6, count.batches
     same_on_all_ranks([w.numpy() for w in model.weights])
+
+
+def check_distributed_datasets_start_no_tf_data_autotuning_thread():
+    """TF 2.16+ deletes an iterator that has tf.data's autotuning thread only
+    when that thread's sleep ends (up to 60 s: 37 s after 45 s of use, on TF
+    2.21): a rank whose garbage collector deletes one stands still while the
+    others wait for it in a collective, until GLOO_TIMEOUT_SECONDS fails the
+    job. The input pipelines PerseusStrategy distributes, and the per-device
+    prefetches tf.distribute builds on them, run without that thread
+    (perseus_tf/strategy/input_teardown.py); one that asks for autotuning
+    explicitly keeps it."""
+    data = tf.data.Dataset.range(64).map(lambda v: v * 2, num_parallel_calls=tf.data.AUTOTUNE)
+    iterator = iter(STRATEGY.experimental_distribute_dataset(data.batch(GLOBAL_BATCH)))
+    worker = iterator._iterators[0]   # this rank's input pipeline and its devices' prefetches
+    assert worker._dataset.options().autotune.enabled is False
+    per_device = worker._iterator._device_iterators
+    assert per_device, worker
+    assert all(d._dataset.options().autotune.enabled is False for d in per_device)
+    next(iterator)
+    options = tf.data.Options()
+    options.autotune.enabled = True
+    kept = iter(STRATEGY.experimental_distribute_dataset(
+        data.batch(GLOBAL_BATCH).with_options(options)))
+    assert kept._iterators[0]._dataset.options().autotune.enabled is True
+    next(kept)
