@@ -108,7 +108,26 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
     it = table_.emplace(meta.name, std::move(e)).first;
   }
   Entry& e = it->second;
-  if (e.have[rank]) return;  // the runtime rejects local duplicates first
+  if (e.have[rank]) {
+    // The runtime refuses local duplicates first. A refusal from a rank that
+    // already asked is that rank's next call of the name, which came while
+    // this one was in flight (RequestTable::Submit: two threads, the ranks
+    // may have paired them differently). This call fails on every rank, as
+    // a refused one does (the ranks that asked have answered it, the others
+    // fail as they ask), and the refusal waits to be the rank's next call.
+    if (meta.flags & kMetaRejected) {
+      Rejection& why = rejected_[meta.name];
+      if (why.message.empty()) {
+        why.message = "rank " + std::to_string(world_[rank]) + " refused its call: " +
+                      meta.rejected;
+        why.seen = e.have;
+        why.count = e.count;
+      }
+      complete_.emplace(e.seq, meta.name);
+      deferred_.push_back(Deferred{rank, meta, now_ms_});
+    }
+    return;
+  }
   e.have[rank] = true;
   e.metas[rank] = meta;
   ++e.count;
@@ -460,7 +479,11 @@ std::vector<Response> Negotiator::TakeReady() {
     std::vector<Deferred> waiting;
     waiting.swap(deferred_);
     for (const Deferred& d : waiting) {
-      if (rejected_.count(d.meta.name)) {
+      // Still held while its rank has answered the refusal now open (one
+      // re-added before it may have opened a new one, for this call to
+      // answer).
+      auto refused = rejected_.find(d.meta.name);
+      if (refused != rejected_.end() && refused->second.seen[d.rank]) {
         deferred_.push_back(d);
       } else {
         Add(d.rank, d.meta);

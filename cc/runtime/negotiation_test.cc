@@ -221,6 +221,66 @@ TensorMeta Refused(const std::string& name) {
 }
 }  // namespace
 
+TEST(ARefusalFromARankThatAlreadyAskedFailsTheNameOnEveryRank) {
+  // Rank 0 asked for "x", then refused its next call of "x" (it came while
+  // the first was in flight: two threads). The first call fails, with rank
+  // 0's reason, though rank 1 has not asked; rank 1's first call fails as it
+  // comes, its second pairs with rank 0's refused second (and fails), and
+  // the third calls pair and run: every rank's calls of the name stay in
+  // step.
+  Negotiator n(2, 0);
+  n.BeginCycle(0, false);
+  n.Add(0, Meta("x", {4}));
+  TensorMeta twice = Refused("x");
+  twice.rejected = "two calls of this name were in flight at once on rank 0";
+  n.Add(0, twice);
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(!ready[0].error.ok());
+  CHECK(ready[0].error.message.find("rank 0 refused its call: two calls") != std::string::npos);
+  CHECK(ready[0].real_request[0] && !ready[0].real_request[1]);
+  for (int call = 1; call <= 2; ++call) {  // rank 1's first and second calls
+    n.BeginCycle(call, false);
+    n.Add(1, Meta("x", {4}));
+    ready = n.TakeReady();
+    CHECK_EQ(ready.size(), 1u);
+    CHECK(!ready[0].error.ok() && ready[0].real_request[1] && !ready[0].real_request[0]);
+  }
+  n.BeginCycle(3, false);
+  n.Add(0, Meta("x", {4}));
+  n.Add(1, Meta("x", {4}));
+  ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(ready[0].error.ok());
+}
+
+TEST(BothRanksRefusingTheirSecondCallsKeepTheirCallsInStep) {
+  // Each rank's two threads called "x" at once and each rank refused one:
+  // the first calls fail, the refusals pair with each other, the next
+  // calls run.
+  Negotiator n(2, 0);
+  n.BeginCycle(0, false);
+  for (int r = 0; r < 2; ++r) {
+    n.Add(r, Meta("x", {4}));
+    TensorMeta twice = Refused("x");
+    twice.rejected = "two calls of this name were in flight at once";
+    n.Add(r, twice);
+  }
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(!ready[0].error.ok() && ready[0].real_request[0] && ready[0].real_request[1]);
+  n.BeginCycle(1, false);
+  ready = n.TakeReady();  // the refusals, paired: nothing real to fail
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(!ready[0].error.ok() && !ready[0].real_request[0] && !ready[0].real_request[1]);
+  n.BeginCycle(2, false);
+  n.Add(1, Meta("x", {4}));
+  n.Add(0, Meta("x", {4}));
+  ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(ready[0].error.ok());
+}
+
 TEST(ANextCallOfARefusedNameWaitsForEveryRanksAnswerToTheRefusedOne) {
   for (int mover : {0, 1}) {
     const int slow = 1 - mover;

@@ -36,6 +36,26 @@ std::shared_ptr<Request> StandIn(const Response& response, size_t index) {
   return q;
 }
 
+// A call's progress from Submit to its `done`: whether it has completed,
+// and the error it completes with because a second call of its name came
+// on this rank while it was in flight.
+struct RequestTable::Flight {
+  std::mutex mu;
+  bool finished = false;
+  Status twice;
+  // Marks the call failed unless it already finished; false if it had.
+  bool Fail(const Status& why) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (finished) return false;
+    if (twice.ok()) twice = why;
+    return true;
+  }
+  bool Finished() {
+    std::lock_guard<std::mutex> lock(mu);
+    return finished;
+  }
+};
+
 void RequestTable::Open(int world_rank) {
   std::lock_guard<std::mutex> lock(mu_);
   world_rank_ = world_rank;
@@ -43,6 +63,7 @@ void RequestTable::Open(int world_rank) {
   closed_status_ = Status::OK();
   queue_.clear();
   pending_.clear();
+  flight_.clear();
   abandoned_.clear();
   joined_ = false;
   shutdown_requested_ = false;
@@ -81,18 +102,44 @@ Status RequestTable::Submit(const Requests& requests, Clock::time_point now, boo
     for (size_t i = 0; i < requests.size(); ++i) {
       const TensorMeta& m = requests[i]->meta;
       const bool joining_twice = m.op == OpType::kJoin && joined_;
-      if (joining_twice || !pending_.emplace(m.name, requests[i]).second) {
+      auto flying = flight_.find(m.name);
+      Flight* in_flight = flying != flight_.end() && !flying->second->Finished()
+                              ? flying->second.get() : nullptr;
+      if (joining_twice || in_flight || !pending_.emplace(m.name, requests[i]).second) {
         for (size_t j = 0; j < i; ++j) pending_.erase(requests[j]->meta.name);
         if (joining_twice) {
           return Status::Error(StatusCode::kInvalidArgument,
                                "Perseus join: join() is already in progress on this rank");
         }
+        if (in_flight) return InFlightTwiceLocked(m, in_flight);
         return Status::Error(StatusCode::kInvalidArgument,
                              std::string("Perseus ") + OpTypeName(m.op) + " of tensor '" + m.name +
-                                 "': a collective with this name is already in flight on rank " +
+                                 "': the call names this tensor twice; a collective with this "
+                                 "name is already in flight on rank " +
                                  std::to_string(world_rank_) +
-                                 "; concurrent collectives need distinct names");
+                                 "; the tensors of one call need distinct names");
       }
+    }
+    if (flight_.size() >= sweep_at_) {
+      for (auto it = flight_.begin(); it != flight_.end();) {
+        it = it->second->Finished() ? flight_.erase(it) : std::next(it);
+      }
+      sweep_at_ = std::max<size_t>(64, 2 * flight_.size());
+    }
+    for (const auto& q : requests) {
+      // The call is in flight until its `done` runs, on whatever thread.
+      auto flight = std::make_shared<Flight>();
+      flight_[q->meta.name] = flight;
+      auto done = std::move(q->done);
+      q->done = [flight, done](const Status& status) {
+        Status twice;
+        {
+          std::lock_guard<std::mutex> lock(flight->mu);
+          flight->finished = true;
+          twice = flight->twice;
+        }
+        done(status.ok() ? twice : status);
+      };
     }
     for (const auto& q : requests) {
       TensorMeta& m = q->meta;
@@ -113,6 +160,26 @@ Status RequestTable::Submit(const Requests& requests, Clock::time_point now, boo
   }
   if (wake) cv_.notify_one();
   return Status::OK();
+}
+
+Status RequestTable::InFlightTwiceLocked(const TensorMeta& m, Flight* flying) {
+  const std::string rank = std::to_string(world_rank_);
+  const std::string why =
+      "two calls of this name were in flight at once on rank " + rank +
+      " (from two threads, or a call made again before the first completed), and the ranks "
+      "could pair them differently; both fail on every rank. Give collectives that may run "
+      "at the same time distinct names (name=...); unnamed eager calls share one name";
+  const std::string op = std::string("Perseus ") + OpTypeName(m.op) + " of tensor '" + m.name + "'";
+  flying->Fail(Status::Error(StatusCode::kInvalidArgument, op + " is not applied: " + why));
+  // The others' calls of the name fail too, even the one this rank's call
+  // in flight is negotiating with (Negotiator::Add takes a refusal from a
+  // rank that already asked).
+  TensorMeta refusal = m;
+  refusal.flags = kMetaRejected;
+  refusal.rejected = why;
+  queue_.push_back(std::move(refusal));
+  cv_.notify_one();
+  return Status::Error(StatusCode::kInvalidArgument, op + ": " + why);
 }
 
 void RequestTable::Reject(const Requests& requests, const std::string& why) {
@@ -263,8 +330,13 @@ RequestTable::Taken RequestTable::TakeResponse(const Response& response, bool jo
       }
     }
     if (!unsent.empty()) {
+      // A refusal stays: it is this rank's answer to a later call of the
+      // name (RequestTable::Reject, InFlightTwiceLocked), which the others
+      // pair with theirs.
       queue_.erase(std::remove_if(queue_.begin(), queue_.end(),
-                                  [&](const TensorMeta& m) { return drop.count(m.name); }),
+                                  [&](const TensorMeta& m) {
+                                    return drop.count(m.name) && !(m.flags & kMetaRejected);
+                                  }),
                    queue_.end());
     }
   }

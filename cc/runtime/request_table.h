@@ -47,8 +47,12 @@ class RequestTable {
   void Close(const Status& status);
 
   // A call of one or more requests: all queued, or none. Returns an error
-  // for a name already in flight or a second join; *closed (nothing done)
-  // when the table is closed.
+  // for a name twice in the call, a second join, or a name still in flight
+  // (submitted and not yet completed, whether negotiating or running): two
+  // threads calling one name at once, which the ranks could pair
+  // differently. That name fails on every rank: the call in flight
+  // completes with an error too, and the others hear of it as a refusal
+  // (kMetaRejected). *closed (nothing done) when the table is closed.
   Status Submit(const Requests& requests, Clock::time_point now, bool* closed);
   // A call refused here for a bad argument: its names go to the others as
   // rejected (kMetaRejected), so their requests fail at once.
@@ -133,6 +137,15 @@ class RequestTable {
   Status closed_status_;
   std::deque<TensorMeta> queue_;
   std::unordered_map<std::string, std::shared_ptr<Request>> pending_;
+  // Every name submitted here whose call has not completed (its `done` has
+  // not run): pending, in a plan bucket, or running on a stream. A finished
+  // entry is replaced by the next call of its name, or swept.
+  struct Flight;
+  std::unordered_map<std::string, std::shared_ptr<Flight>> flight_;
+  size_t sweep_at_ = 64;
+  // A second call of `m.name` came while one was in flight (Submit): fails
+  // the one in flight and tells the others; returns the new call's error.
+  Status InFlightTwiceLocked(const TensorMeta& m, Flight* flying);
   // Names this rank sent but gave up (their grouped call failed): if the
   // others still run one, the job fails naming it.
   std::unordered_set<std::string> abandoned_;

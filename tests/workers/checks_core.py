@@ -130,19 +130,21 @@ def check_raw_gloo_allreduce():
     np.testing.assert_array_equal(x, np.full(1000, N * (N + 1) / 2))
 
 
-def check_duplicate_name_in_flight_is_rejected():
-    # Rank 0's 'dup' stays in flight until the others submit theirs, which
-    # they do only after 'dup.go', which rank 0 submits after its attempt:
-    # the attempt meets a 'dup' in flight however slow a submit is (a GPU's).
-    if R == 0:
-        h = allreduce_async(np.ones(4, np.float32), "dup")
-        expect(_core.InvalidArgumentError, lambda: allreduce_async(np.ones(4, np.float32), "dup"),
-               "already in flight")
-        allreduce_async(np.ones(1, np.float32), "dup.go").wait()
-    else:
-        allreduce_async(np.ones(1, np.float32), "dup.go").wait()
-        h = allreduce_async(np.ones(4, np.float32), "dup")
-    np.testing.assert_array_equal(h.wait()[0], np.full(4, N))
+def check_a_name_called_twice_in_flight_fails_on_every_rank():
+    # Two calls of one name in flight at once, as two threads make them (or a
+    # call made again before the first completed). Refusing only the second
+    # call on each rank, as before, paired the first calls across ranks, and
+    # with two threads those may be different threads' calls (a silently
+    # wrong sum, cc/runtime/request_table_test.cc). Both calls fail on every
+    # rank instead, and the name is free once they have.
+    first = allreduce_async(np.full(4, R + 1.0, np.float32), "twice")
+    expect(_core.InvalidArgumentError,
+           lambda: allreduce_async(np.full(4, 100.0 * (R + 1), np.float32), "twice"),
+           f"two calls of this name were in flight at once on rank {R}")
+    expect(_core.InvalidArgumentError, lambda: first.wait(),
+           "'twice'", "two calls of this name were in flight at once on rank")
+    got = allreduce_async(np.full(4, R + 1.0, np.float32), "twice").wait()[0]
+    np.testing.assert_array_equal(got, np.full(4, N * (N + 1) / 2))
 
 
 def check_group_naming_a_tensor_twice_is_rejected_and_leaves_nothing_pending():
@@ -150,7 +152,7 @@ def check_group_naming_a_tensor_twice_is_rejected_and_leaves_nothing_pending():
     arrays = [np.full(3, R + 1.0, np.float32) for _ in range(3)]
     expect(_core.InvalidArgumentError,
            lambda: _core.submit_group(arrays, ["twice.a", "twice.b", "twice.a"], f32),
-           "already in flight")
+           "the call names this tensor twice")
     # Nothing of the refused call stayed pending: the same names run now.
     _core.submit_group(arrays[:2], ["twice.a", "twice.b"], f32).wait()
     for a in arrays[:2]:

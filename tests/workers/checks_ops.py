@@ -19,8 +19,10 @@ from rank_checks import assert_barrier_waits, data, expect
 # zero splits to other ranks; the offset clamp of uneven rows (and the TCP
 # ring's reduce-scatter); a barrier that waits for only some ranks; process
 # sets of 2 among 4 with non-members; set positions that are not world ranks;
-# three ranks joining one after another; fp16 through a multi-step ring.
-AT_4_RANKS = ("check_broadcast_from_every_root", "check_allgather_different_first_dims",
+# three ranks joining one after another; fp16 through a multi-step ring;
+# two threads' calls of one name failing on every rank, not only two.
+AT_4_RANKS = ("check_unnamed_eager_calls_from_two_threads_fail_on_every_rank",
+              "check_broadcast_from_every_root", "check_allgather_different_first_dims",
               "check_alltoall_with_and_without_splits", "check_reducescatter_uneven_rows",
               "check_barrier", "check_process_sets", "check_process_set_errors",
               "check_join_uneven_steps", "check_fp16_compression_against_numpy_model")
@@ -295,6 +297,51 @@ def check_invalid_arguments_raise_locally():
     # Adasum of identical tensors is that tensor (not their sum).
     np.testing.assert_allclose(ptf.allreduce(tf.constant([1.0, 2.0]), op=ptf.Adasum).numpy(),
                                [1.0, 2.0], rtol=1e-6)
+
+
+def check_unnamed_eager_calls_from_two_threads_fail_on_every_rank():
+    # Unnamed eager calls share one name (the op's). Two threads making them
+    # at once could pair rank 0's thread A with rank 1's thread B: each
+    # thread adds its own value (1 or 1000, times rank + 1), so a pairing
+    # across threads gives a sum no thread expects. Every call either sums
+    # its own thread's values or fails, and at least one round meets the two
+    # calls in flight together, which fails on every rank (a round's result
+    # is compared after an allgather of who failed, named: not paired).
+    import threading
+    conflicts = 0
+    for _ in range(5):
+        start = threading.Barrier(2)
+        results = [None, None]
+
+        def call(t):
+            value = (1.0 if t == 0 else 1000.0) * (R + 1)
+            start.wait()
+            try:
+                results[t] = ptf.allreduce(tf.fill([64], value), op=ptf.Sum).numpy()
+            except tf.errors.OpError as e:
+                results[t] = f"{type(e).__name__}: {e}"
+
+        threads = [threading.Thread(target=call, args=(t,)) for t in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+            assert not thread.is_alive(), "an allreduce from a thread did not return"
+        failed = [isinstance(r, str) for r in results]
+        for t, r in enumerate(results):
+            if not failed[t]:
+                expected = (1.0 if t == 0 else 1000.0) * N * (N + 1) / 2
+                np.testing.assert_array_equal(r, np.full(64, expected), err_msg=f"thread {t}")
+            else:
+                assert r.startswith("InvalidArgumentError"), r
+                assert "two calls of this name were in flight at once" in r, r
+                assert "name=" in r, r
+        everyone = ptf.allgather(tf.constant([int(any(failed))]), name="unnamed.failed").numpy()
+        # A round that failed anywhere failed everywhere.
+        assert len(set(everyone.tolist())) == 1, (everyone, results)
+        conflicts += int(everyone[0])
+    # The threads start together: the calls overlap in (nearly) every round.
+    assert conflicts >= 1, "no round had the two calls in flight together"
 
 
 def check_process_sets():
