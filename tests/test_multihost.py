@@ -233,29 +233,31 @@ def _wait_for(path, within_s):
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("way", ["both", "in", "out"])
-def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path, way):
+@pytest.mark.parametrize("np_,way", [(2, "both"), (2, "in"), (2, "out"), (3, "both")])
+def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path, np_, way):
     """Host 1 is cut off for good (both ways; or only what reaches it, "in";
-    or only what leaves it, "out") while its rank and rank 0 run allreduces;
-    perseusrun, which serves the store, is on host 0. Rank 1 once waited
-    about 1,000 s (the kernel's retries) on a store call with no deadline.
-    Now, within 1.2 x GLOO_TIMEOUT_SECONDS, rank 1 names the store and rank 0
-    names rank 1."""
+    or only what leaves it, "out") while the ranks run allreduces; the last
+    rank is on host 1, the others and perseusrun, which serves the store, on
+    host 0. The cut-off rank once waited about 1,000 s (the kernel's
+    retries) on a store call with no deadline. Now, within 1.2 x
+    GLOO_TIMEOUT_SECONDS, it names the store and every rank on host 0 names
+    it; at 3 ranks, rank 1 on host 0 is named by nobody."""
     a, b = hosts.addrs
     timeout = 10
     markers = str(tmp_path)
-    launcher = hosts.popen(0, PERSEUSRUN + ["-np", "2", "-H", f"{a}:1,{b}:1", "-i", hosts.key,
-                                            "--", sys.executable,
+    cut_off = np_ - 1
+    launcher = hosts.popen(0, PERSEUSRUN + ["-np", str(np_), "-H", f"{a}:{np_ - 1},{b}:1", "-i",
+                                            hosts.key, "--", sys.executable,
                                             os.path.join(WORKERS, "store_fault_worker.py"),
                                             markers],
                            env=_env(hosts, {"GLOO_TIMEOUT_SECONDS": str(timeout)}), cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for r in range(2):
+        for r in range(np_):
             _wait_for(os.path.join(markers, f"running{r}"), 120)
         cut_at = time.time()
         hosts.cut(1, way)
-        for r in range(2):
+        for r in range(np_):
             _wait_for(os.path.join(markers, f"failed{r}"), 1.2 * timeout + 30)
         launcher.communicate(timeout=60)
         _no_rank_left(hosts, 1, "store_fault_worker", 30)
@@ -264,15 +266,21 @@ def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path, 
         if launcher.poll() is None:
             launcher.kill()
             launcher.communicate()
-    lines = [open(os.path.join(markers, f"failed{r}")).read().split(" ", 2) for r in range(2)]
+    lines = [open(os.path.join(markers, f"failed{r}")).read().split(" ", 2) for r in range(np_)]
     for rank, (_, when, message) in enumerate(lines):
-        print(f"rank {rank}: {float(when) - cut_at:.1f} s after the cut: {message.strip()}")
+        print(f"{np_} ranks, cut {way}: rank {rank}: {float(when) - cut_at:.1f} s after the cut: "
+              f"{message.strip()}")
         assert float(when) - cut_at <= 1.2 * timeout + 1, (rank, float(when) - cut_at, message)
-    assert "rendezvous store" in lines[1][2] and "stopped answering" in lines[1][2], lines[1]
-    assert "served by perseusrun" in lines[1][2], lines[1]
-    # Cut one way in, rank 1's closing connections still reach the store.
-    assert re.search(r"rank 1 (stopped responding|exited or lost its connection)", lines[0][2]), \
-        lines[0]
+    message = lines[cut_off][2]
+    assert "rendezvous store" in message and "stopped answering" in message, message
+    assert "served by perseusrun" in message, message
+    # Cut one way in, the cut-off rank's closing connections still reach the
+    # store. The ranks on host 0 blame it and nobody else.
+    for rank in range(cut_off):
+        blamed = re.findall(r"ranks? ([\d, ]+?) (?:stopped responding|exited or lost its connection)",
+                            lines[rank][2])
+        assert blamed and {int(n) for b in blamed for n in b.split(",")} == {cut_off}, \
+            lines[rank]
 
 
 def test_a_remote_rank_cut_off_from_perseusrun_does_not_outlive_it(hosts):
