@@ -50,7 +50,8 @@ import importlib
 import os
 import re
 import sys
-import warnings
+
+from perseus_tf import notices
 
 KERAS3_OLDEST = (3, 0)
 KERAS3_NEWEST_TESTED = (3, 15)
@@ -183,10 +184,10 @@ def check_supported(where, imported_only=False):
                 f"upgrade it: pip install '{flavour.name}>={_text(oldest)}'")
         if newest and flavour.version[:2] > newest and flavour.name not in _warned:
             _warned.add(flavour.name)
-            warnings.warn(
+            notices.warn(
                 f"Perseus-TF: {flavour!r} is newer than the newest Keras it was tested with "
                 f"({_text(newest)}); if training fails inside Keras, pin "
-                f"'{flavour.name}<{newest[0]}.{newest[1] + 1}'", stacklevel=3)
+                f"'{flavour.name}<{newest[0]}.{newest[1] + 1}'")
 
 
 def require(flavour, version, feature):

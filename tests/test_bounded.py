@@ -28,6 +28,9 @@ def test_stall_inspector_and_plan_deadline_speak(launched):
     # Rank 0's inspector names the late tensor and the missing ranks.
     others = ", ".join(str(r) for r in range(1, launched.np))
     assert "Perseus stall inspector (rank 0)" in err, err[-3000:]
+    # What the report means is said once; later reports say what still waits.
+    assert err.count("(PERSEUS_STALL_CHECK_TIME_SECONDS)") == 1, err[-3000:]
+    assert "Perseus stall inspector (rank 0): still waiting:" in err, err[-3000:]
     assert f"allreduce 'late' waiting" in err and f"{others} ha" in err, err[-3000:]
     # The plan bucket that could not fill says why it left the plan.
     assert "has waited" in err and "Leaving the plan" in err, err[-3000:]

@@ -735,6 +735,41 @@ def test_missing_command_is_rejected(capsys):
     assert "COMMAND" in capsys.readouterr().err
 
 
+def test_a_bad_setting_is_one_line_from_perseusrun_before_any_rank_starts(tmp_path, capsys,
+                                                                          monkeypatch):
+    """A bad PERSEUS_* value once gave a 13-line traceback from every rank."""
+    marker = tmp_path / "started"
+    command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    monkeypatch.setenv("PERSEUS_ALLREDUCE_STREAMS", "abc")
+    assert launcher.main(["-np", "2"] + command) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "perseusrun: PERSEUS_ALLREDUCE_STREAMS='abc' is invalid: it must be an integer from 1 "
+        "to 12; no rank was started"], err
+    # Given with -x, the same.
+    monkeypatch.delenv("PERSEUS_ALLREDUCE_STREAMS")
+    assert launcher.main(["-np", "2", "-x", "PERSEUS_ALLREDUCE_DTYPE=7"] + command) == 2
+    assert "PERSEUS_ALLREDUCE_DTYPE='7' is invalid" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_a_script_given_as_the_command_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
+    """`perseusrun -np 2 train.py` once said "No such file or directory:
+    'train.py'" although the file was there. An executable script (with a
+    #! line and x bit) is a program and runs as one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    assert launcher.main(["-np", "2", "train.py", "--epochs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "train.py is a Python script" in err
+    assert "did you mean `perseusrun ... python train.py --epochs 3`?" in err
+    runnable = tmp_path / "run.py"
+    runnable.write_text("#!/bin/sh\necho ran\n")
+    runnable.chmod(0o755)
+    args = launcher._parse_args(cli.build_parser(), ["-np", "1", str(runnable)])
+    assert args.command == [str(runnable)]
+
+
 def test_runner_does_not_import_tensorflow():
     result = subprocess.run(
         [sys.executable, "-c",

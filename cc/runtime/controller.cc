@@ -232,9 +232,13 @@ Controller::Exchanged Controller::ExchangeControl(CycleMessage mine, int64_t my_
   return x;
 }
 
-void Controller::ReportStalls(const std::vector<std::string>& stalls) const {
+void Controller::ReportStalls(const std::vector<std::string>& stalls) {
   if (stalls.empty() || WorldRank(c_.options.rank) != 0) return;
-    std::ostringstream msg;
+  std::ostringstream msg;
+  if (stalls_explained_) {
+    msg << "Perseus stall inspector (rank 0): still waiting";
+  } else {
+    stalls_explained_ = true;
     msg << "Perseus stall inspector (rank 0): " << stalls.size()
         << (stalls.size() == 1 ? " collective has" : " collectives have")
         << " waited more than " << c_.options.stall_check_seconds
@@ -243,12 +247,13 @@ void Controller::ReportStalls(const std::vector<std::string>& stalls) const {
       msg << "; the job fails after PERSEUS_STALL_TIMEOUT_SECONDS="
           << c_.options.stall_timeout_seconds << " s";
     }
-    msg << ":\n";
-    for (size_t i = 0; i < stalls.size() && i < 20; ++i) msg << "  " << stalls[i] << "\n";
-    if (stalls.size() > 20) msg << "  ... and " << stalls.size() - 20 << " more\n";
-    std::fputs(msg.str().c_str(), stderr);
-    std::fflush(stderr);
   }
+  msg << ":\n";
+  for (size_t i = 0; i < stalls.size() && i < 20; ++i) msg << "  " << stalls[i] << "\n";
+  if (stalls.size() > 20) msg << "  ... and " << stalls.size() - 20 << " more\n";
+  std::fputs(msg.str().c_str(), stderr);
+  std::fflush(stderr);
+}
 
 void Controller::Doing(const char* what) {
   if (!c_.activity) return;

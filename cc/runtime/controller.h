@@ -89,8 +89,9 @@ class Controller {
   // The cycle's control allgather (one fixed slot per rank, a second
   // allgather for what did not fit).
   Exchanged ExchangeControl(CycleMessage mine, int64_t my_clock, bool in_plan);
-  // Rank 0 prints the stall inspector's report.
-  void ReportStalls(const std::vector<std::string>& stalls) const;
+  // Rank 0 prints the stall inspector's report: what it means once, then
+  // only what still waits.
+  void ReportStalls(const std::vector<std::string>& stalls);
   // Hands a response with its local requests to the executor. lone: the
   // cycle's only response, which may run on this thread. any_in_plan: some
   // rank runs an offline plan in this cycle (then online work takes the
@@ -117,6 +118,7 @@ class Controller {
   bool PlanBucketFinished(int64_t votes, const Requests& requests, int plan_index);
 
   ControllerContext c_;
+  bool stalls_explained_ = false;  // the stall inspector's header was printed
   RequestTable& table_;
   std::unique_ptr<Negotiator> negotiator_;
   std::thread thread_;

@@ -5,6 +5,7 @@ starts. A bad command line is a UsageError, reported with the usage line.
 
 import argparse
 import os
+import shutil
 
 from perseus_tf.runner.supervise import KILL_DELAY_S, PROG
 
@@ -243,6 +244,12 @@ def parse_args(parser: argparse.ArgumentParser, argv: list):
         raise UsageError("--mpi and --gloo exclude each other")
     if not args.command:
         raise UsageError("no COMMAND given to run in the ranks")
+    script = args.command[0]
+    if script.endswith(".py") and shutil.which(script) is None:
+        # `perseusrun -np 2 train.py`: the OS cannot run a script that is
+        # not executable, and says only "No such file or directory".
+        raise UsageError(f"{script} is a Python script, not a program the ranks can run: did you "
+                         f"mean `perseusrun ... python {' '.join(args.command)}`?")
     if args.np < 1:
         raise UsageError("-np must be at least 1")
     if args.grace_seconds < 0:

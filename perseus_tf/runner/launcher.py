@@ -102,6 +102,20 @@ def run_elastic(args, group, start, rendezvous_addr, port, secret, job_id, place
     return status
 
 
+def _bad_setting(args):
+    """The ranks' PERSEUS_* settings (this environment and -x), read as each
+    rank reads them at init: a bad one is one line here, before any rank
+    starts, instead of a traceback from every rank. None when all are good."""
+    from perseus_tf.config.settings import ConfigError, load_config
+    environ = dict(os.environ)
+    environ.update(export_values(os.environ, args.export))
+    try:
+        load_config(environ=environ)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
 def main(argv=None) -> int:
     """Runs perseusrun with argv (default sys.argv[1:]); returns the exit status."""
     parser = build_parser()
@@ -122,6 +136,10 @@ def main(argv=None) -> int:
     except SystemExit as exit_:
         # argparse exits for -h and for malformed flags; main reports a status.
         return exit_.code if isinstance(exit_.code, int) else 2
+    bad = _bad_setting(args)
+    if bad:
+        print(f"{PROG}: {bad}; no rank was started", file=sys.stderr)
+        return 2
 
     secret = secrets.token_bytes(32)
     job_id = secrets.token_hex(8)

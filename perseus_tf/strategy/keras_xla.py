@@ -21,9 +21,10 @@ which installs this, is made after `compile` was looked up.)
 """
 
 import functools
-import warnings
 
 import tensorflow as tf
+
+from perseus_tf import notices
 
 _predicates = []   # model -> whether its train step holds Perseus collectives
 
@@ -52,11 +53,11 @@ def _without_xla_around_collectives(make_function):
     @functools.wraps(make_function)
     def make(self, *args, **kwargs):
         if _jit_compile(self) and any(holds(self) for holds in _predicates):
-            warnings.warn(
+            notices.warn(
                 f"Perseus-TF: jit_compile={self.jit_compile!r} is turned off for model "
                 f"'{self.name}': its steps hold Perseus collectives, which have no XLA "
                 f"kernels; they run as tf.functions without XLA (compile(jit_compile=False) "
-                f"says so and silences this)", stacklevel=2)
+                f"says so and silences this)")
             self.jit_compile = False
         return make_function(self, *args, **kwargs)
     make._perseus_xla = True

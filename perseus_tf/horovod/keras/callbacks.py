@@ -1,12 +1,12 @@
 """Keras callbacks of the Horovod API (horovod.tensorflow.keras.callbacks),
 for Keras 3 and Keras 2."""
 
-import warnings
 
 import numpy as np
 import tensorflow as tf
 
 from perseus_tf import ops
+from perseus_tf import notices
 from perseus_tf.horovod import _basics
 from perseus_tf.horovod._collectives import Average
 from perseus_tf.horovod.functions import broadcast_variables
@@ -166,9 +166,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         if isinstance(legacy, type) and isinstance(optimizer, legacy):
             return True
         if float(momentum) != 0.0 and not self._warned:
-            warnings.warn(f"{type(self).__name__}: momentum correction is skipped: "
-                          f"{type(optimizer).__name__}'s momentum is a constant of its compiled "
-                          "update step", stacklevel=2)
+            notices.warn(f"{type(self).__name__}: momentum correction is skipped: "
+                         f"{type(optimizer).__name__}'s momentum is a constant of its compiled "
+                         "update step")
             self._warned = True
         return False
 
