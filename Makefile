@@ -14,6 +14,7 @@ TF_VERSION ?= 2.21.*
 VENV_OLD ?= .venv-tf215
 TF_VERSION_OLD ?= 2.15.*
 PY := $(VENV)/bin/python
+EXAMPLES_PACKAGES := .examples-packages
 # The documentation site's tools (mkdocs.yml; README says why these).
 DOCS_PACKAGES := mkdocs mkdocs-material "mkdocstrings[python]"
 PY_OLD := $(VENV_OLD)/bin/python
@@ -32,7 +33,7 @@ NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') s
 .PHONY: demo check test docs ray keras-versions system system-test install-packages native native-old bazel clean cuda
 
 demo: native
-	$(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
+	PYTHONPATH=$(CURDIR)/$(EXAMPLES_PACKAGES) $(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
 
 # tools/run_tests.py runs the set-up targets below as timed phases (system-test,
 # native, cuda, native-old), then the test jobs of both passes.
@@ -70,14 +71,22 @@ install-packages:
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
+# scikit-learn (the examples' digits data) goes into $(EXAMPLES_PACKAGES), put
+# on PYTHONPATH only where an example runs: Keras 3 imports scikit-learn when
+# it can, which costs every TensorFlow 2.21 process (hundreds in `make test`)
+# 0.6 s. Its dependencies go into the venv, where nothing imports them.
 $(VENV)/.deps: | system
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest scikit-learn tensorboard setuptools wheel $(DOCS_PACKAGES)
+	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest scipy joblib threadpoolctl tensorboard setuptools wheel $(DOCS_PACKAGES)
+	touch $@
+$(EXAMPLES_PACKAGES)/.installed: | $(VENV)/.deps
+	rm -rf $(EXAMPLES_PACKAGES)
+	$(PY) -m pip install -q --no-deps --target $(EXAMPLES_PACKAGES) scikit-learn
 	touch $@
 
 # Rebuilt only when a native source changed (a second `make demo` starts at once).
-native: $(VENV)/.native
+native: $(VENV)/.native $(EXAMPLES_PACKAGES)/.installed
 $(VENV)/.native: $(VENV)/.deps $(NATIVE_SOURCES)
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@

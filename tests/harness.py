@@ -17,6 +17,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
+EXAMPLES_PACKAGES = os.path.join(ROOT, ".examples-packages")
+
+
+def use_examples_packages():
+    """Puts .examples-packages (scikit-learn, for the examples' digits data:
+    Makefile) on this process's PYTHONPATH, so the ranks it launches have it,
+    when the interpreter does not have scikit-learn of its own. Test files
+    that run the examples call it at import."""
+    import importlib.util
+    if importlib.util.find_spec("sklearn") is None:
+        assert os.path.isdir(EXAMPLES_PACKAGES), f"{EXAMPLES_PACKAGES} is missing: run `make native`"
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [EXAMPLES_PACKAGES, os.environ.get("PYTHONPATH")]))
+
+
 def rank_env(extra=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from harness import ROOT, inputs_hash, launch, rank_env
+from harness import ROOT, inputs_hash, launch, rank_env, use_examples_packages
+
+use_examples_packages()  # the examples' digits data (scikit-learn)
 
 
 @pytest.mark.parametrize("script,metric", [("keras_digits.py", "val_accuracy"),

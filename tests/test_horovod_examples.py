@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from harness import ROOT, launch
+from harness import ROOT, launch, use_examples_packages
+
+use_examples_packages()  # the examples' digits data (scikit-learn)
 
 HAS_ESTIMATOR = importlib.util.find_spec("tensorflow_estimator") is not None
 

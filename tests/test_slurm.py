@@ -18,7 +18,10 @@ import time
 
 import pytest
 
-from harness import ROOT, WORKERS, CheckResults, check_names, rank_env
+from harness import (ROOT, WORKERS, CheckResults, check_names, rank_env,
+                     use_examples_packages)
+
+use_examples_packages()  # the examples' digits data (scikit-learn)
 from slurm_cluster import SlurmCluster, SlurmStartError, free_port, not_root_reason
 
 PERSEUSRUN = [sys.executable, "-m", "perseus_tf.runner"]
