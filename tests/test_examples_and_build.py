@@ -153,6 +153,10 @@ def bazel_build():
                                         "EXTRA_TARGETS": " ".join(BAZEL_TARGETS)}),
                           capture_output=True, text=True, timeout=1500, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The script stops Bazel's server: no JVM of this tree stays behind.
+    left = subprocess.run(["pgrep", "-f", f"--workspace_directory={ROOT} "],
+                          capture_output=True, text=True).stdout.split()
+    assert not left, f"Bazel's server for {ROOT} still runs: pids {left}"
     open(os.path.join(partial, "done"), "w").close()
     shutil.rmtree(out, ignore_errors=True)
     os.replace(partial, out)

@@ -17,6 +17,8 @@
 #   JOBS     parallel actions (default: number of CPUs)
 #   EXTRA_TARGETS  more targets of //: to build and copy, e.g. "cc_unit"
 #            (the C++ unit tests, tests/test_examples_and_build.py runs them)
+#   BAZEL_KEEP_SERVER=1  leave Bazel's server running afterwards (by default
+#            it is shut down: otherwise its JVM stays idle for three hours)
 set -euo pipefail
 
 usage() {
@@ -54,6 +56,10 @@ fi
 jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 # shellcheck disable=SC2206  # word splitting intended
 startup=(${BAZEL_STARTUP_OPTS:-})
+
+if [[ ${BAZEL_KEEP_SERVER:-0} != 1 ]]; then
+  trap '"$BAZEL" "${startup[@]}" shutdown >/dev/null 2>&1 || true' EXIT
+fi
 
 echo "==> configure ($PYTHON)"
 "$PYTHON" tools/configure_bazel.py
