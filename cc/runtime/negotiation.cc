@@ -83,6 +83,15 @@ void Negotiator::BeginCycle(int64_t now_ms, bool any_in_plan) {
   any_in_plan_ = any_in_plan;
 }
 
+void Negotiator::OpenRejection(int rank, const TensorMeta& meta,
+                               const std::vector<bool>& answered, int count) {
+  Rejection& why = rejected_[meta.name];
+  if (!why.message.empty()) return;  // already open: the first refusal's reason stands
+  why.message = "rank " + std::to_string(world_[rank]) + " refused its call: " + meta.rejected;
+  why.seen = answered;
+  why.count = count;
+}
+
 void Negotiator::Add(int rank, const TensorMeta& meta) {
   ++adds_;
   if (!(meta.flags & kMetaRejected)) {
@@ -116,13 +125,7 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
     // a refused one does (the ranks that asked have answered it, the others
     // fail as they ask), and the refusal waits to be the rank's next call.
     if (meta.flags & kMetaRejected) {
-      Rejection& why = rejected_[meta.name];
-      if (why.message.empty()) {
-        why.message = "rank " + std::to_string(world_[rank]) + " refused its call: " +
-                      meta.rejected;
-        why.seen = e.have;
-        why.count = e.count;
-      }
+      OpenRejection(rank, meta, e.have, e.count);
       complete_.emplace(e.seq, meta.name);
       deferred_.push_back(Deferred{rank, meta, now_ms_});
     }
@@ -131,14 +134,7 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
   e.have[rank] = true;
   e.metas[rank] = meta;
   ++e.count;
-  if (meta.flags & kMetaRejected) {
-    Rejection& why = rejected_[meta.name];
-    if (why.message.empty()) {
-      why.message = "rank " + std::to_string(world_[rank]) + " refused its call: " +
-                    meta.rejected;
-      why.seen.assign(size_, false);
-    }
-  }
+  if (meta.flags & kMetaRejected) OpenRejection(rank, meta, std::vector<bool>(size_, false), 0);
   auto refused = rejected_.find(meta.name);
   if (refused != rejected_.end()) {
     // Fails now, on every rank that asked; later askers fail as they ask.

@@ -185,6 +185,10 @@ class Negotiator {
     int count = 0;
   };
   std::unordered_map<std::string, Rejection> rejected_;
+  // Opens the refusal of meta.name by `rank` unless one is open, with the
+  // ranks that have already answered it.
+  void OpenRejection(int rank, const TensorMeta& meta, const std::vector<bool>& answered,
+                     int count);
   // Calls of a refused name by ranks that already answered the refused
   // call, held until every rank has (see Add).
   struct Deferred {
