@@ -170,9 +170,18 @@ class NetnsHosts:
         it, what it sends still goes out; "out": the reverse. A one-way cut
         is a token bucket too small for any packet (`tc` tbf; this kernel
         has no netem or netfilter), on the switch port toward the host or on
-        the host's own interface. mend(host) undoes any of them."""
+        the host's own interface. way="unreachable": the host's routes to
+        the others say "unreachable", so its connects fail at once with "no
+        route to host" (what a router's ICMP answer gives), every time, and
+        its packets to them are dropped. mend(host) undoes any of them."""
         if way == "both":
             _run("ip", "-n", self.switch, "link", "set", f"port{host}", "down")
+            return
+        if way == "unreachable":
+            for i, addr in enumerate(self.addrs):
+                if i != host:
+                    _run("ip", "-n", self.names[host], "route", "add", "unreachable",
+                         f"{addr}/32")
             return
         ns, dev = (self.switch, f"port{host}") if way == "in" else (self.names[host], "eth0")
         _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", "8kbit",
@@ -180,6 +189,10 @@ class NetnsHosts:
 
     def mend(self, host):
         _run("ip", "-n", self.switch, "link", "set", f"port{host}", "up")
+        for i, addr in enumerate(self.addrs):
+            if i != host:
+                _run("ip", "-n", self.names[host], "route", "del", "unreachable", f"{addr}/32",
+                     check=False)
         for ns, dev in ((self.switch, f"port{host}"), (self.names[host], "eth0")):
             _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
 

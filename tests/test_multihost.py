@@ -233,15 +233,20 @@ def _wait_for(path, within_s):
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("np_,way", [(2, "both"), (2, "in"), (2, "out")])
+@pytest.mark.parametrize("np_,way", [(2, "both"), (2, "in"), (2, "out"), (3, "both"), (3, "unreachable")])
 def test_a_partition_is_named_on_both_sides_within_the_timeout(hosts, tmp_path, np_, way):
     """Host 1 is cut off for good (both ways; or only what reaches it, "in";
-    or only what leaves it, "out") while the ranks run allreduces; the last
-    rank is on host 1, the others and perseusrun, which serves the store, on
-    host 0. The cut-off rank once waited about 1,000 s (the kernel's
-    retries) on a store call with no deadline. Now, within 1.2 x
-    GLOO_TIMEOUT_SECONDS, it names the store and every rank on host 0 names
-    it; at 3 ranks, rank 1 on host 0 is named by nobody."""
+    or only what leaves it, "out"; or its routes say "unreachable", so its
+    connects fail at once with "no route to host") while the ranks run
+    allreduces; the last rank is on host 1, the others and perseusrun, which
+    serves the store, on host 0. The cut-off rank once waited about 1,000 s
+    (the kernel's retries) on a store call with no deadline, and later 2 x
+    GLOO_TIMEOUT_SECONDS when a reconnect of its heartbeat met "no route to
+    host" (taken for a store that had exited, which ended the heartbeat:
+    "unreachable" makes that happen every time; "both" did now and then,
+    between ARP's tries). Now, within 1.2 x GLOO_TIMEOUT_SECONDS, it names
+    the store and every rank on host 0 names it; at 3 ranks, rank 1 on host
+    0 is named by nobody."""
     a, b = hosts.addrs
     timeout = 10
     markers = str(tmp_path)

@@ -194,7 +194,11 @@ StoreClient::StoreClient(const std::string& host, int port,
       if (ConnectWithin(fd, ai->ai_addr, ai->ai_addrlen, limit) == 0) {
         fd_ = fd;
       } else {
-        timed_out = errno == ETIMEDOUT;
+        // No answer, not a refusal: a cut-off host's connects time out, or
+        // fail at once with "no route" while its neighbour entry is marked
+        // failed (between ARP's tries): both are the store's silence.
+        timed_out = errno == ETIMEDOUT || errno == EHOSTUNREACH || errno == ENETUNREACH ||
+                    errno == EHOSTDOWN;
         last_error = std::strerror(errno);
         ::close(fd);
       }
@@ -240,9 +244,13 @@ bool StoreClient::Authenticate(const std::string& secret, std::string* why_not,
   const auto by = Clock::now() + handshake_limit_;
   uint8_t hello[protocol::kHelloLen + protocol::kNonceLen];
   const int greeted = RecvBy(fd_, hello, sizeof(hello), by);
-  *timed_out = greeted < 0;
+  // Every false return below is a store that did not answer in full, not a
+  // refusal: one that is silent, or busy (it closes the connections of
+  // strangers beyond its quota before their handshake). The heartbeat takes
+  // either as silence and tries again (health.cc).
+  *timed_out = true;
   if (greeted <= 0) {
-    *why_not = *timed_out ? "no greeting from the store within " +
+    *why_not = greeted < 0 ? "no greeting from the store within " +
                                 std::to_string(handshake_limit_.count()) + " ms"
                           : "the store closed the connection before the handshake; busy?";
     return false;

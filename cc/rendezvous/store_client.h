@@ -33,7 +33,10 @@ namespace perseus {
 // A request the store did not answer in time: its process is stopped or
 // overloaded, or the network to it is cut. The connection is closed (a late
 // reply would be read as the next request's); every later request on this
-// client throws this again at once.
+// client throws this again at once. A connect that finds no answer (timed
+// out, no route to the store's host, or a store too busy to finish the
+// handshake) throws it too; a refused connect (nothing listens: the store's
+// process exited) throws std::runtime_error.
 class StoreUnanswered : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
