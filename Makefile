@@ -33,6 +33,7 @@ NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') s
 .PHONY: demo check test docs ray keras-versions system system-test install-packages native native-old bazel clean cuda
 
 demo: native
+	@echo "==> Training the example on 2 local ranks (about 20 seconds)"
 	PYTHONPATH=$(CURDIR)/$(EXAMPLES_PACKAGES) $(VENV)/bin/perseusrun -np 2 -- $(PY) examples/keras_digits.py
 
 # tools/run_tests.py runs the set-up targets below as timed phases (system-test,
@@ -67,7 +68,7 @@ system-test:
 install-packages:
 	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
-	  echo "installing:$$missing"; \
+	  echo "==> Installing Debian packages:$$missing (1 to 3 minutes)"; \
 	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
 	fi
 
@@ -76,11 +77,13 @@ install-packages:
 # it can, which costs every TensorFlow 2.21 process (hundreds in `make test`)
 # 1.2 s. Its dependencies stay in the venv, where nothing imports them.
 $(VENV)/.deps: | system
+	@echo "==> Creating $(VENV) with TensorFlow $(TF_VERSION) and the Python packages (1 to 3 minutes; about 1 GB to download the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "tensorflow==$(TF_VERSION)" numpy pybind11 pytest tensorboard setuptools wheel $(DOCS_PACKAGES)
 	touch $@
 $(EXAMPLES_PACKAGES)/.installed: | $(VENV)/.deps
+	@echo "==> Installing scikit-learn for the examples' data into $(EXAMPLES_PACKAGES) (under a minute)"
 	rm -rf $(EXAMPLES_PACKAGES)
 	$(PY) -m pip install -q scikit-learn
 	version=$$($(PY) -c "import importlib.metadata as m; print(m.version('scikit-learn'))") && \
@@ -91,10 +94,13 @@ $(EXAMPLES_PACKAGES)/.installed: | $(VENV)/.deps
 # Rebuilt only when a native source changed (a second `make demo` starts at once).
 native: $(VENV)/.native $(EXAMPLES_PACKAGES)/.installed
 $(VENV)/.native: $(VENV)/.deps $(NATIVE_SOURCES)
+	@echo "==> Building the C++ runtime against $(VENV)'s TensorFlow (about 5 minutes on 2 cores from nothing, counting the files; seconds when little changed)"
+	$(PY) tools/build_native.py
 	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
 $(VENV_OLD)/.deps: | system
+	@echo "==> Creating $(VENV_OLD) with TensorFlow $(TF_VERSION_OLD) (1 to 3 minutes)"
 	$(PYTHON) -m venv $(VENV_OLD)
 	$(PY_OLD) -m pip install -q --upgrade pip
 	$(PY_OLD) -m pip install -q "tensorflow==$(TF_VERSION_OLD)" "numpy<2" pybind11 pytest scikit-learn setuptools wheel
@@ -102,6 +108,8 @@ $(VENV_OLD)/.deps: | system
 
 native-old: $(VENV_OLD)/.native
 $(VENV_OLD)/.native: $(VENV_OLD)/.deps $(NATIVE_SOURCES)
+	@echo "==> Building the op library against $(VENV_OLD)'s TensorFlow (about 2 minutes)"
+	$(PY_OLD) tools/build_native.py
 	$(PY_OLD) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -1,9 +1,11 @@
 """Builds Perseus-TF: the Python package plus its native code, compiled
 against the TensorFlow installed in the target environment.
 
-Install with `pip install --no-build-isolation .` (or `-e .`): the build
-imports that TensorFlow for its headers and flags, which an isolated build
-environment would not have.
+Install with `pip install .` once TensorFlow is installed: pip builds in an
+isolated environment with pyproject.toml's build requirements (setuptools,
+wheel, pybind11), and tools/build_native.py asks the target environment's
+TensorFlow for its headers and flags. `pip install --no-build-isolation -e .`
+(what `make` runs) builds with what the environment already has.
 
 Supported: TensorFlow 2.15 to 2.21 (the build stops on an older one:
 tools/build_native.py), Keras 3.0 to 3.15, Keras 2.15 and tf_keras 2.15 to

@@ -15,9 +15,10 @@ Public names (TensorFlow is imported on first use, so that the launcher,
 import importlib
 import os
 
-from perseus_tf import _failure_record
+from perseus_tf import _failure_record, notices
 
 _failure_record.install()
+notices.install_setting_error_hook()
 
 # TensorFlow's CPU allocator, unless the user chose: the pooling (BFC) one.
 # The default allocator hands each large tensor fresh pages from the system;

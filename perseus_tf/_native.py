@@ -22,9 +22,19 @@ _topology = None
 try:
     from perseus_tf import _core  # noqa: F401  (loads libperseus_core.so)
 except ImportError as e:  # pragma: no cover - only without a build
+    _elsewhere = [p for p in sys.path if p and os.path.abspath(p) != os.path.dirname(_HERE) and
+                  os.path.exists(os.path.join(p, "perseus_tf", "libperseus_core.so"))]
+    if _elsewhere:
+        # Run from the source folder after `pip install .`: Python imports the
+        # package in the current folder (unbuilt), not the installed one.
+        raise ImportError(
+            f"perseus_tf was imported from the source folder {os.path.dirname(_HERE)} (the "
+            f"current folder comes first on Python's path), which has no built library; the "
+            f"installed one is in {_elsewhere[0]}: run from another folder (cd ~), or build "
+            f"in place with `pip install --no-build-isolation -e .`") from e
     raise ImportError(
-        "perseus_tf's native library is not built: run `pip install --no-build-isolation .` "
-        f"(or `make native`) in the source tree ({e})") from e
+        "perseus_tf's native library is not built: run `pip install .` (or `make native`) in "
+        f"the source tree ({e})") from e
 
 # Numeric codes, as the native module defines them (cc/core/common.h,
 # cc/runtime/message.h): the op attributes and submit take plain ints.

@@ -194,20 +194,77 @@ def use_wheel_nvrtc():
     return found
 
 
+def _driver():
+    """(found, text): whether the NVIDIA driver's libcuda.so.1 loads, and
+    how many GPUs it sees, without TensorFlow."""
+    import ctypes
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False, ("libcuda.so.1 not found: no NVIDIA driver on this machine (building "
+                       "needs none; training on GPUs needs driver 525 or later)")
+    if cuda.cuInit(0) != 0:
+        return True, "libcuda.so.1 loads, but cuInit failed: no usable GPU"
+    count = ctypes.c_int(0)
+    cuda.cuDeviceGetCount(ctypes.byref(count))
+    version = ctypes.c_int(0)
+    cuda.cuDriverGetVersion(ctypes.byref(version))
+    return True, (f"CUDA {version.value // 1000}.{version.value % 1000 // 10} driver, "
+                  f"{count.value} GPU(s)")
+
+
 def cuda_info():
-    """What this install's GPU path finds, without a GPU: {"library": the
-    libperseus_cuda.so beside the runtime (built at install by the host
-    compiler), "nvrtc": its version and the architectures it compiles for,
-    or why it cannot be loaded, "nvrtc_ok": bool}."""
+    """What this install's GPU path finds, with or without a GPU:
+    {"library": the libperseus_cuda.so beside the runtime (built at install
+    by the host compiler) or None, "nvrtc": its version and the
+    architectures it compiles the kernels for, or why it cannot be loaded,
+    "nvrtc_ok": bool, "nccl": NCCL's version and path, or why not,
+    "nccl_ok": bool, "driver": what the NVIDIA driver says, "driver_ok":
+    bool, "would_load": whether the CUDA path loads on a machine with a
+    driver (library, NVRTC and NCCL all found)}. `python -m perseus_tf.gpu`
+    prints it as a table."""
     import ctypes
     use_wheel_nvrtc()
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libperseus_cuda.so")
-    info = {"library": path if os.path.exists(path) else None, "nvrtc": "", "nvrtc_ok": False}
+    info = {"library": path if os.path.exists(path) else None, "nvrtc": "", "nvrtc_ok": False,
+            "nccl": "", "nccl_ok": False, "driver": "", "driver_ok": False,
+            "would_load": False}
     if info["library"] is None:
         info["nvrtc"] = f"{path} is missing: reinstall Perseus-TF (pip install builds it)"
-        return info
-    lib = ctypes.CDLL(path)
-    text = ctypes.create_string_buffer(4096)
-    info["nvrtc_ok"] = lib.perseus_cuda_nvrtc_info(text, ctypes.c_size_t(len(text))) == 0
-    info["nvrtc"] = text.value.decode()
+    else:
+        lib = ctypes.CDLL(path)
+        text = ctypes.create_string_buffer(4096)
+        info["nvrtc_ok"] = lib.perseus_cuda_nvrtc_info(text, ctypes.c_size_t(len(text))) == 0
+        info["nvrtc"] = text.value.decode()
+    from perseus_tf import _native
+    nccl = _native.nccl_library()
+    info["nccl_ok"] = bool(nccl.get("available"))
+    info["nccl"] = (f"{nccl.get('version')} from {nccl.get('path')}" if info["nccl_ok"] else
+                    f"{nccl.get('why_not')} (tensorflow[and-cuda] brings nvidia-nccl-cu12)")
+    info["driver_ok"], info["driver"] = _driver()
+    info["would_load"] = bool(info["library"]) and info["nvrtc_ok"] and info["nccl_ok"]
     return info
+
+
+def _report():
+    """`python -m perseus_tf.gpu`: the GPU path of this install, one line
+    each; exit status 0 when it would load on a machine with a driver."""
+    info = cuda_info()
+    mark = {True: "ok", False: "MISSING"}
+    print("Perseus-TF's GPU path")
+    print(f"  CUDA library   [{mark[bool(info['library'])]}] "
+          f"{info['library'] or 'libperseus_cuda.so is missing: reinstall Perseus-TF'}")
+    print(f"  NVRTC          [{mark[info['nvrtc_ok']]}] {info['nvrtc']}")
+    print(f"  NCCL           [{mark[info['nccl_ok']]}] {info['nccl']}")
+    print(f"  NVIDIA driver  [{'ok' if info['driver_ok'] else 'none'}] {info['driver']}")
+    if info["would_load"]:
+        where = "here" if info["driver_ok"] else "on a machine with an NVIDIA driver"
+        print(f"The CUDA path would load {where}: GPU tensors are reduced on the GPU.")
+    else:
+        print("The CUDA path would NOT load: install what is marked MISSING "
+              "(docs/gpu.md, Installing).")
+    return 0 if info["would_load"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(_report())

@@ -7,6 +7,7 @@ are PerseusWarning, a UserWarning, so `warnings.filterwarnings` can silence
 them by class.
 """
 
+import sys
 import warnings
 
 
@@ -36,3 +37,28 @@ def warn(message):
     if job_rank() not in (None, 0):
         return
     warnings.warn_explicit(message, PerseusWarning, "Perseus-TF", 0)
+
+
+def install_setting_error_hook():
+    """A bad setting (perseus_tf.config.ConfigError: a PERSEUS_* variable or
+    an option out of range, a launcher's variables that disagree) that ends
+    the script is one line from rank 0, "perseus-tf: <what and the valid
+    range>", not a traceback from every rank: the message says all there is
+    to fix, and every rank would print the same. The other ranks exit as
+    silently, with the same status (1). Other exceptions go to the hook
+    that was there before."""
+    if getattr(sys.excepthook, "_perseus_settings", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        from perseus_tf.config.settings import ConfigError
+        if not issubclass(exc_type, ConfigError):
+            previous(exc_type, exc, tb)
+            return
+        if job_rank() in (None, 0):
+            sys.stderr.write(f"perseus-tf: {exc}\n")
+            sys.stderr.flush()
+
+    hook._perseus_settings = True
+    sys.excepthook = hook

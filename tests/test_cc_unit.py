@@ -142,6 +142,20 @@ def test_a_failing_check_fails_the_run(tmp_path):
     assert "1 + 1 == 3 (2 vs 3)" in proc.stderr and "2 failed checks" in proc.stdout
 
 
+def test_horovod_build_flags_say_what_this_install_has(fake_nccl):
+    """hvd.cuda_built(): the CUDA data plane every install builds;
+    hvd.nccl_built(): NCCL's version code when it loads here, else 0."""
+    code = ("import json, perseus_tf.horovod as hvd; "
+            "print(json.dumps([hvd.cuda_built(), hvd.nccl_built()]))")
+    for env, nccl in (({"PERSEUS_NCCL_LIBRARY": str(fake_nccl)}, 22304),
+                      ({"PERSEUS_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"}, 0)):
+        full = dict(os.environ, **env)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120, env=full, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, nccl], proc.stdout
+
+
 def _nccl_from_python(env):
     code = "import json; from perseus_tf import _native; print(json.dumps(_native.nccl_library()))"
     full = {k: v for k, v in os.environ.items() if k != "PERSEUS_NCCL_LIBRARY"}

@@ -150,3 +150,35 @@ def test_every_variable_the_sources_read_is_known():
                             and found not in ("PERSEUS_PAUSE",):  # a C++ macro
                         missing.setdefault(found, os.path.relpath(path, root))
     assert not missing, missing
+
+
+def test_a_bad_setting_under_another_launcher_is_one_line_from_rank_0():
+    """Started by mpirun (its variables), not perseusrun, whose own check
+    stops a bad setting before any rank starts: rank 0 prints one line
+    naming the variable and its range, the other rank nothing, and both
+    exit 1, where every rank once printed a traceback. Any other exception
+    keeps its traceback."""
+    import os
+    import subprocess
+    import sys
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERSEUS_")}
+        env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2",
+                   OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE="2",
+                   PERSEUS_MASTER_ADDR="127.0.0.1", PERSEUS_MASTER_PORT="1",
+                   PERSEUS_ALLREDUCE_STREAMS="0")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", "import perseus_tf; perseus_tf.init()"], env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    # (TensorFlow's own start-up lines aside.)
+    mine = [[l for l in err.splitlines() if l.startswith("perseus-tf") or "Traceback" in l or
+             "Error" in l] for _, err in outs]
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert mine[0] == ["perseus-tf: PERSEUS_ALLREDUCE_STREAMS='0' is invalid: it must be an "
+                       "integer from 1 to 12"], outs[0]
+    assert mine[1] == [], outs[1]
+    other = subprocess.run([sys.executable, "-c", "import perseus_tf; raise KeyError('x')"],
+                           capture_output=True, text=True, timeout=120)
+    assert "Traceback" in other.stderr and "KeyError: 'x'" in other.stderr, other.stderr

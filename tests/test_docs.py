@@ -1,7 +1,10 @@
 """The documentation: the site builds in strict mode (a broken link, a
-missing page or a docstring that fails to render fails it), README's links
-resolve, and README's quick start runs as written on 2 ranks (its code is
-read from the page, not copied here)."""
+missing page or a docstring that fails to render fails it) and opens from
+disk; README's links resolve; README's quick start runs as written on 2
+ranks (its code is read from the page, not copied here), and the site's
+index holds the same code; every page keeps the rules of
+tests/doc_rules.py (short paragraphs and cells, GPU status on the GPU page
+only). README's install recipes run in tests/test_install.py."""
 
 import importlib.util
 import os
@@ -29,10 +32,19 @@ def _build(config_dir, out):
 def test_site_builds_in_strict_mode_and_a_broken_link_fails_it(tmp_path):
     proc = _build(ROOT, tmp_path / "site")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    reference = (tmp_path / "site" / "reference" / "index.html").read_text()
+    site = tmp_path / "site"
+    reference = (site / "reference.html").read_text()
     for name in ("DistributedOptimizer", "grouped_allreduce", "PerseusStrategy",
                  "BroadcastGlobalVariablesCallback"):
         assert name in reference, name
+    # Opened from disk (file://), a link to a folder shows a listing: every
+    # page links to the others as files.
+    index = (site / "index.html").read_text()
+    pages = re.findall(r'href="([^"#:]+)"', index)
+    assert "gpu.html" in pages and "strategy.html" in pages, pages
+    assert not [p for p in pages if p.endswith("/")], pages
+    # Definition lists render as such (troubleshooting's entries).
+    assert "<dl>" in (site / "troubleshooting.html").read_text()
     # The same tree with one broken link: the build must fail.
     copy = tmp_path / "copy"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(
@@ -64,9 +76,36 @@ def test_readme_links_reach_pages_and_headings_that_exist():
             assert anchor in slugs, (target, anchor, sorted(slugs))
 
 
-def _quick_start():
-    """{file name: code} and the launch lines of README's quick start."""
-    text = open(README).read()
+def test_every_page_keeps_the_rules_of_a_readable_manual():
+    """tests/doc_rules.py on README and every page of docs/; and the rules
+    catch what they are for (a wall of text, a GPU status outside the GPU
+    page)."""
+    import doc_rules
+    pages = [README] + sorted(os.path.join(ROOT, "docs", f)
+                              for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+    found = [p for page in pages for p in doc_rules.problems(page)]
+    assert not found, "\n".join(found)
+    wall = "word " * 200
+    assert doc_rules.problems("docs/x.md", f"# X\n\n{wall}\n")
+    assert doc_rules.problems("docs/x.md", "# X\n\n- item\n- " + wall + "\n")
+    assert doc_rules.problems("docs/x.md", "| a | b |\n|---|---|\n| x | " + wall + " |\n")
+    status = "# X\n\nTF's GPU kernels have not run on a GPU yet; not yet verified.\n"
+    assert doc_rules.problems("docs/x.md", status)
+    assert not doc_rules.problems("docs/gpu.md", status)
+    assert not doc_rules.problems("docs/x.md", "# X\n\n```\n" + wall + "\n```\n")
+
+
+def test_the_sites_index_is_readmes_quick_start():
+    """The site opens on the quick start: the same files and commands as
+    README's, which CI runs (below)."""
+    index = open(os.path.join(ROOT, "docs", "index.md")).read()
+    assert _quick_start(index) == _quick_start(), "docs/index.md's quick start differs from README's"
+
+
+def _quick_start(text=None):
+    """{file name: code} and the launch lines of README's quick start (or of
+    the page `text`)."""
+    text = open(README).read() if text is None else text
     blocks = re.findall(r"<!-- quickstart: (\S+) -->\n```\w*\n(.*?)```", text, re.S)
     files = {name: code for name, code in blocks if name != "run"}
     runs = [line.split() for name, code in blocks if name == "run"

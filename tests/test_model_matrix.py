@@ -4,7 +4,7 @@ ranks. Every item must finish within the launch's bound, end with trainable
 weights identical on every rank, and, with compression off, equal one
 process (MirroredStrategy over one logical CPU per rank) on the same global
 batches to 1e-5. In the second pass of `make test` (TF 2.15, tests/tiers.py)
-the smaller SECOND_VERSION set runs: every item once."""
+the smaller SECOND_VERSION set runs: every model and both entry points."""
 
 import json
 import os

@@ -89,7 +89,8 @@ CHECK = [Job("test_cc_unit.py", 16), Job("test_layout.py", 2), Job("test_config.
          Job("test_bounded.py", 10, select="2ranks"),
          Job("test_compression.py", 10, select="1host"),
          Job("test_soak.py", 20, select="2ranks"), Job("test_tiers.py", 3),
-         Job("test_gpu.py", 5), Job("test_keras_support.py", 8)]
+         Job("test_gpu.py", 5), Job("test_keras_support.py", 8),
+         Job("test_install.py", 3, select="system or one_line")]
 
 # Every file of the first pass, with its weight (seconds).
 FIRST_PASS = [
@@ -110,6 +111,8 @@ FIRST_PASS = [
     Job("test_gpu.py", 5),
     Job("test_horovod.py", 100),
     Job("test_horovod_examples.py", 28),
+    # README's install recipes in fresh venvs (CPU, and GPU wheels).
+    Job("test_install.py", 150),
     # The oldest Keras 3 of each TF release, and tf_keras (tests/keras_versions.py).
     Job("test_keras_support.py", 8),
     Job("test_keras_versions.py", 500, needs=["set-up:keras-versions"]),
@@ -163,7 +166,7 @@ SECOND_PASS = [
     # TF 2.15 makes no mallopt call: the fix must leave glibc alone there.
     Job("test_malloc.py", 10),
     # The matrix's Keras half (tests/model_matrix.py SECOND_VERSION).
-    Job("test_model_matrix.py", 117),
+    Job("test_model_matrix.py", 75),
     # The op library built against TF 2.15 (its 2-rank launch).
     Job("test_ops.py", 7),
     # PerseusStrategy under Keras 2.

@@ -19,6 +19,8 @@ Used by setup.py (pip install) and runnable by hand:
 """
 
 import concurrent.futures
+import functools
+import json
 import os
 import shutil
 import subprocess
@@ -63,31 +65,78 @@ def place(path, folder):
 TF_OLDEST, TF_NEWEST = (2, 15), (2, 21)
 
 
+@functools.lru_cache(maxsize=None)
+def tf_info():
+    """(version, compile flags, link flags) of the TensorFlow this build is
+    for: the one this Python imports, or, inside pip's isolated build
+    environment (`pip install .` with pyproject.toml's build requirements),
+    the one of the environment being installed into. pip hides that
+    environment's site-packages from the build through PYTHONPATH and a
+    sitecustomize module; the same interpreter without them sees it."""
+    try:
+        import tensorflow as tf  # noqa: F401
+    except ImportError:
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+        env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+        code = ("import json, tensorflow as tf; print(json.dumps([tf.__version__, "
+                "tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            raise SystemExit(
+                "perseus-tf: the build needs TensorFlow installed first in the environment it "
+                f"installs into ({sys.prefix}): pip install 'tensorflow>=2.15,<2.22' (or "
+                "tensorflow[and-cuda] for GPUs), then install perseus-tf again")
+        version, cflags, lflags = json.loads(proc.stdout.strip().splitlines()[-1])
+        return version, tuple(cflags), tuple(lflags)
+    return tf.__version__, tuple(tf.sysconfig.get_compile_flags()), \
+        tuple(tf.sysconfig.get_link_flags())
+
+
 def check_tf_version():
     """Stops the build on a TensorFlow older than the supported range, and
     says so (and builds) on one newer than the newest tested."""
-    import tensorflow as tf
-    version = tuple(int(p) for p in tf.__version__.split(".")[:2])
+    full = tf_info()[0]
+    version = tuple(int(p) for p in full.split(".")[:2])
     if version < TF_OLDEST:
         raise SystemExit(f"perseus-tf supports TensorFlow 2.15 to 2.21; this environment has "
-                         f"{tf.__version__}: pip install 'tensorflow>=2.15,<2.22'")
+                         f"{full}: pip install 'tensorflow>=2.15,<2.22'")
     if version > TF_NEWEST:
-        print(f"perseus-tf: TensorFlow {tf.__version__} is newer than the newest tested "
+        print(f"perseus-tf: TensorFlow {full} is newer than the newest tested "
               f"(2.21); building anyway", flush=True)
 
 
 def tf_tag():
     """`tf2_15` for TensorFlow 2.15.x: the op library is built per TF minor
     version, so environments with different TensorFlows can share one tree."""
-    import tensorflow as tf
-    major, minor = tf.__version__.split(".")[:2]
+    major, minor = tf_info()[0].split(".")[:2]
     return f"tf{major}_{minor}"
 
 
 def _tf_flags():
-    import tensorflow as tf  # the build needs the installed TF's headers and ABI
+    """The installed TF's compile and link flags: its headers and ABI."""
+    return list(tf_info()[1]), list(tf_info()[2])
 
-    return tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()
+
+def check_system(cxx):
+    """Stops the build at once, in one line, when the system lacks the C++
+    compiler or Gloo (Debian's libgloo-dev), instead of a compiler error
+    pages later."""
+    missing = []
+    if shutil.which(cxx) is None:
+        missing.append(f"the C++ compiler {cxx!r}")
+    else:
+        probe = subprocess.run([cxx, "-std=c++17", "-x", "c++", "-E", "-", "-o", os.devnull],
+                               input="#include <gloo/allreduce_ring.h>\n", capture_output=True,
+                               text=True)
+        library = subprocess.run([cxx, "-print-file-name=libgloo.so"], capture_output=True,
+                                 text=True).stdout.strip()
+        if probe.returncode != 0 or not os.path.isabs(library):
+            missing.append("Gloo's headers and library")
+    if missing:
+        raise SystemExit("perseus-tf: the build needs " + " and ".join(missing) +
+                         ": on Debian or Ubuntu, sudo apt-get install g++ libgloo-dev")
 
 
 def _abi_flag(compile_flags):
@@ -111,18 +160,20 @@ def _newer(target, deps):
     return all(os.path.getmtime(d) <= t for d in deps)
 
 
-def build(out_dir=None, jobs=2, verbose=True):
+def build(out_dir=None, jobs=None, verbose=True):
     out_dir = os.path.abspath(out_dir or os.path.join(ROOT, "perseus_tf"))
     obj_dir = os.path.join(ROOT, "build", "native-obj")
     os.makedirs(out_dir, exist_ok=True)
     os.makedirs(obj_dir, exist_ok=True)
     if gen_store_protocol.write(ROOT) and verbose:
         print("wrote", gen_store_protocol.HEADER, flush=True)
+    jobs = jobs or os.cpu_count() or 2
+    cxx = os.environ.get("CXX", "g++")
+    check_system(cxx)
     import pybind11
 
     check_tf_version()
     tf_cflags, tf_lflags = _tf_flags()
-    cxx = os.environ.get("CXX", "g++")
     common = ["-std=c++17", "-O3", "-fPIC", "-Wall", "-Wno-sign-compare", "-I" + ROOT]
     common += _abi_flag(tf_cflags)
     headers = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "cc"))
@@ -147,10 +198,15 @@ def build(out_dir=None, jobs=2, verbose=True):
             objects[group].append(obj)
             if not _newer(obj, [src] + headers):
                 compile_jobs.append([cxx] + common + extra + ["-c", src, "-o", obj])
+    if verbose and compile_jobs:
+        print(f"perseus-tf: compiling {len(compile_jobs)} C++ files with {jobs} jobs "
+              "(about 5 minutes on 2 cores from nothing; only changed files after that)",
+              flush=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        for done in pool.map(_run, compile_jobs):
+        for n, done in enumerate(pool.map(_run, compile_jobs), 1):
             if verbose:
-                print("compiled", os.path.basename(done), flush=True)
+                print(f"  [{n}/{len(compile_jobs)}] compiled {os.path.basename(done)}",
+                      flush=True)
 
     rpath = ["-Wl,-rpath,$ORIGIN"]
     core = os.path.join(out_dir, "libperseus_core.so")

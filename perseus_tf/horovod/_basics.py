@@ -133,8 +133,14 @@ def gloo_built():
 
 
 def nccl_built():
-    """0: this build has no NCCL (Horovod returns the NCCL version code or 0)."""
-    return 0
+    """NCCL's version code (22304 for 2.23.4) when this process can load
+    NCCL, else 0, as Horovod returns for a build with or without it.
+    Perseus-TF loads NCCL at run time (PERSEUS_NCCL_LIBRARY, else the
+    nvidia-nccl wheels that tensorflow[and-cuda] installs, else the loader's
+    path), so this says whether GPU tensors can go through NCCL here."""
+    from perseus_tf import _native
+    info = _native.nccl_library()
+    return int(info["version"]) if info.get("available") else 0
 
 
 def ddl_built():
@@ -146,7 +152,14 @@ def ccl_built():
 
 
 def cuda_built():
-    return False
+    """Whether this install holds the CUDA data plane (libperseus_cuda.so,
+    which every install builds with the host compiler): GPU tensors are then
+    reduced on their GPU wherever the NVIDIA driver and NVRTC are found
+    (`python -m perseus_tf.gpu` says whether they are)."""
+    import os
+    import perseus_tf
+    return os.path.exists(os.path.join(os.path.dirname(perseus_tf.__file__),
+                                       "libperseus_cuda.so"))
 
 
 def rocm_built():
