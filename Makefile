@@ -45,6 +45,7 @@ test:
 docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 $(VENV)/.docs: $(VENV)/.deps
+	@echo "==> Installing MkDocs into $(VENV) (under a minute)"
 	$(PY) -m pip install -q $(DOCS_PACKAGES)
 	touch $@
 
@@ -53,6 +54,7 @@ $(VENV)/.docs: $(VENV)/.deps
 RAY_PACKAGES := "ray[train]==2.60.*"
 ray: $(VENV)/.ray
 $(VENV)/.ray: $(VENV)/.deps
+	@echo "==> Installing Ray Train into $(VENV) for its test (2 to 5 minutes)"
 	$(PY) -m pip install -q $(RAY_PACKAGES)
 	touch $@
 
@@ -124,6 +126,7 @@ clean:
 # --target` into .keras-versions/<name> (about 330 MB with their NumPy);
 # tests/keras_versions.py lists them.
 keras-versions: $(VENV)/.deps
+	@echo "==> Installing the Keras releases the tests run into .keras-versions (2 to 5 minutes; seconds once there)"
 	$(PY) tests/keras_versions.py install .keras-versions
 
 # What the tests of the CUDA build need (tests/test_cuda.py; no GPU): the
@@ -134,6 +137,7 @@ keras-versions: $(VENV)/.deps
 CUDA_WHEELS := nvidia-cuda-nvrtc-cu12==12.5.82 nvidia-cuda-runtime-cu12==12.5.82
 cuda: .cuda/.installed-12.5
 .cuda/.installed-12.5: | $(VENV)/.deps
+	@echo "==> Installing CUDA 12's NVRTC and headers into .cuda for the CUDA build's tests (under a minute)"
 	rm -rf .cuda
 	$(PY) -m pip install -q --no-deps --target .cuda $(CUDA_WHEELS)
 	touch $@
