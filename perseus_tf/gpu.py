@@ -213,6 +213,13 @@ def _driver():
                   f"{count.value} GPU(s)")
 
 
+def cuda_library():
+    """The libperseus_cuda.so this install built (beside the runtime), or
+    None."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libperseus_cuda.so")
+    return path if os.path.exists(path) else None
+
+
 def cuda_info():
     """What this install's GPU path finds, with or without a GPU:
     {"library": the libperseus_cuda.so beside the runtime (built at install
@@ -226,7 +233,7 @@ def cuda_info():
     import ctypes
     use_wheel_nvrtc()
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libperseus_cuda.so")
-    info = {"library": path if os.path.exists(path) else None, "nvrtc": "", "nvrtc_ok": False,
+    info = {"library": cuda_library(), "nvrtc": "", "nvrtc_ok": False,
             "nccl": "", "nccl_ok": False, "driver": "", "driver_ok": False,
             "would_load": False}
     if info["library"] is None:

@@ -156,10 +156,8 @@ def cuda_built():
     which every install builds with the host compiler): GPU tensors are then
     reduced on their GPU wherever the NVIDIA driver and NVRTC are found
     (`python -m perseus_tf.gpu` says whether they are)."""
-    import os
-    import perseus_tf
-    return os.path.exists(os.path.join(os.path.dirname(perseus_tf.__file__),
-                                       "libperseus_cuda.so"))
+    from perseus_tf import gpu
+    return gpu.cuda_library() is not None
 
 
 def rocm_built():
