@@ -20,12 +20,8 @@ LAUNCHES = {"2ranks": (2, {}), "2ranks-unfused-tcp": (2, UNFUSED),
             "4ranks-unfused-tcp": (4, UNFUSED)}
 if second_pass():
     LAUNCHES = {"2ranks": LAUNCHES["2ranks"]}
-# Unnamed eager calls from two threads: on their own, with negotiation
-# cycles a second apart (tests/test_core.py says why: the window in which a
-# rank's first call completes before its second is an open defect).
-THREADS = "check_unnamed_eager_calls_from_two_threads_fail_on_every_rank"
 CASES = [(launch, check) for launch, (np_, _) in LAUNCHES.items()
-         for check in checks_at("checks_ops", np_) if check != THREADS]
+         for check in checks_at("checks_ops", np_)]
 
 _launches = {}
 
@@ -33,7 +29,7 @@ _launches = {}
 def launched(launch):
     if launch not in _launches:
         np_, env = LAUNCHES[launch]
-        names = [c for c in checks_at("checks_ops", np_) if c != THREADS]
+        names = checks_at("checks_ops", np_)
         _launches[launch] = run_checks("checks_ops", np_, names=names, env=env)
     return _launches[launch]
 
@@ -41,14 +37,6 @@ def launched(launch):
 @pytest.mark.parametrize("launch,check", CASES, ids=[f"{l}-{c}" for l, c in CASES])
 def test_ops(launch, check):
     launched(launch).assert_ok(check)
-
-
-@pytest.mark.parametrize("np_", [2] if second_pass() else [2, 4])
-def test_unnamed_eager_calls_from_two_threads_fail_on_every_rank(np_):
-    r = run_checks("checks_ops", np_, names=[THREADS], env={"PERSEUS_CYCLE_TIME_MS": "1000"},
-                   timeout=300)
-    r.assert_ok(THREADS)
-    assert r.proc.returncode == 0, r.proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))

@@ -49,6 +49,10 @@ constexpr int32_t kMetaRejected = 4;
 // submitted it has it there, so NCCL may carry it on every rank alike (the
 // choice of transport must not depend on one rank's placement).
 constexpr int32_t kMetaOnDevice = 8;
+// With kMetaRejected: the call was refused because this rank's previous call
+// of the name was still in flight (two threads); that call fails on every
+// rank too where it has not run yet.
+constexpr int32_t kMetaInFlightTwice = 16;
 
 // One rank's message for one negotiation cycle.
 struct CycleMessage {

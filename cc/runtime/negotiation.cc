@@ -83,66 +83,65 @@ void Negotiator::BeginCycle(int64_t now_ms, bool any_in_plan) {
   any_in_plan_ = any_in_plan;
 }
 
-void Negotiator::OpenRejection(int rank, const TensorMeta& meta,
-                               const std::vector<bool>& answered, int count) {
-  Rejection& why = rejected_[meta.name];
-  if (!why.message.empty()) return;  // already open: the first refusal's reason stands
-  why.message = "rank " + std::to_string(world_[rank]) + " refused its call: " + meta.rejected;
-  why.seen = answered;
-  why.count = count;
+bool Negotiator::Answered(const Entry& e) const {
+  for (int r = 0; r < size_; ++r) {
+    if (!e.have[r] && !joined_[r]) return false;
+  }
+  return true;
+}
+
+void Negotiator::Refuse(const Key& key, Entry& e, int rank, const TensorMeta& meta) {
+  if (e.refusal.empty()) {
+    e.refusal = "rank " + std::to_string(world_[rank]) + " refused its call: " + meta.rejected;
+  }
+  complete_.emplace(e.seq, key);  // fails the requests that came before
+}
+
+void Negotiator::Forget(std::map<Key, Entry>::iterator it) {
+  const std::string name = it->first.first;
+  std::vector<uint64_t>& calls = next_call_[name];
+  calls.resize(size_, 0);
+  for (uint64_t& c : calls) c = std::max(c, it->first.second + 1);
+  table_.erase(it);
+  auto open = table_.lower_bound(Key(name, 0));
+  if ((open == table_.end() || open->first.first != name) &&
+      std::all_of(calls.begin(), calls.end(), [&](uint64_t c) { return c == calls[0]; })) {
+    next_call_.erase(name);
+  }
 }
 
 void Negotiator::Add(int rank, const TensorMeta& meta) {
   ++adds_;
-  if (!(meta.flags & kMetaRejected)) {
-    auto refused = rejected_.find(meta.name);
-    if (refused != rejected_.end() && refused->second.seen[rank]) {
-      // This rank's earlier call of the name was refused and it has moved
-      // on to its next call (a retry, or the next eager call of a default
-      // name) while other ranks have not all answered the refused one. The
-      // new call waits until they have (the refusal ends with the cycle in
-      // which the last answer arrives); joining the table now would pair it
-      // with their answers to the refused call.
-      deferred_.push_back(Deferred{rank, meta, now_ms_});
-      return;
+  std::vector<uint64_t>& calls = next_call_[meta.name];
+  calls.resize(size_, 0);
+  const Key key(meta.name, calls[rank]++);
+  const bool refusal = meta.flags & kMetaRejected;
+  if (refusal && (meta.flags & kMetaInFlightTwice) && key.second > 0) {
+    // This rank refused a call that came while its previous call of the
+    // name was in flight (two threads): that one fails on every rank too,
+    // unless it has already run.
+    auto previous = table_.find(Key(meta.name, key.second - 1));
+    if (previous != table_.end() && previous->second.have[rank]) {
+      Refuse(previous->first, previous->second, rank, meta);
     }
   }
-  auto it = table_.find(meta.name);
+  auto it = table_.find(key);
   if (it == table_.end()) {
     Entry e;
     e.seq = next_seq_++;
     e.first_ms = now_ms_;
     e.have.assign(size_, false);
+    e.failed.assign(size_, false);
     e.metas.resize(size_);
-    it = table_.emplace(meta.name, std::move(e)).first;
+    it = table_.emplace(key, std::move(e)).first;
   }
   Entry& e = it->second;
-  if (e.have[rank]) {
-    // The runtime refuses local duplicates first. A refusal from a rank that
-    // already asked is that rank's next call of the name, which came while
-    // this one was in flight (RequestTable::Submit: two threads, the ranks
-    // may have paired them differently). This call fails on every rank, as
-    // a refused one does (the ranks that asked have answered it, the others
-    // fail as they ask), and the refusal waits to be the rank's next call.
-    if (meta.flags & kMetaRejected) {
-      OpenRejection(rank, meta, e.have, e.count);
-      complete_.emplace(e.seq, meta.name);
-      deferred_.push_back(Deferred{rank, meta, now_ms_});
-    }
-    return;
-  }
   e.have[rank] = true;
   e.metas[rank] = meta;
   ++e.count;
-  if (meta.flags & kMetaRejected) OpenRejection(rank, meta, std::vector<bool>(size_, false), 0);
-  auto refused = rejected_.find(meta.name);
-  if (refused != rejected_.end()) {
-    // Fails now, on every rank that asked; later askers fail as they ask.
-    if (!refused->second.seen[rank]) {
-      refused->second.seen[rank] = true;
-      ++refused->second.count;
-    }
-    complete_.emplace(e.seq, meta.name);
+  if (refusal) Refuse(key, e, rank, meta);
+  if (!e.refusal.empty()) {
+    complete_.emplace(e.seq, key);  // fails now, on every rank that asked
     return;
   }
   if (meta.op == OpType::kJoin && !joined_[rank]) {
@@ -150,21 +149,20 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
     join_order_[rank] = adds_;
     // Whatever only this rank was missing can run now, with its input empty.
     for (const auto& kv : table_) {
-      if (Complete(kv.second)) complete_.emplace(kv.second.seq, kv.first);
+      if (kv.second.refusal.empty() && Complete(kv.second)) complete_.emplace(kv.second.seq, kv.first);
     }
     return;
   }
-  if (Complete(e)) complete_.emplace(e.seq, meta.name);
+  if (Complete(e)) complete_.emplace(e.seq, key);
 }
 
 Status Negotiator::Validate(const std::string& name, const Entry& e) const {
-  auto refused = rejected_.find(name);
-  if (refused != rejected_.end()) {
+  if (!e.refusal.empty()) {
     int first = 0;
     while (!e.have[first]) ++first;
     return Status::Error(StatusCode::kInvalidArgument,
                          std::string("Perseus ") + OpTypeName(e.metas[first].op) +
-                             " of tensor '" + name + "': " + refused->second.message);
+                             " of tensor '" + name + "': " + e.refusal);
   }
   // Only the ranks that asked; joined ranks follow whatever they agreed.
   std::vector<TensorMeta> m;
@@ -299,13 +297,7 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
   resp.op = e.metas[first].op;
   resp.names.push_back(name);
   resp.error = Validate(name, e);
-  if (!resp.error.ok() && rejected_.count(name)) {
-    resp.real_request.assign(size_, false);
-    for (int r = 0; r < size_; ++r) {
-      resp.real_request[r] = e.have[r] && !(e.metas[r].flags & kMetaRejected);
-    }
-  }
-  if (!resp.error.ok() && !rejected_.count(name)) {
+  if (!resp.error.ok()) {
     resp.siblings_run = true;
     for (int r = 0; r < size_; ++r) {
       if (!e.have[r] || e.metas[r].group <= 0 || e.metas[r].group != e.metas[first].group ||
@@ -345,9 +337,32 @@ Response Negotiator::MakeResponse(const std::string& name, Entry&& e) const {
   return resp;
 }
 
-std::map<uint64_t, std::string> Negotiator::WaitingSince(int64_t age_ms) const {
-  std::map<uint64_t, std::string> out;
+bool Negotiator::TakeRefusedFailure(const std::string& name, Entry& e, Response* out) {
+  std::vector<bool> fail(size_, false);
+  bool any = false;
+  for (int r = 0; r < size_; ++r) {
+    fail[r] = e.have[r] && !(e.metas[r].flags & kMetaRejected) && !e.failed[r];
+    any |= fail[r];
+    e.failed[r] = e.failed[r] || fail[r];
+  }
+  if (!any) return false;
+  int first = 0;
+  while (!e.have[first]) ++first;
+  out->op = e.metas[first].op;
+  out->names = {name};
+  out->metas = {e.metas[first]};
+  out->metas[0].flags &= ~kMetaOnDevice;
+  out->error = Validate(name, e);
+  // Only these ranks fail their request of the name: a rank that refused
+  // the call, or whose request failed before, may have its next call pending.
+  out->real_request = std::move(fail);
+  return true;
+}
+
+std::map<uint64_t, Negotiator::Key> Negotiator::WaitingSince(int64_t age_ms) const {
+  std::map<uint64_t, Key> out;
   for (const auto& kv : table_) {
+    if (!kv.second.refusal.empty()) continue;
     // Waiting in join() for ranks with more data is not a stall.
     bool join = false;
     for (int r = 0; r < size_; ++r) join |= kv.second.have[r] && kv.second.metas[r].op == OpType::kJoin;
@@ -379,7 +394,7 @@ std::vector<std::string> Negotiator::StallReport(int64_t check_ms) {
     int first = 0;
     while (!e.have[first]) ++first;
     std::ostringstream line;
-    line << OpTypeName(e.metas[first].op) << " '" << kv.second << "' waiting "
+    line << OpTypeName(e.metas[first].op) << " '" << kv.second.first << "' waiting "
          << (now_ms_ - e.first_ms) / 1000 << " s: " << WhoAsked(e);
     out.push_back(line.str());
   }
@@ -389,60 +404,28 @@ std::vector<std::string> Negotiator::StallReport(int64_t check_ms) {
 std::vector<Response> Negotiator::TakeStalled(int64_t timeout_ms) {
   std::vector<Response> out;
   if (timeout_ms <= 0) return out;
-  // A call held back by a refused earlier call of its name that some ranks
-  // never answered.
-  for (auto d = deferred_.begin(); d != deferred_.end();) {
-    if (now_ms_ - d->since_ms < timeout_ms) {
-      ++d;
-      continue;
-    }
-    auto refused = rejected_.find(d->meta.name);
-    std::vector<int> missing;
-    std::string why;
-    if (refused != rejected_.end()) {
-      why = refused->second.message;
-      for (int r = 0; r < size_; ++r) {
-        if (!refused->second.seen[r]) missing.push_back(world_[r]);
-      }
-    }
-    std::ostringstream msg;
-    msg << "Perseus " << OpTypeName(d->meta.op) << " of tensor '" << d->meta.name
-        << "' stalled for " << (now_ms_ - d->since_ms) / 1000
-        << " s: an earlier call of this name failed (" << why << ") and "
-        << (missing.size() == 1 ? "rank " : "ranks ");
-    for (size_t i = 0; i < missing.size(); ++i) msg << (i ? ", " : "") << missing[i];
-    msg << (missing.size() == 1 ? " has" : " have")
-        << " not made that call (PERSEUS_STALL_TIMEOUT_SECONDS=" << timeout_ms / 1000.0
-        << "); the ranks are running different collectives: check that every rank makes the "
-           "same calls";
-    Response resp;
-    resp.op = d->meta.op;
-    resp.names.push_back(d->meta.name);
-    resp.metas.push_back(d->meta);
-    resp.error = Status::Error(StatusCode::kFailedPrecondition, msg.str());
-    out.push_back(std::move(resp));
-    d = deferred_.erase(d);
-  }
   for (const auto& kv : WaitingSince(timeout_ms)) {
-    const Entry& e = table_[kv.second];
+    auto it = table_.find(kv.second);
+    const Entry& e = it->second;
+    const std::string& name = kv.second.first;
     std::ostringstream msg;
     std::vector<int> present;
     for (int r = 0; r < size_; ++r) {
       if (e.have[r]) present.push_back(r);
     }
-    msg << "Perseus " << OpTypeName(e.metas[present[0]].op) << " of tensor '" << kv.second
+    msg << "Perseus " << OpTypeName(e.metas[present[0]].op) << " of tensor '" << name
         << "' stalled for " << (now_ms_ - e.first_ms) / 1000 << " s: " << WhoAsked(e)
         << " (PERSEUS_STALL_TIMEOUT_SECONDS=" << timeout_ms / 1000.0
         << "); the ranks are running different collectives: check that every rank makes the "
            "same calls, or raise PERSEUS_STALL_TIMEOUT_SECONDS if a rank is legitimately busy";
     Response resp;
     resp.op = e.metas[present[0]].op;
-    resp.names.push_back(kv.second);
+    resp.names.push_back(name);
     resp.metas.push_back(e.metas[present[0]]);
     resp.error = Status::Error(StatusCode::kFailedPrecondition, msg.str());
     out.push_back(std::move(resp));
     complete_.erase(e.seq);
-    table_.erase(kv.second);
+    Forget(it);
   }
   return out;
 }
@@ -452,8 +435,16 @@ std::vector<Response> Negotiator::TakeReady() {
   std::vector<Response> ready;
   for (auto& kv : complete_) {
     auto it = table_.find(kv.second);
-    Response r = MakeResponse(kv.second, std::move(it->second));
-    table_.erase(it);
+    if (it == table_.end()) continue;  // refused and over, from an earlier listing
+    const std::string& name = kv.second.first;
+    if (!it->second.refusal.empty()) {
+      Response failed;
+      if (TakeRefusedFailure(name, it->second, &failed)) ready.push_back(std::move(failed));
+      if (Answered(it->second)) Forget(it);
+      continue;
+    }
+    Response r = MakeResponse(name, std::move(it->second));
+    Forget(it);
     if (r.op == OpType::kJoin) {
       // Every rank has joined: report the last one to join and start over,
       // so join() can be used once per epoch.
@@ -467,25 +458,6 @@ std::vector<Response> Negotiator::TakeReady() {
     ready.push_back(std::move(r));
   }
   complete_.clear();
-  for (auto it = rejected_.begin(); it != rejected_.end();) {
-    it = it->second.count == size_ ? rejected_.erase(it) : std::next(it);
-  }
-  // Calls held back by a refusal that has now ended start negotiating.
-  if (!deferred_.empty()) {
-    std::vector<Deferred> waiting;
-    waiting.swap(deferred_);
-    for (const Deferred& d : waiting) {
-      // Still held while its rank has answered the refusal now open (one
-      // re-added before it may have opened a new one, for this call to
-      // answer).
-      auto refused = rejected_.find(d.meta.name);
-      if (refused != rejected_.end() && refused->second.seen[d.rank]) {
-        deferred_.push_back(d);
-      } else {
-        Add(d.rank, d.meta);
-      }
-    }
-  }
   // A plan is taken only at a cycle that ends exactly where the recorded
   // step does. A recorded step whose end shares a cycle with the next
   // step's first tensors did not start at a training step's boundary (no
@@ -551,7 +523,7 @@ std::string Negotiator::DescribePending() const {
       out << " ...";
       break;
     }
-    out << (shown > 1 ? "; " : "") << "'" << kv.first << "' waiting for rank(s)";
+    out << (shown > 1 ? "; " : "") << "'" << kv.first.first << "' waiting for rank(s)";
     for (int r = 0; r < size_; ++r) {
       if (!kv.second.have[r]) out << " " << r;
     }

@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "cc/core/common.h"
@@ -57,10 +58,10 @@ struct Response {
   std::vector<std::vector<int64_t>> splits;
   // Non-OK: every rank completes these names with this error.
   Status error;
-  // A refused call's error (kMetaRejected): per rank, whether its meta in
-  // that call was a real request. Only those ranks fail their pending
-  // request of the name; a rank that refused the call itself may already
-  // have its next call of the name pending. Empty: every rank.
+  // A refused call's failure (kMetaRejected): per rank, whether this
+  // response fails its request of the name. The others ignore it: a rank
+  // that refused the call, or whose request of it failed already, may have
+  // its next call of the name pending. Empty: every rank.
   std::vector<bool> real_request;
   // An error response whose every rank sent the name in a grouped call of
   // the same size (and none refused it or has joined): every rank holds the
@@ -118,7 +119,15 @@ class Negotiator {
   // Ready work, fused and ordered. Identical on every rank.
   std::vector<Response> TakeReady();
   // Names some but not all ranks have requested.
-  bool HasPending() const { return !table_.empty(); }
+  bool HasPending() const {
+    for (const auto& kv : table_) {
+      if (kv.second.refusal.empty()) return true;  // nobody waits on a refused call
+    }
+    return false;
+  }
+  // Names whose call numbers are kept: those with a call open (memory stays
+  // bounded by the names in flight, however many distinct names a job uses).
+  size_t NamesTracked() const { return next_call_.size(); }
   // Describes stalled requests: which ranks have not asked yet.
   std::string DescribePending() const;
   // Names requested by some ranks for more than timeout_ms of negotiation
@@ -143,6 +152,13 @@ class Negotiator {
   void ResetPlanning();
 
  private:
+  // A rank's calls of one name are numbered in the order the others receive
+  // them (each rank's cycle messages keep its submit order), so the k-th
+  // call of a name on one rank pairs with the k-th call on every other, a
+  // refused call included: a refusal fails exactly the call it refuses, and
+  // the ranks' later calls of the name stay in step whatever order their
+  // refusals and calls arrive in.
+  using Key = std::pair<std::string, uint64_t>;  // (name, call number)
   struct Entry {
     uint64_t seq = 0;
     int64_t first_ms = 0;     // negotiation clock when a rank first asked
@@ -150,19 +166,36 @@ class Negotiator {
     int count = 0;
     std::vector<bool> have;
     std::vector<TensorMeta> metas;  // indexed by rank
+    // Non-empty: a rank refused this call (kMetaRejected), and every rank's
+    // request of it fails with this message as it arrives; the entry stays
+    // until every rank has answered it, so that their next calls pair.
+    std::string refusal;
+    std::vector<bool> failed;  // the ranks whose request of it has failed already
   };
 
   // Every rank either asked for it or has joined (and at least one asked).
   bool Complete(const Entry& e) const;
+  // Every rank has made the call or has joined (a refused call is over then).
+  bool Answered(const Entry& e) const;
+  // Marks the call refused by `rank` (the first refusal's reason stands) and
+  // queues the failure of the requests that came before.
+  void Refuse(const Key& key, Entry& e, int rank, const TensorMeta& meta);
+  // Removes a call that is over: a rank that never made it (joined, or
+  // silent until a stall timeout, or running it from a plan) skips it, so
+  // its next call of the name pairs with the others' next.
+  void Forget(std::map<Key, Entry>::iterator it);
   // Names (by seq) some ranks have waited on for at least age_ms; joins
-  // excepted.
-  std::map<uint64_t, std::string> WaitingSince(int64_t age_ms) const;
+  // and refused calls (nobody waits on those) excepted.
+  std::map<uint64_t, Key> WaitingSince(int64_t age_ms) const;
   // "ranks 0, 2 have submitted it; rank 1 has not".
   std::string WhoAsked(const Entry& e) const;
   Status Validate(const std::string& name, const Entry& e) const;
   void WatchForPlan(const Response& r);
   bool PlannableInTable() const;
   Response MakeResponse(const std::string& name, Entry&& e) const;
+  // The failure of a refused call for the ranks whose request of it has
+  // arrived since the last one (false: none has).
+  bool TakeRefusedFailure(const std::string& name, Entry& e, Response* out);
   std::vector<Response> Fuse(std::vector<Response> ready, int64_t threshold) const;
 
   int size_;
@@ -175,28 +208,12 @@ class Negotiator {
   std::vector<bool> joined_;
   std::vector<uint64_t> join_order_;  // when each rank joined (Add count)
   uint64_t adds_ = 0;
-  std::unordered_map<std::string, Entry> table_;
-  std::map<uint64_t, std::string> complete_;  // seq -> name, this cycle
-  // Names a rank refused (kMetaRejected): every rank's request of the name
-  // fails at once with this message, until every rank has sent it.
-  struct Rejection {
-    std::string message;
-    std::vector<bool> seen;
-    int count = 0;
-  };
-  std::unordered_map<std::string, Rejection> rejected_;
-  // Opens the refusal of meta.name by `rank` unless one is open, with the
-  // ranks that have already answered it.
-  void OpenRejection(int rank, const TensorMeta& meta, const std::vector<bool>& answered,
-                     int count);
-  // Calls of a refused name by ranks that already answered the refused
-  // call, held until every rank has (see Add).
-  struct Deferred {
-    int rank;
-    TensorMeta meta;
-    int64_t since_ms;
-  };
-  std::vector<Deferred> deferred_;
+  std::map<Key, Entry> table_;
+  std::map<uint64_t, Key> complete_;  // seq -> call, this cycle
+  // Per name with a call open: each rank's number for its next call of it.
+  // A name none has open is forgotten (every rank's count is equal then, and
+  // numbers only pair calls, so they start again from 0 alike).
+  std::unordered_map<std::string, std::vector<uint64_t>> next_call_;
 
   // kWait: after a change, wait for a quiet moment (no plannable request
   // half-negotiated) so that recording starts at a step boundary.

@@ -108,7 +108,12 @@ Plan Negotiator::TakePlan() {
     for (int r = 0; r < size_; ++r) {
       plannable |= it->second.have[r] && (it->second.metas[r].flags & kMetaPlannable);
     }
-    it = plannable ? table_.erase(it) : std::next(it);
+    if (plannable) {
+      auto over = it++;
+      Forget(over);  // every rank runs this call from the plan
+    } else {
+      ++it;
+    }
   }
   ResetPlanning();
   return plan;

@@ -219,6 +219,13 @@ TensorMeta Refused(const std::string& name) {
   m.rejected = "allgather needs at least one dimension";
   return m;
 }
+
+// A call refused because the rank's previous call of the name was in flight.
+TensorMeta Twice(const std::string& name) {
+  TensorMeta m = Meta(name, {}, DataType::kFloat32, kMetaRejected | kMetaInFlightTwice);
+  m.rejected = "two calls of this name were in flight at once";
+  return m;
+}
 }  // namespace
 
 TEST(ARefusalFromARankThatAlreadyAskedFailsTheNameOnEveryRank) {
@@ -231,7 +238,7 @@ TEST(ARefusalFromARankThatAlreadyAskedFailsTheNameOnEveryRank) {
   Negotiator n(2, 0);
   n.BeginCycle(0, false);
   n.Add(0, Meta("x", {4}));
-  TensorMeta twice = Refused("x");
+  TensorMeta twice = Twice("x");
   twice.rejected = "two calls of this name were in flight at once on rank 0";
   n.Add(0, twice);
   std::vector<Response> ready = n.TakeReady();
@@ -256,26 +263,74 @@ TEST(ARefusalFromARankThatAlreadyAskedFailsTheNameOnEveryRank) {
 
 TEST(BothRanksRefusingTheirSecondCallsKeepTheirCallsInStep) {
   // Each rank's two threads called "x" at once and each rank refused one:
-  // the first calls fail, the refusals pair with each other, the next
-  // calls run.
+  // the first calls fail, the refusals pair with each other (nothing real
+  // to fail: no response), the next calls run.
   Negotiator n(2, 0);
   n.BeginCycle(0, false);
   for (int r = 0; r < 2; ++r) {
     n.Add(r, Meta("x", {4}));
-    TensorMeta twice = Refused("x");
-    twice.rejected = "two calls of this name were in flight at once";
-    n.Add(r, twice);
+    n.Add(r, Twice("x"));
   }
   std::vector<Response> ready = n.TakeReady();
   CHECK_EQ(ready.size(), 1u);
   CHECK(!ready[0].error.ok() && ready[0].real_request[0] && ready[0].real_request[1]);
-  n.BeginCycle(1, false);
-  ready = n.TakeReady();  // the refusals, paired: nothing real to fail
-  CHECK_EQ(ready.size(), 1u);
-  CHECK(!ready[0].error.ok() && !ready[0].real_request[0] && !ready[0].real_request[1]);
+  CHECK(!n.HasPending());
   n.BeginCycle(2, false);
   n.Add(1, Meta("x", {4}));
   n.Add(0, Meta("x", {4}));
+  ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(ready[0].error.ok());
+}
+
+TEST(ARefusalArrivingAfterOtherRanksAskedCountsTheirAnswers) {
+  // The window of two threads: a rank whose first call of "x" completed
+  // before its second came sends that second call as usual, while a rank
+  // where the two overlapped refuses its second. When the refusal arrives
+  // after the others' calls, those calls are their answers to the refused
+  // call: they fail with it, and their next calls pair with the refusing
+  // rank's next call. (Before, they were not counted as answered: each
+  // such rank's next call failed too, and the refusing rank's next call
+  // waited for an answer already given, so the ranks fell out of step.)
+  for (int refuser : {0, 1, 2}) {
+    Negotiator n(3, 0);
+    CHECK_EQ(Cycle(n, 3, {Meta("x", {4})}).size(), 1u);  // the first calls ran
+    n.BeginCycle(1, false);
+    for (int r = 0; r < 3; ++r) {
+      if (r != refuser) n.Add(r, Meta("x", {4}));
+    }
+    n.Add(refuser, Twice("x"));
+    std::vector<Response> ready = n.TakeReady();
+    CHECK_EQ(ready.size(), 1u);
+    CHECK(!ready[0].error.ok());
+    for (int r = 0; r < 3; ++r) CHECK_EQ(ready[0].real_request[r], r != refuser);
+    CHECK(!n.HasPending());
+    for (int round = 0; round < 3; ++round) {
+      ready = Cycle(n, 3, {Meta("x", {4})}, 2 + round);
+      CHECK_EQ(ready.size(), 1u);
+      CHECK(ready[0].error.ok());
+    }
+  }
+  // One rank's answer comes after the refusal: it fails as it comes, and
+  // then every rank's next call pairs.
+  Negotiator n(3, 0);
+  CHECK_EQ(Cycle(n, 3, {Meta("x", {4})}).size(), 1u);
+  n.BeginCycle(1, false);
+  n.Add(0, Meta("x", {4}));
+  n.Add(2, Twice("x"));
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(ready[0].real_request == std::vector<bool>({true, false, false}));
+  n.BeginCycle(2, false);
+  n.Add(1, Meta("x", {4}));  // rank 1's answer
+  n.Add(0, Meta("x", {4}));  // rank 0's next call
+  n.Add(2, Meta("x", {4}));  // rank 2's next call
+  ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(!ready[0].error.ok() && ready[0].real_request == std::vector<bool>({false, true, false}));
+  CHECK(n.HasPending());
+  n.BeginCycle(3, false);
+  n.Add(1, Meta("x", {4}));
   ready = n.TakeReady();
   CHECK_EQ(ready.size(), 1u);
   CHECK(ready[0].error.ok());
@@ -287,22 +342,15 @@ TEST(ANextCallOfARefusedNameWaitsForEveryRanksAnswerToTheRefusedOne) {
     Negotiator n(2, 0);
     n.BeginCycle(0, false);
     n.Add(mover, Refused("g"));  // refused locally: this rank moves on
-    std::vector<Response> first = n.TakeReady();
-    CHECK_EQ(first.size(), 1u);
-    CHECK(!first[0].error.ok());
+    CHECK(n.TakeReady().empty());  // no rank has a request of it to fail
     // One cycle brings the other rank's refusal of the same call and the
     // mover's next call of the name (eager calls share a default name), in
-    // rank order: they must not be paired.
+    // rank order: they must not be paired. Nobody made the refused call
+    // with a real request: no rank fails what it has pending under the
+    // name (the mover's next call).
     n.BeginCycle(1, false);
     for (int r = 0; r < 2; ++r) n.Add(r, r == mover ? Meta("g", {1, 2}) : Refused("g"));
-    std::vector<Response> second = n.TakeReady();
-    CHECK_EQ(second.size(), 1u);
-    CHECK(!second[0].error.ok());
-    CHECK(second[0].error.message.find("refused its call") != std::string::npos);
-    CHECK(second[0].error.message.find("shape") == std::string::npos);
-    // Nobody made that call with a real request: no rank fails what it has
-    // pending under the name (the mover's next call).
-    CHECK(second[0].real_request == std::vector<bool>({false, false}));
+    CHECK(n.TakeReady().empty());
     CHECK(n.HasPending());  // the mover's next call, now negotiating
     n.BeginCycle(2, false);
     n.Add(slow, Meta("g", {1, 2}));
@@ -313,11 +361,59 @@ TEST(ANextCallOfARefusedNameWaitsForEveryRanksAnswerToTheRefusedOne) {
   }
 }
 
+TEST(AJoinedRankSkipsTheCallsItStoodInForAndPairsAfterwards) {
+  // Rank 2 joins; ranks 0 and 1 call "x" twice more (rank 2 stands in),
+  // then join; afterwards every rank's next call of "x" pairs.
+  Negotiator n(3, 0);
+  CHECK_EQ(Cycle(n, 3, {Meta("x", {2})}).size(), 1u);
+  TensorMeta join = Meta("join", {});
+  join.op = OpType::kJoin;
+  n.BeginCycle(1, false);
+  n.Add(2, join);
+  CHECK(n.TakeReady().empty());
+  for (int call = 0; call < 2; ++call) {
+    n.BeginCycle(2 + call, false);
+    n.Add(0, Meta("x", {2}));
+    n.Add(1, Meta("x", {2}));
+    std::vector<Response> ready = n.TakeReady();
+    CHECK_EQ(ready.size(), 1u);
+    CHECK(ready[0].error.ok() && ready[0].op == OpType::kAllreduce);
+  }
+  n.BeginCycle(4, false);
+  n.Add(0, join);
+  n.Add(1, join);
+  std::vector<Response> ready = n.TakeReady();
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(ready[0].op == OpType::kJoin);
+  ready = Cycle(n, 3, {Meta("x", {2})}, 5);
+  CHECK_EQ(ready.size(), 1u);
+  CHECK(ready[0].error.ok());
+  CHECK(!n.HasPending());
+  CHECK_EQ(n.NamesTracked(), 0u);
+}
+
+TEST(CallNumbersAreKeptOnlyForNamesInFlight) {
+  Negotiator n(2, 0);
+  for (int i = 0; i < 1000; ++i) {
+    CHECK_EQ(Cycle(n, 2, {Meta("step" + std::to_string(i), {1})}, i).size(), 1u);
+  }
+  CHECK_EQ(n.NamesTracked(), 0u);
+  n.BeginCycle(1000, false);
+  n.Add(0, Meta("open", {1}));
+  CHECK(n.TakeReady().empty());
+  CHECK_EQ(n.NamesTracked(), 1u);
+  // A stall timeout ends the call; the rank that never made it skips it.
+  n.BeginCycle(5000, false);
+  CHECK_EQ(n.TakeStalled(1000).size(), 1u);
+  CHECK_EQ(n.NamesTracked(), 0u);
+  CHECK_EQ(Cycle(n, 2, {Meta("open", {1})}, 5001).size(), 1u);
+}
+
 TEST(ACallHeldBackByARefusalNobodyAnswersStallsNamingTheRank) {
   Negotiator n(2, 0);
   n.BeginCycle(0, false);
   n.Add(1, Refused("g"));
-  CHECK_EQ(n.TakeReady().size(), 1u);
+  CHECK(n.TakeReady().empty());
   n.BeginCycle(10, false);
   n.Add(1, Meta("g", {3}));
   CHECK(n.TakeReady().empty());
@@ -326,7 +422,8 @@ TEST(ACallHeldBackByARefusalNobodyAnswersStallsNamingTheRank) {
   n.BeginCycle(20000, false);
   std::vector<Response> stalled = n.TakeStalled(10000);
   CHECK_EQ(stalled.size(), 1u);
-  CHECK(stalled[0].error.message.find("rank 0 has not made that call") != std::string::npos);
+  CHECK(stalled[0].error.message.find("rank 1 has submitted it; rank 0 has not") !=
+        std::string::npos);
   CHECK(stalled[0].error.message.find("'g'") != std::string::npos);
 }
 

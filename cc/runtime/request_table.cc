@@ -175,7 +175,7 @@ Status RequestTable::InFlightTwiceLocked(const TensorMeta& m, Flight* flying) {
   // in flight is negotiating with (Negotiator::Add takes a refusal from a
   // rank that already asked).
   TensorMeta refusal = m;
-  refusal.flags = kMetaRejected;
+  refusal.flags = kMetaRejected | kMetaInFlightTwice;
   refusal.rejected = why;
   queue_.push_back(std::move(refusal));
   cv_.notify_one();

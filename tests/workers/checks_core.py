@@ -138,29 +138,41 @@ def check_a_name_called_twice_in_flight_fails_on_every_rank():
     # wrong sum, cc/runtime/request_table_test.cc). Both calls fail on every
     # rank instead, and the name is free once they have.
     #
-    # The window docs/design.md names: on a loaded machine this rank's first
-    # call may complete (every rank had submitted it) before its second is
-    # made. The second is then a new call, and each of the two sums as a
-    # call of its own or fails with another rank's refusal.
-    first = allreduce_async(np.full(4, R + 1.0, np.float32), "twice")
-    try:
-        second = allreduce_async(np.full(4, 100.0 * (R + 1), np.float32), "twice")
-    except _core.InvalidArgumentError as e:
-        assert f"two calls of this name were in flight at once on rank {R}" in str(e), e
-        expect(_core.InvalidArgumentError, lambda: first.wait(),
-               "'twice'", "two calls of this name were in flight at once on rank")
-    else:
-        # Each of the two either sums as a call of its own or fails with
-        # another rank's refusal; either way the ranks stay in step (the
-        # next call, below, pairs with the next call everywhere).
-        for handle, scale in ((first, 1.0), (second, 100.0)):
-            try:
-                np.testing.assert_array_equal(handle.wait()[0],
-                                              np.full(4, scale * N * (N + 1) / 2))
-            except _core.InvalidArgumentError as e:
-                assert "two calls of this name were in flight at once on rank" in str(e), e
-    got = allreduce_async(np.full(4, R + 1.0, np.float32), "twice").wait()[0]
-    np.testing.assert_array_equal(got, np.full(4, N * (N + 1) / 2))
+    # The window docs/design.md names: a rank's first call may complete
+    # (every rank had submitted it) before its second is made. The second is
+    # then a new call, and each of the two sums as a call of its own or fails
+    # with another rank's refusal. Each round below waits a different short
+    # time between the two calls on each rank, so that some rounds fall in
+    # that window on some ranks and not on others; whatever happened, the
+    # ranks' next call of the name pairs with every rank's next call (once
+    # refusals arriving after other ranks' calls left the ranks out of step:
+    # a stall naming the tensor).
+    import random
+    import time
+    jitter = random.Random(1000 + R)
+    refused = window = 0
+    for round_ in range(24):
+        first = allreduce_async(np.full(4, R + 1.0, np.float32), "twice")
+        time.sleep(jitter.choice([0.0, 0.0005, 0.002, 0.005]))
+        try:
+            second = allreduce_async(np.full(4, 100.0 * (R + 1), np.float32), "twice")
+        except _core.InvalidArgumentError as e:
+            refused += 1
+            assert f"two calls of this name were in flight at once on rank {R}" in str(e), e
+            expect(_core.InvalidArgumentError, lambda: first.wait(),
+                   "'twice'", "two calls of this name were in flight at once on rank")
+        else:
+            window += 1
+            for handle, scale in ((first, 1.0), (second, 100.0)):
+                try:
+                    np.testing.assert_array_equal(handle.wait()[0],
+                                                  np.full(4, scale * N * (N + 1) / 2))
+                except _core.InvalidArgumentError as e:
+                    assert "two calls of this name were in flight at once on rank" in str(e), e
+        got = allreduce_async(np.full(4, R + 1.0 + round_, np.float32), "twice").wait()[0]
+        np.testing.assert_array_equal(got, np.full(4, N * (N + 1) / 2 + N * round_))
+    # The rounds exercised the refusal on this rank at least once.
+    assert refused, (refused, window)
 
 
 def check_group_naming_a_tensor_twice_is_rejected_and_leaves_nothing_pending():
