@@ -188,7 +188,10 @@ def test_a_keras_worker_joining_before_its_first_step_syncs_at_once(tmp_path):
 
 
 def test_fewer_than_min_np_fails_within_the_elastic_timeout(tmp_path):
-    proc, took = _run(["-np", "2", "--min-np", "2", "-H", "localhost:2", "--elastic-timeout", "3",
+    # The timeout also bounds how far apart the first round's workers may ask
+    # (their TensorFlow imports): 3 s was too little on a loaded machine,
+    # where the first round itself timed out.
+    proc, took = _run(["-np", "2", "--min-np", "2", "-H", "localhost:2", "--elastic-timeout", "10",
                        "--blacklist-cooldown", "600"], tmp_path, 8, kills="localhost:1@2")
     text = proc.stdout + proc.stderr
     assert proc.returncode != 0, text[-3000:]

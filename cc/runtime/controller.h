@@ -125,6 +125,8 @@ class Controller {
   Clock::time_point started_;  // this rank's clock origin
   Clock::time_point last_cycle_;
   int idle_cycles_ = 0;
+  // The end of the last cycle that brought a request or a response.
+  Clock::time_point last_progress_ = Clock::now();
   uint64_t dispatched_ = 0;  // online responses, for their streams in turn
   // The test faults' hook at each plan step's first bucket (empty without).
   std::function<void(int64_t step, Plan* plan)> on_plan_step_;
