@@ -94,7 +94,7 @@ void Negotiator::Refuse(const Key& key, Entry& e, int rank, const TensorMeta& me
   if (e.refusal.empty()) {
     e.refusal = "rank " + std::to_string(world_[rank]) + " refused its call: " + meta.rejected;
   }
-  complete_.emplace(e.seq, key);  // fails the requests that came before
+  complete_.emplace(e.seq, key);  // fails the requests that have come
 }
 
 void Negotiator::Forget(std::map<Key, Entry>::iterator it) {
@@ -139,9 +139,8 @@ void Negotiator::Add(int rank, const TensorMeta& meta) {
   e.have[rank] = true;
   e.metas[rank] = meta;
   ++e.count;
-  if (refusal) Refuse(key, e, rank, meta);
-  if (!e.refusal.empty()) {
-    complete_.emplace(e.seq, key);  // fails now, on every rank that asked
+  if (refusal || !e.refusal.empty()) {
+    Refuse(key, e, rank, meta);  // fails now, on every rank that asked
     return;
   }
   if (meta.op == OpType::kJoin && !joined_[rank]) {

@@ -178,7 +178,8 @@ class Negotiator {
   // Every rank has made the call or has joined (a refused call is over then).
   bool Answered(const Entry& e) const;
   // Marks the call refused by `rank` (the first refusal's reason stands) and
-  // queues the failure of the requests that came before.
+  // queues the failure of the requests that have come; each later asker of
+  // a refused call comes through here too.
   void Refuse(const Key& key, Entry& e, int rank, const TensorMeta& meta);
   // Removes a call that is over: a rank that never made it (joined, or
   // silent until a stall timeout, or running it from a plan) skips it, so
