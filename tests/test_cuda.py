@@ -174,6 +174,7 @@ def test_the_kernels_and_their_launches_match_numpy_on_the_cpu():
                           timeout=600, env=env)
     assert proc.returncode == 0 and "0 failed" in proc.stdout, proc.stdout[-6000:] + proc.stderr
     assert "ok   topk n=100000 k=5000" in proc.stdout and "exclusive_sum n=70001" in proc.stdout
+    assert "ok   scale bfloat16" in proc.stdout and "ok   scale int8" in proc.stdout
 
 
 FIRST_LAUNCH_SCRIPT = """
@@ -182,6 +183,7 @@ import numpy as np
 lib = ctypes.CDLL(sys.argv[1])
 fake = ctypes.CDLL(os.environ["PERSEUS_CUDA_DRIVER"])
 fake.fake_cuda_last_arch.restype = ctypes.c_char_p
+fake.fake_cuda_last_options.restype = ctypes.c_char_p
 lib.perseus_cuda_error_string.restype = ctypes.c_char_p
 x = np.arange(10, dtype=np.float32)
 h = np.zeros(10, np.uint16)
@@ -189,6 +191,9 @@ rc = lib.perseus_cuda_to_half(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(h.
                               ctypes.c_size_t(10), ctypes.c_float(1.0), None)
 print(rc, fake.fake_cuda_last_arch().decode() or "cached",
       lib.perseus_cuda_error_string(rc).decode() if rc else [int(v) for v in h[:3]])
+# A product and a sum are never fused (the host rounds each: top-k's keys).
+options = fake.fake_cuda_last_options().decode()
+sys.exit(3 if options and "--fmad=false" not in options.split() else 0)
 """
 
 

@@ -84,6 +84,19 @@ def check_kernels(lib, cp, emulated=False):
         want_y = want.view(np.float16).astype(np.float32) * np.float32(0.1)
         report(f"from_half n={n}", rc == 0 and np.array_equal(cp.asnumpy(dy), want_y))
 
+    # Arrays that start off a 16-byte boundary take the one-element path.
+    x = (rng.standard_normal(1003) * 3).astype(np.float32)
+    dx = cp.asarray(np.concatenate([[0], x]).astype(np.float32))[1:]
+    dh = cp.zeros(1004, cp.uint16)[1:]
+    rc = lib.perseus_cuda_to_half(ptr(dx), ptr(dh), 1003, 10.0, ctypes.c_void_p(s))
+    stream.synchronize()
+    want = (x * np.float32(10)).astype(np.float16).view(np.uint16)
+    report("to_half misaligned", rc == 0 and np.array_equal(cp.asnumpy(dh), want))
+    rc = lib.perseus_cuda_scale(ptr(dx), 2, 1003, 0.3, ctypes.c_void_p(s))
+    stream.synchronize()
+    report("scale float32 misaligned",
+           rc == 0 and np.array_equal(cp.asnumpy(dx), x * np.float32(0.3)))
+
     for dtype, code in ((np.float32, 2), (np.float64, 3), (np.int32, 4), (np.int64, 5)):
         x = (rng.standard_normal(1001) * 100).astype(dtype)
         dx = cp.asarray(x)
@@ -95,6 +108,32 @@ def check_kernels(lib, cp, emulated=False):
         else:
             ok = np.allclose(cp.asnumpy(dx), x * 0.3, rtol=1e-6)
         report(f"scale {np.dtype(dtype).name}", rc == 0 and ok)
+
+    # The 16-bit floats and the small integers, as the host scales them: a
+    # double product, rounded to float, then to the 16-bit type (nearest even).
+    for name, code in (("float16", 0), ("bfloat16", 1), ("uint8", 6), ("int8", 7),
+                       ("uint16", 9), ("int16", 10)):
+        if name == "bfloat16":
+            x = (rng.standard_normal(1001) * 100).astype(np.float32)
+            bits = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated: exact bf16 values
+            vals = (bits.astype(np.uint32) << 16).view(np.float32)
+            want = _to_bfloat16((vals.astype(np.float64) * 0.3).astype(np.float32))
+            dx = cp.asarray(bits)
+        elif name == "float16":
+            x = (rng.standard_normal(1001) * 100).astype(np.float16)
+            want = (x.astype(np.float64) * 0.3).astype(np.float32).astype(np.float16).view(
+                np.uint16)
+            dx = cp.asarray(x.view(np.uint16))
+        else:
+            info = np.iinfo(name)
+            x = rng.integers(info.min, info.max, 1001, endpoint=True).astype(name)
+            want = np.trunc(x.astype(np.float64) * 0.3).astype(name)
+            dx = cp.asarray(x)
+        rc = lib.perseus_cuda_scale(ptr(dx), code, 1001, 0.3, ctypes.c_void_p(s))
+        stream.synchronize()
+        got = cp.asnumpy(dx)
+        report(f"scale {name}", rc == 0 and np.array_equal(got.view(want.dtype), want),
+               "" if rc == 0 else lib.perseus_cuda_error_string(rc).decode())
 
     chunks = [cp.asarray(rng.standard_normal(5000).astype(np.float32)) for _ in range(4)]
     table = cp.asarray(np.array([c.data.ptr for c in chunks], np.uint64))
@@ -130,6 +169,18 @@ def check_kernels(lib, cp, emulated=False):
     stream.synchronize()
     want = np.concatenate([np.zeros(3, np.uint8)] + [cp.asnumpy(x) for x in srcs])
     report("batched_copy (8 spans, unaligned)", rc == 0 and np.array_equal(cp.asnumpy(dst), want))
+    # One large aligned span with a ragged end (shared among the blocks), and
+    # more spans than blocks (whole spans per block).
+    for sizes in ([(5 << 20) + 7], [3] * 1500):
+        srcs = [cp.asarray(rng.integers(0, 255, n, dtype=np.uint8)) for n in sizes]
+        dsts = [cp.zeros(n, cp.uint8) for n in sizes]
+        table = cp.asarray(np.array([v for a, b, n in zip(srcs, dsts, sizes)
+                                     for v in (a.data.ptr, b.data.ptr, n)], np.uint64))
+        rc = lib.perseus_cuda_batched_copy(ptr(table), len(sizes), ctypes.c_void_p(s))
+        stream.synchronize()
+        ok = rc == 0 and all(np.array_equal(cp.asnumpy(a), cp.asnumpy(b))
+                             for a, b in zip(srcs, dsts))
+        report(f"batched_copy ({len(sizes)} span(s) of {sizes[0]} bytes)", ok)
 
     # One tile, one block, many of each (the CPU emulation runs each thread of
     # the scan's blocks as an OS thread: the largest takes minutes there).
@@ -144,7 +195,10 @@ def check_kernels(lib, cp, emulated=False):
         report(f"exclusive_sum n={n}", rc == 0 and np.array_equal(cp.asnumpy(dout), want),
                "" if rc == 0 else lib.perseus_cuda_error_string(rc).decode())
 
-    for n, k in ((10, 3), (100_000, 5_000), (1000, 1000)):
+    # prescale 0.1 is not a power of two: a fused multiply-add would round
+    # grad * prescale + residual once, the host rounds twice.
+    for n, k, prescale in ((10, 3, 2.0), (100_000, 5_000, 2.0), (1000, 1000, 2.0),
+                           (100_000, 5_000, 0.1)):
         g = rng.standard_normal(n).astype(np.float32)
         g[:4] = 0.5  # ties
         res = rng.standard_normal(n).astype(np.float32) * 0.1
@@ -152,10 +206,10 @@ def check_kernels(lib, cp, emulated=False):
         idx = cp.empty(k, cp.int32)
         val = cp.empty(k, cp.float32)
         scratch = cp.empty(lib.perseus_cuda_topk_scratch_bytes(n), cp.uint8)
-        rc = lib.perseus_cuda_topk(ptr(dg), ptr(dres), n, k, 2.0, ptr(idx), ptr(val),
+        rc = lib.perseus_cuda_topk(ptr(dg), ptr(dres), n, k, prescale, ptr(idx), ptr(val),
                                    ptr(scratch), ctypes.c_void_p(s))
         stream.synchronize()
-        acc = g * np.float32(2.0) + res
+        acc = g * np.float32(prescale) + res
         order = np.lexsort((np.arange(n), -np.abs(acc)))  # |acc| descending, ties by index
         chosen = np.sort(order[:k])
         want_res = acc.copy()
@@ -163,7 +217,61 @@ def check_kernels(lib, cp, emulated=False):
         ok = (rc == 0 and np.array_equal(cp.asnumpy(idx), chosen) and
               np.array_equal(cp.asnumpy(val), acc[chosen]) and
               np.array_equal(cp.asnumpy(dres), want_res))
-        report(f"topk n={n} k={k}", ok)
+        report(f"topk n={n} k={k} prescale {prescale}", ok)
+
+
+def _to_bfloat16(x):
+    """float32 to bfloat16 bits, nearest even (ml_dtypes where it is installed)."""
+    try:
+        import ml_dtypes
+        return x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    except ImportError:
+        b = x.view(np.uint32).astype(np.uint64)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bench_kernels(lib, cp):
+    """The kernels' bandwidth against the device's own copy (bytes read and
+    written per second), 256 MiB of float32."""
+    n = 64 << 20
+    stream = cp.cuda.Stream(non_blocking=True)
+    stream.use()
+    s = ctypes.c_void_p(stream.ptr)
+    ptr = lambda a: ctypes.c_void_p(a.data.ptr)  # noqa: E731
+    x, y = cp.ones(n, cp.float32), cp.empty(n, cp.float32)
+    h = cp.empty(n, cp.uint16)
+    spans = cp.asarray(np.array([x.data.ptr, y.data.ptr, 4 * n], np.uint64))
+
+    def timed(fn, repeat=20):
+        fn()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(repeat):
+            fn()
+        end.record(stream)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / repeat
+
+    copy_ms = timed(lambda: y.__setitem__(Ellipsis, x))
+    rows = [("device copy (CuPy)", copy_ms, 8 * n)]
+    rows.append(("to_half", timed(lambda: lib.perseus_cuda_to_half(ptr(x), ptr(h), n, 1.0, s)),
+                 6 * n))
+    rows.append(("from_half",
+                 timed(lambda: lib.perseus_cuda_from_half(ptr(h), ptr(y), n, 1.0, s)), 6 * n))
+    rows.append(("scale float32", timed(lambda: lib.perseus_cuda_scale(ptr(y), 2, n, 0.5, s)),
+                 8 * n))
+    rows.append(("batched_copy (1 span)",
+                 timed(lambda: lib.perseus_cuda_batched_copy(ptr(spans), 1, s)), 8 * n))
+    flag = cp.zeros(1, cp.int32)
+    rows.append(("nonfinite float32",
+                 timed(lambda: lib.perseus_cuda_nonfinite(ptr(x), 0, n, ptr(flag), s)), 4 * n))
+    copy_gbs = 8 * n / copy_ms / 1e6
+    print("\nKernels against the device copy, 256 MiB of float32 (bytes read + written)")
+    print("| kernel | ms | GB/s | / device copy |")
+    print("|---|---|---|---|")
+    for name, ms, moved in rows:
+        gbs = moved / ms / 1e6
+        print(f"| {name} | {ms:.3f} | {gbs:.0f} | {gbs / copy_gbs:.2f} |")
 
 
 def check_nccl():
@@ -254,8 +362,10 @@ def main():
         print("no GPU here (CUDA reports 0 devices)")
         return 2
     print(f"GPU: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {devices} device(s)")
-    check_kernels(load(args.lib), cp)
+    lib = load(args.lib)
+    check_kernels(lib, cp)
     check_nccl()
+    bench_kernels(lib, cp)
     print(f"{len(FAILED)} failed" + (": " + ", ".join(FAILED) if FAILED else ""))
     return 1 if FAILED else 0
 

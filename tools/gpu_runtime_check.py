@@ -79,6 +79,25 @@ def main():
                                 ready=event.ptr, **kw)
         return h, out, event
 
+    # The first collective's cost (communicators, buffers and kernels are
+    # made then) against the same collective warm; the device's free memory
+    # before and after it (every rank of this GPU together).
+    free0 = cp.cuda.runtime.memGetInfo()[0]
+    first_x = cp.ones(1 << 18, cp.float32)
+    t0 = time.perf_counter()
+    h, _, _event = submit(first_x, "first")  # the event lives until the collective is done
+    h.wait()
+    first = time.perf_counter() - t0
+    free1 = cp.cuda.runtime.memGetInfo()[0]
+
+    def again():
+        h, _, _event = submit(first_x, "first")
+        h.wait()
+    warm = _time(again, 5)
+    if rank == 0:
+        print(f"first collective: {first * 1e3:.1f} ms, warm {warm * 1e3:.2f} ms; the GPU's "
+              f"free memory fell {(free0 - free1) / 2**20:.0f} MiB meanwhile", flush=True)
+
     def data(r, shape, dtype, seed):
         rng = np.random.default_rng(1000 * r + seed)
         return rng.integers(1, 4, size=shape).astype(dtype)
@@ -164,6 +183,8 @@ def main():
 
     if mode == "nccl" and size == 1:
         bandwidth_nccl(cp, submit, stream)
+    elif mode == "nccl":
+        versus_nccl(cp, submit, stream, rank, size)
     elif mode != "nccl":
         bandwidth_staged(cp, submit, stream, rank, size)
     _native.shutdown()  # writes the timeline
@@ -226,6 +247,52 @@ def bandwidth_nccl(cp, submit, stream):
         a, c = _time(run, 10), _time(copy, 10)
         gb = mb / 1024
         print(f"| {mb} | {a * 1e3:.3f} | {c * 1e3:.3f} | {gb / a:.1f} | {gb / c:.1f} |", flush=True)
+
+
+def versus_nccl(cp, submit, stream, rank, size):
+    """Perseus's allreduce against NCCL called directly (CuPy's binding, a
+    communicator of its own) on the same buffers, 1 to 256 MiB of float32."""
+    from perseus_tf import _core, _native
+    try:
+        from cupy.cuda import nccl
+    except Exception as e:  # a CuPy built without NCCL
+        print(f"no direct NCCL through CuPy ({type(e).__name__}: {e}): no comparison")
+        return
+    made = nccl.get_unique_id()  # bytes (newer CuPy) or a tuple of signed chars
+    uid = np.zeros(128, np.int64)
+    if rank == 0:
+        uid[:] = (np.frombuffer(made, np.int8) if isinstance(made, bytes) else np.array(made))
+    uid = _core.submit(_native.OP_ALLREDUCE, uid, "nccl.uid",
+                       _native.DTYPE_CODES["int64"]).wait()[0]  # rank 0's, everywhere
+    uid = (uid.astype(np.int8).tobytes() if isinstance(made, bytes)
+           else tuple(int(v) for v in uid))
+    comm = nccl.NcclCommunicator(size, uid, rank)
+    rows = []
+    for mb in (1, 16, 64, 256):
+        x = cp.ones(mb * (1 << 20) // 4, cp.float32)
+        out = cp.empty_like(x)
+
+        def perseus():
+            h, _, _event = submit(x, f"vs{mb}", out=out)
+            h.wait()
+
+        def direct():
+            comm.allReduce(x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                           stream.ptr)
+            stream.synchronize()
+
+        reps = 3 if mb == 256 else 5
+        a, d = _time(perseus, reps), _time(direct, reps)
+        a2 = _time(perseus, reps)  # after the direct runs too: the better of the two
+        rows.append((mb, min(a, a2), d))
+    comm.destroy()
+    if rank == 0:
+        print(f"\nAllreduce through Perseus against NCCL called directly, {size} ranks on one "
+              "GPU (a host id each: NCCL's sockets over loopback)")
+        print("| MiB | Perseus ms | NCCL direct ms | Perseus / NCCL |")
+        print("|---|---|---|---|")
+        for mb, a, d in rows:
+            print(f"| {mb} | {a * 1e3:.2f} | {d * 1e3:.2f} | {a / d:.2f} |", flush=True)
 
 
 def bandwidth_staged(cp, submit, stream, rank, size):

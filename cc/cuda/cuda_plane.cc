@@ -96,7 +96,7 @@ class Finisher {
       cu::Result e;
       while ((e = D().EventQuery(item.first)) == cu::kNotReady) {
         std::this_thread::sleep_for(std::chrono::microseconds(pause_us));
-        if (pause_us < 500) pause_us *= 2;
+        if (pause_us < 50) pause_us *= 2;  // seen within ~50 us of the event
         const auto now = std::chrono::steady_clock::now();
         if (now >= next_warning) {
           std::fprintf(stderr,

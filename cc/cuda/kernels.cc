@@ -44,6 +44,8 @@ unsigned Blocks(size_t n) {
   return static_cast<unsigned>(b);
 }
 
+constexpr const char* kCompileFlags = "--fmad=false";
+
 size_t Align(size_t b) { return (b + 255) / 256 * 256; }
 
 std::mutex g_mu;
@@ -72,9 +74,11 @@ std::string Compile(const cu::Nvrtc& nv, const std::string& arch) {
     throw std::runtime_error(std::string("NVRTC could not take the kernels' source: ") +
                              nv.GetErrorString(r));
   }
+  // --fmad=false: a product and a sum stay two roundings, as on the host
+  // (top-k's grad * prescale + residual gives the host's bits).
   const std::string option = "--gpu-architecture=" + arch;
-  const char* options[] = {option.c_str()};
-  r = nv.CompileProgram(prog, 1, options);
+  const char* options[] = {option.c_str(), kCompileFlags};
+  r = nv.CompileProgram(prog, 2, options);
   std::string out;
   if (r == 0) {
     const bool ptx = arch.compare(0, 8, "compute_") == 0;
@@ -127,7 +131,7 @@ void MakeDirs(const std::string& path) {
 // (atomically; a cache that cannot be written only costs a compile per
 // process).
 std::string CodeFor(const cu::Nvrtc& nv, const std::string& arch, bool fresh = false) {
-  const std::string key = std::string(kKernelSource) + "|" + arch + "|" +
+  const std::string key = std::string(kKernelSource) + "|" + kCompileFlags + "|" + arch + "|" +
                           std::to_string(nv.major) + "." + std::to_string(nv.minor) + "|" +
                           nv.path;
   char name[64];
@@ -336,7 +340,9 @@ int perseus_cuda_nonfinite(const void* data, int kind, size_t n, int* flag, void
 
 int perseus_cuda_batched_copy(const uint64_t* spans, int count, void* stream) {
   if (count <= 0) return 0;
-  return Launch(perseus::kBatchedCopy, count < 1024 ? count : 1024, perseus::kThreads, stream,
+  // At least 512 blocks, so that a few large spans are shared among them.
+  const int grid = count >= 1024 ? 1024 : (count > 512 ? count : 512);
+  return Launch(perseus::kBatchedCopy, grid, perseus::kThreads, stream,
                 {&spans, &count});
 }
 

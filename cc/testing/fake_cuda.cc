@@ -75,6 +75,9 @@ long long clock64() {
 struct uint4 {
   unsigned x, y, z, w;
 };
+struct uint2 {
+  unsigned x, y;
+};
 
 // float32 -> float16 bits, round to nearest even (what cvt.rn.f16.f32 does).
 unsigned short emulated_to_half(float f) {
@@ -170,6 +173,7 @@ std::map<uintptr_t, size_t> g_device;  // allocations: start -> bytes
 std::map<uintptr_t, size_t> g_pinned;
 long g_launches = 0;
 std::string g_last_arch;
+std::string g_last_options;  // NVRTC's options at the last compile, space-separated
 
 bool Inside(const std::map<uintptr_t, size_t>& m, uintptr_t p) {
   auto it = m.upper_bound(p);
@@ -400,6 +404,7 @@ long fake_cuda_pageable_d2h() {
 }
 long fake_cuda_event_creates() { return __atomic_load_n(&g_event_creates, __ATOMIC_SEQ_CST); }
 const char* fake_cuda_last_arch() { return g_last_arch.c_str(); }
+const char* fake_cuda_last_options() { return g_last_options.c_str(); }
 
 // --- NVRTC -------------------------------------------------------------------
 
@@ -435,14 +440,17 @@ int nvrtcDestroyProgram(void** prog) {
 }
 int nvrtcCompileProgram(void* prog, int n, const char* const* options) {
   auto* p = static_cast<FakeProgram*>(prog);
+  std::string all;
   for (int i = 0; i < n; ++i) {
     const std::string o = options[i];
     if (o.rfind("--gpu-architecture=", 0) == 0) p->arch = o.substr(19);
+    all += (i ? " " : "") + o;
   }
   if (p->arch.empty() || p->source.find("perseus_to_half") == std::string::npos) return 6;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     g_last_arch = p->arch;
+    g_last_options = all;
   }
   p->output = "FAKE-CUBIN for " + p->arch;
   p->output.push_back('\0');
