@@ -32,7 +32,12 @@ CONFIGS = {(2, "fused"): {}, (4, "unfused"): {"PERSEUS_FUSION_THRESHOLD": "0"},
            # kernels' source as host code. Every machine runs these.
            (2, "cudaemu"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host"},
            (4, "cudaemu-tcp"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host",
-                                "PERSEUS_SHM_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_STREAMS": "2"}}
+                                "PERSEUS_SHM_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_STREAMS": "2"},
+           # Two stand-in devices, each rank on its local rank's, as on a
+           # machine of several GPUs: the stand-in fails any launch, copy or
+           # event of another device than the current context's.
+           (2, "cudaemu-2gpus"): {"PERSEUS_TEST_DEVICE": "cuda", "PERSEUS_GPU_TRANSPORT": "host",
+                                  "PERSEUS_TEST_CUDA_DEVICE": "local", "FAKE_CUDA_DEVICES": "2"}}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS), ids=lambda k: f"{k[0]}ranks-{k[1]}")

@@ -187,6 +187,8 @@ fake.fake_cuda_last_options.restype = ctypes.c_char_p
 lib.perseus_cuda_error_string.restype = ctypes.c_char_p
 x = np.arange(10, dtype=np.float32)
 h = np.zeros(10, np.uint16)
+ctx = ctypes.c_void_p()  # device 0's context, current (as CuPy or TF make it)
+assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0 and fake.cuCtxSetCurrent(ctx) == 0
 rc = lib.perseus_cuda_to_half(ctypes.c_void_p(x.ctypes.data), ctypes.c_void_p(h.ctypes.data),
                               ctypes.c_size_t(10), ctypes.c_float(1.0), None)
 print(rc, fake.fake_cuda_last_arch().decode() or "cached",
@@ -226,6 +228,62 @@ def test_the_kernels_are_compiled_for_the_gpu_in_use_and_cached(tmp_path):
     out = first_launch(35, tmp_path / "c3")
     assert out.startswith("999999 cached") and "compute capability 3.5, which NVRTC 12.5 " \
         "does not compile for (it knows 50 to 90)" in out, out
+
+
+DEVICES_SCRIPT = """
+import ctypes, os, sys
+import numpy as np
+lib = ctypes.CDLL(sys.argv[1])
+fake = ctypes.CDLL(os.environ["PERSEUS_CUDA_DRIVER"])
+lib.perseus_cuda_error_string.restype = ctypes.c_char_p
+p = ctypes.c_void_p
+x = np.arange(8, dtype=np.float32)
+h = np.zeros(8, np.uint16)
+# No context current: an error naming that, never device 0's kernels.
+rc = lib.perseus_cuda_to_half(p(x.ctypes.data), p(h.ctypes.data), ctypes.c_size_t(8),
+                              ctypes.c_float(1.0), None)
+print("none:", rc, lib.perseus_cuda_error_string(rc).decode())
+ctx0, ctx1 = p(), p()
+fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx0), 0)
+fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx1), 1)
+fake.cuCtxSetCurrent(ctx1)
+s1 = p()
+assert fake.cuStreamCreate(ctypes.byref(s1), 1) == 0
+rc = lib.perseus_cuda_to_half(p(x.ctypes.data), p(h.ctypes.data), ctypes.c_size_t(8),
+                              ctypes.c_float(1.0), s1)
+print("device 1:", rc, [int(v) for v in h[:3]])
+# Device 1's stream while device 0's context is current: refused, as CUDA does.
+fake.cuCtxSetCurrent(ctx0)
+rc = lib.perseus_cuda_to_half(p(x.ctypes.data), p(h.ctypes.data), ctypes.c_size_t(8),
+                              ctypes.c_float(1.0), s1)
+print("mismatch:", rc)
+# The plane of device 1 works whatever context the caller left current.
+err = ctypes.create_string_buffer(512)
+lib.perseus_cuda_plane_create.restype = ctypes.c_void_p
+plane = lib.perseus_cuda_plane_create(1, 2, err, 512)
+print("plane:", bool(plane), err.value.decode())
+"""
+
+
+def test_kernels_run_in_the_current_device_and_the_stand_in_tells_devices_apart():
+    """Several devices (the stand-in driver's FAKE_CUDA_DEVICES): with no
+    context current a launch fails saying so (it used to fall back to device
+    0's); on device 1's context it runs; device 1's stream under device 0's
+    context is refused by the stand-in as by CUDA; a plane of device 1 comes
+    up from another device's context."""
+    _built()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import fake_cuda_env
+    env = dict(os.environ, **fake_cuda_env(), FAKE_CUDA_DEVICES="2")
+    proc = subprocess.run([sys.executable, "-c", DEVICES_SCRIPT, LIB], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.strip().splitlines())
+    assert lines["none"].startswith("999999 ") and "no CUDA context is current" in \
+        lines["none"], proc.stdout
+    assert lines["device 1"] == "0 [0, 15360, 16384]", proc.stdout
+    assert lines["mismatch"] == "400", proc.stdout
+    assert lines["plane"].strip() == "True", proc.stdout
 
 
 @pytest.mark.parametrize("np_", [2, 4])

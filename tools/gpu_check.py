@@ -349,6 +349,12 @@ def main():
                              "in PERSEUS_CUDA_DRIVER (tests/test_cuda.py): no GPU, no CuPy")
     args = parser.parse_args()
     if args.emulated:
+        # The kernels run in the calling thread's current context, which
+        # CuPy makes current on a GPU: here the stand-in driver's device 0.
+        driver = ctypes.CDLL(os.environ["PERSEUS_CUDA_DRIVER"])
+        ctx = ctypes.c_void_p()
+        assert driver.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert driver.cuCtxSetCurrent(ctx) == 0
         check_kernels(load(args.lib), _EmulatedCupy, emulated=True)
         print(f"{len(FAILED)} failed" + (": " + ", ".join(FAILED) if FAILED else ""))
         return 1 if FAILED else 0

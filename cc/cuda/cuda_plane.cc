@@ -190,6 +190,7 @@ class CudaPlane : public DataPlane {
     return std::string(host_id) + "|" + bus;
   }
   void* NativeStream(int stream) override { return at(stream).stream; }
+  void MakeCurrent() override { Use(); }
 
   void WaitReady(int stream, const Placement& where) override {
     if (!where.ready) return;

@@ -189,17 +189,17 @@ std::map<cu::Context, Loaded>& Modules() {
   return *m;
 }
 
-// The current context (device 0's primary one made current when none is).
+// The calling thread's current context: the caller made the device of the
+// data current (the plane does before every launch). None current is an
+// error, not device 0's: on a machine of several GPUs that would launch on
+// the wrong one.
 cu::Context CurrentContext(const cu::Driver& d) {
   cu::Context ctx = nullptr;
   d.CtxGetCurrent(&ctx);
   if (ctx != nullptr) return ctx;
-  cu::Device dev = 0;
-  cu::Result r = d.DeviceGet(&dev, 0);
-  if (r == cu::kSuccess) r = d.DevicePrimaryCtxRetain(&ctx, dev);
-  if (r == cu::kSuccess) r = d.CtxSetCurrent(ctx);
-  if (r != cu::kSuccess) throw std::runtime_error("no CUDA context: " + d.Describe(r));
-  return ctx;
+  throw std::runtime_error(
+      "no CUDA context is current on this thread: the kernels run on the device whose context "
+      "the caller made current (an internal error of Perseus-TF; please report it)");
 }
 
 const Loaded& KernelsForCurrent() {

@@ -1,9 +1,9 @@
 // CUDA kernels of the GPU data plane, behind a C interface (so that Python,
 // through ctypes, can call them too). Each function queues its work on
 // `stream` (a CUstream / cudaStream_t; null is the legacy default stream) in
-// the calling thread's current CUDA context (none current: device 0's
-// primary context, the one TF and the CUDA runtime use) and returns a
-// CUresult (0: queued). Nothing here waits for the device.
+// the calling thread's current CUDA context (none current: an error, never
+// a guess at device 0) and returns a CUresult (0: queued). Nothing here
+// waits for the device.
 //
 // The kernels' source (kernel_source.cc) is compiled at run time by NVRTC
 // for the GPU of the context, once per context, and the result is cached

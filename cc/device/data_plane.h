@@ -106,6 +106,11 @@ class DataPlane {
   // The device's own handle of `stream` (a cudaStream_t), for transports
   // that queue work on it (NCCL); null on planes without one.
   virtual void* NativeStream(int stream) { return nullptr; }
+  // Makes the plane's device the calling thread's current one, for work
+  // that reaches the device through something else than the plane (NCCL
+  // binds a communicator to the device current when it is made, and
+  // queues on it); a no-op on planes without a device.
+  virtual void MakeCurrent() {}
   // A test that says whether the work queued on `stream` so far has
   // finished (for transports that poll with a deadline); planes that finish
   // everything before returning answer true at once.

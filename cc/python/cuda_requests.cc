@@ -36,7 +36,12 @@ void PlaceOnCudaDevice(Request& req, void* host_out) {
   if (lib == nullptr) throw std::runtime_error("PERSEUS_TEST_DEVICE=cuda: " + why);
   auto held = std::make_shared<Held>();
   held->lib = lib;
-  held->device = EnvInt("PERSEUS_TEST_CUDA_DEVICE", 0);
+  // "local": the rank's local rank (one device per rank, as jobs run on a
+  // machine of several GPUs); else a device ordinal (default 0).
+  const char* which = std::getenv("PERSEUS_TEST_CUDA_DEVICE");
+  held->device = which != nullptr && std::string(which) == "local"
+                     ? EnvInt("PERSEUS_LOCAL_RANK", 0)
+                     : EnvInt("PERSEUS_TEST_CUDA_DEVICE", 0);
   const int device = held->device;
   const size_t esize = DataTypeSize(req.meta.dtype);
   const size_t bytes = static_cast<size_t>(NumElements(req.meta.shape)) * esize;

@@ -124,7 +124,7 @@ class Executor {
   // NCCL's communicator of `stream` among all ranks, or (host_group) among
   // this host's ranks, when NcclTakes, else null. Made on first use: every
   // rank reaches the same stream's buckets in the same order.
-  NcclComm* NcclFor(int stream, const DataPlane& plane, DataType dtype, bool host_group = false);
+  NcclComm* NcclFor(int stream, DataPlane& plane, DataType dtype, bool host_group = false);
   // kNcclTwoLevel (allreduce_algorithms.h) of a device buffer.
   void NcclTwoLevel(int stream, DataPlane& plane, void* buf, size_t count, DataType dtype,
                     ReduceOp op, size_t half_across);

@@ -61,8 +61,13 @@ bool Executor::NcclTakes(int stream, const DataPlane& plane, DataType dtype) con
   return dtype != DataType::kUint16 && dtype != DataType::kInt16;  // no NCCL type
 }
 
-NcclComm* Executor::NcclFor(int stream, const DataPlane& plane, DataType dtype, bool host_group) {
+NcclComm* Executor::NcclFor(int stream, DataPlane& plane, DataType dtype, bool host_group) {
   if (!NcclTakes(stream, plane, dtype)) return nullptr;
+  // NCCL binds a communicator to the device current when it is made, and
+  // queues each call on the current device: the plane's, whatever ran on
+  // this thread before (a broadcast with no producer's event of its own
+  // reaches here without any plane call).
+  plane.MakeCurrent();
   std::unique_ptr<NcclComm>& comm =
       (host_group ? nccl_host_ : nccl_).at(static_cast<size_t>(stream));
   if (!comm) {
@@ -78,8 +83,6 @@ NcclComm* Executor::NcclFor(int stream, const DataPlane& plane, DataType dtype, 
     const std::string group =
         options_.process_set_id ? "process set " + std::to_string(options_.process_set_id)
                                 : std::string("the world");
-    // The plane's calls on this thread made its device the current one, which
-    // is the device NCCL binds the communicator to.
     comm.reset(new NcclComm(
         *lib, host_group ? options_.local_rank : options_.rank,
         host_group ? options_.local_size : options_.size, c_.nccl_bootstrap(name),

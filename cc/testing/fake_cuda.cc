@@ -17,6 +17,19 @@
 // threads meeting at a barrier (__syncthreads anywhere else aborts, naming
 // the kernel). What it is not: asynchrony, the PTX float16 casts (done in
 // software here), real memory spaces.
+//
+// Devices (FAKE_CUDA_DEVICES of them, default 1) are told apart as a GPU
+// tells them: each has its primary context, and allocations, streams,
+// events and loaded kernels belong to the device whose context was current
+// when they were made. A call that needs a context fails with
+// CUDA_ERROR_INVALID_CONTEXT when none is current, and a launch, copy,
+// memset, allocation or event record on a stream (or with a kernel or an
+// event) of another device than the current context's fails with
+// CUDA_ERROR_INVALID_HANDLE, as the real driver refuses them, so that code
+// which leaves the wrong device current fails in CI, not only on a machine
+// with several GPUs. (A stream may wait for another device's event, as in
+// CUDA.) fake_cuda_pointer_device() and fake_cuda_current_device() let the
+// stand-in NCCL check its calls the same way.
 #include <barrier>
 #include <chrono>
 #include <cmath>
@@ -127,7 +140,7 @@ namespace {
 
 using Result = int;
 constexpr Result kSuccess = 0, kInvalidValue = 1, kInvalidDevice = 101, kInvalidImage = 200,
-                 kInvalidContext = 201, kNotFound = 500;
+                 kInvalidContext = 201, kInvalidHandle = 400, kNotFound = 500;
 
 // --- launches: unpacking the driver's argument array by parameter type ----
 
@@ -170,6 +183,7 @@ const KernelEntry kKernels[] = {
 
 std::mutex g_mu;
 std::map<uintptr_t, size_t> g_device;  // allocations: start -> bytes
+std::map<uintptr_t, int> g_owner;      // allocations: start -> device
 std::map<uintptr_t, size_t> g_pinned;
 long g_launches = 0;
 std::string g_last_arch;
@@ -192,11 +206,35 @@ struct Context {
 };
 Context g_contexts[16];
 thread_local Context* g_current = nullptr;
-int g_stream_tag, g_module_tag;
 
-struct Event {
-  int dummy = 0;
+// What belongs to a device: made while its context was current.
+struct Stream {
+  int device;
 };
+struct Event {
+  int device;
+};
+struct Function {
+  const KernelEntry* kernel;
+  int device;
+};
+struct Module {
+  int device;
+  std::map<std::string, Function> functions;
+};
+
+int CurrentDevice() { return g_current ? g_current->device : -1; }
+
+// kSuccess when a context is current and `device` (of a stream, event or
+// kernel; -1: the current context's own) is its device.
+Result OnCurrent(int device) {
+  if (g_current == nullptr) return kInvalidContext;
+  return device < 0 || device == g_current->device ? kSuccess : kInvalidHandle;
+}
+// A stream argument: null is the current context's default stream.
+Result StreamOnCurrent(void* stream) {
+  return OnCurrent(stream ? static_cast<Stream*>(stream)->device : -1);
+}
 
 }  // namespace
 
@@ -260,25 +298,34 @@ Result cuGetErrorString(Result r, const char** text) {
   return kSuccess;
 }
 Result cuModuleLoadData(void** module, const void* image) {
+  if (g_current == nullptr) return kInvalidContext;
   if (std::strncmp(static_cast<const char*>(image), "FAKE-CUBIN", 10) != 0) return kInvalidImage;
-  *module = &g_module_tag;
+  *module = new Module{g_current->device, {}};  // kept for the process, as modules are
   return kSuccess;
 }
-Result cuModuleGetFunction(void** function, void*, const char* name) {
+Result cuModuleGetFunction(void** function, void* module, const char* name) {
+  auto* m = static_cast<Module*>(module);
   for (const KernelEntry& k : kKernels) {
     if (std::strcmp(k.name, name) == 0) {
-      *function = const_cast<KernelEntry*>(&k);
+      std::lock_guard<std::mutex> lock(g_mu);
+      Function& f = m->functions[name];
+      f = Function{&k, m->device};
+      *function = &f;
       return kSuccess;
     }
   }
   return kNotFound;
 }
 Result cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                      unsigned by, unsigned bz, unsigned, void*, void** params, void**) {
-  const KernelEntry& k = *static_cast<const KernelEntry*>(function);
+                      unsigned by, unsigned bz, unsigned, void* stream, void** params, void**) {
+  const Function& f = *static_cast<const Function*>(function);
+  const KernelEntry& k = *f.kernel;
   if (gy != 1 || gz != 1 || by != 1 || bz != 1 || gx == 0 || bx == 0 || bx > 1024) {
     return kInvalidValue;
   }
+  // The kernel was loaded into the current context, the stream is of it.
+  if (Result r = OnCurrent(f.device); r != kSuccess) return r;
+  if (Result r = StreamOnCurrent(stream); r != kSuccess) return r;
   std::lock_guard<std::mutex> lock(g_mu);  // one kernel at a time: gridDim is shared
   ++g_launches;
   gridDim = dim3{gx, 1, 1};
@@ -310,46 +357,64 @@ Result cuLaunchKernel(void* function, unsigned gx, unsigned gy, unsigned gz, uns
   return kSuccess;
 }
 Result cuStreamCreate(void** stream, unsigned) {
-  *stream = &g_stream_tag;
+  if (g_current == nullptr) return kInvalidContext;
+  *stream = new Stream{g_current->device};
   return kSuccess;
 }
-Result cuStreamDestroy_v2(void*) { return kSuccess; }
+Result cuStreamDestroy_v2(void* stream) {
+  delete static_cast<Stream*>(stream);
+  return kSuccess;
+}
 Result cuStreamSynchronize(void*) { return kSuccess; }
-Result cuStreamWaitEvent(void*, void*, unsigned) { return kSuccess; }
+// The event may be another device's (CUDA allows that); the stream is the
+// current context's.
+Result cuStreamWaitEvent(void* stream, void*, unsigned) { return StreamOnCurrent(stream); }
 long g_event_creates = 0;
 Result cuEventCreate(void** event, unsigned) {
+  if (g_current == nullptr) return kInvalidContext;
   __atomic_fetch_add(&g_event_creates, 1, __ATOMIC_SEQ_CST);
-  *event = new Event();
+  *event = new Event{g_current->device};
   return kSuccess;
 }
 Result cuEventDestroy_v2(void* event) {
   delete static_cast<Event*>(event);
   return kSuccess;
 }
-Result cuEventRecord(void*, void*) { return kSuccess; }
+Result cuEventRecord(void* event, void* stream) {
+  if (Result r = StreamOnCurrent(stream); r != kSuccess) return r;
+  return OnCurrent(static_cast<Event*>(event)->device);
+}
 Result cuEventQuery(void*) { return kSuccess; }
 Result cuEventSynchronize(void*) { return kSuccess; }
 
 Result cuMemAlloc_v2(unsigned long long* p, size_t bytes) {
+  if (g_current == nullptr) return kInvalidContext;
   void* mem = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
   if (mem == nullptr) return 2;  // out of memory
   std::memset(mem, 0xab, bytes);
   std::lock_guard<std::mutex> lock(g_mu);
   g_device[reinterpret_cast<uintptr_t>(mem)] = bytes;
+  g_owner[reinterpret_cast<uintptr_t>(mem)] = g_current->device;
   *p = reinterpret_cast<uintptr_t>(mem);
   return kSuccess;
 }
 Result cuMemFree_v2(unsigned long long p) {
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_device.erase(static_cast<uintptr_t>(p)) == 0) return kInvalidValue;
+  g_owner.erase(static_cast<uintptr_t>(p));
   std::free(reinterpret_cast<void*>(p));
   return kSuccess;
 }
-Result cuMemAllocAsync(unsigned long long* p, size_t bytes, void*) {
+Result cuMemAllocAsync(unsigned long long* p, size_t bytes, void* stream) {
+  if (Result r = StreamOnCurrent(stream); r != kSuccess) return r;
   return cuMemAlloc_v2(p, bytes);
 }
-Result cuMemFreeAsync(unsigned long long p, void*) { return cuMemFree_v2(p); }
+Result cuMemFreeAsync(unsigned long long p, void* stream) {
+  if (Result r = StreamOnCurrent(stream); r != kSuccess) return r;
+  return cuMemFree_v2(p);
+}
 Result cuMemHostAlloc(void** p, size_t bytes, unsigned) {
+  if (g_current == nullptr) return kInvalidContext;
   *p = std::malloc(bytes ? bytes : 1);
   std::lock_guard<std::mutex> lock(g_mu);
   g_pinned[reinterpret_cast<uintptr_t>(*p)] = bytes;
@@ -366,7 +431,9 @@ Result cuMemcpy(unsigned long long dst, unsigned long long src, size_t bytes) {
   return kSuccess;
 }
 long g_pageable_d2h = 0;
-Result cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t bytes, void*) {
+Result cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t bytes,
+                     void* stream) {
+  if (Result r = StreamOnCurrent(stream); r != kSuccess) return r;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (bytes && Inside(g_device, static_cast<uintptr_t>(src)) &&
@@ -377,7 +444,9 @@ Result cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t byte
   }
   return cuMemcpy(dst, src, bytes);
 }
-Result cuMemsetD8Async(unsigned long long dst, unsigned char value, size_t bytes, void*) {
+Result cuMemsetD8Async(unsigned long long dst, unsigned char value, size_t bytes,
+                       void* stream) {
+  if (Result r = StreamOnCurrent(stream); r != kSuccess) return r;
   std::memset(reinterpret_cast<void*>(dst), value, bytes);
   return kSuccess;
 }
@@ -405,6 +474,16 @@ long fake_cuda_pageable_d2h() {
 long fake_cuda_event_creates() { return __atomic_load_n(&g_event_creates, __ATOMIC_SEQ_CST); }
 const char* fake_cuda_last_arch() { return g_last_arch.c_str(); }
 const char* fake_cuda_last_options() { return g_last_options.c_str(); }
+// The device a pointer's allocation belongs to (-1: not device memory), and
+// the calling thread's current device (-1: no context current).
+int fake_cuda_pointer_device(const void* p) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_owner.upper_bound(reinterpret_cast<uintptr_t>(p));
+  if (it == g_owner.begin()) return -1;
+  --it;
+  return Inside(g_device, reinterpret_cast<uintptr_t>(p)) ? it->second : -1;
+}
+int fake_cuda_current_device() { return CurrentDevice(); }
 
 // --- NVRTC -------------------------------------------------------------------
 
