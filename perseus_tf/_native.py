@@ -489,7 +489,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 @functools.lru_cache(maxsize=None)
 def _nccl_wheel_dirs():
-    """The lib/ folders of the nvidia-nccl-cu12/-cu13 wheels on sys.path."""
+    """The lib/ folders of the nvidia-nccl-cu12/-cu13 wheels on sys.path,
+    those that the driver can run first: the CUDA major of the wheel that
+    installed each (cuNN) no newer than the driver's, and among those
+    TensorFlow's own (when TF is loaded), then the newest."""
     import glob
     import sys
     found = []
@@ -499,7 +502,69 @@ def _nccl_wheel_dirs():
             folder = os.path.dirname(lib)
             if folder not in found:
                 found.append(folder)
-    return tuple(found)
+    driver = driver_cuda_major()
+    tf_major = _tensorflow_cuda_major()
+
+    def rank(folder):
+        major = nccl_cuda_major(os.path.join(folder, "libnccl.so.2"))
+        runs = major is None or driver is None or major <= driver
+        return (not runs, major != tf_major, -(major or 0))
+    return tuple(sorted(found, key=rank))
+
+
+def driver_cuda_major():
+    """The CUDA major version the NVIDIA driver supports (cuDriverGetVersion),
+    or None without a driver."""
+    import ctypes
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        if cuda.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value <= 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return version.value // 1000
+
+
+def _tensorflow_cuda_major():
+    """The CUDA major TensorFlow was built with, if TF is already imported
+    (importing it here would cost every _core-only process seconds)."""
+    import sys
+    tf = sys.modules.get("tensorflow")
+    try:
+        version = str(tf.sysconfig.get_build_info().get("cuda_version", "")) if tf else ""
+        return int(version.split(".")[0]) if version else None
+    except (AttributeError, ValueError):
+        return None
+
+
+def nccl_cuda_major(path):
+    """The CUDA major of the nvidia-nccl-cuNN wheel that installed `path`
+    (its libnccl.so.2), or None when no such wheel did (a system NCCL, or
+    PERSEUS_NCCL_LIBRARY's)."""
+    import importlib.metadata
+    import re
+    target = os.path.realpath(path)
+    for dist in importlib.metadata.distributions():
+        match = re.fullmatch(r"nvidia[-_]nccl[-_]cu(\d+)", (dist.metadata["Name"] or "").lower())
+        if not match:
+            continue
+        for f in dist.files or ():
+            if f.name == "libnccl.so.2" and os.path.realpath(dist.locate_file(f)) == target:
+                return int(match.group(1))
+    return None
+
+
+def nccl_driver_mismatch(path, nccl_major, driver_major):
+    """Why NCCL at `path`, built for CUDA `nccl_major`, cannot run on a
+    driver of CUDA `driver_major` (None: it can, or either is unknown)."""
+    if nccl_major is None or driver_major is None or nccl_major <= driver_major:
+        return None
+    return (f"the NCCL at {path} is built for CUDA {nccl_major} (nvidia-nccl-cu{nccl_major}), "
+            f"but this machine's NVIDIA driver supports CUDA {driver_major} at most: install "
+            f"nvidia-nccl-cu{driver_major} (tensorflow[and-cuda] brings nvidia-nccl-cu12), set "
+            f"PERSEUS_NCCL_LIBRARY to a libnccl.so.2 built for CUDA {driver_major}, or set "
+            f"PERSEUS_GPU_TRANSPORT=host on every rank")
 
 
 def _resolve_gpu_transport(wanted):
@@ -510,6 +575,10 @@ def _resolve_gpu_transport(wanted):
         return "host"
     info = nccl_library()
     if info["available"]:
+        why = nccl_driver_mismatch(info["path"], nccl_cuda_major(info["path"]),
+                                   driver_cuda_major())
+        if why:
+            raise RuntimeError(f"PERSEUS_GPU_TRANSPORT={wanted}: {why}")
         return "nccl"
     if wanted == "nccl":
         raise RuntimeError(f"PERSEUS_GPU_TRANSPORT=nccl, but NCCL cannot be loaded: "

@@ -178,3 +178,38 @@ def test_gpu_calls_on_real_tensorflow():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+
+
+def test_the_nccl_that_the_driver_can_run_is_preferred_and_a_mismatch_is_named(tmp_path,
+                                                                               monkeypatch):
+    """Two nvidia-nccl wheels on sys.path (cu12 and cu13, as a venv shared
+    with PyTorch can hold): on a CUDA 12 driver the cu12 one comes first, on
+    a CUDA 13 driver the cu13 one (TF not loaded); NCCL built for a newer
+    CUDA than the driver's is refused at init with what to install."""
+    from perseus_tf import _native
+    dirs = {}
+    for major in (12, 13):
+        site = tmp_path / f"site{major}"
+        lib = site / "nvidia" / "nccl" / "lib"
+        lib.mkdir(parents=True)
+        (lib / "libnccl.so.2").write_bytes(b"")
+        info = site / f"nvidia_nccl_cu{major}-2.28.9.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: nvidia-nccl-cu{major}\n"
+                                       "Version: 2.28.9\n")
+        (info / "RECORD").write_text("nvidia/nccl/lib/libnccl.so.2,,\n")
+        monkeypatch.syspath_prepend(str(site))
+        dirs[major] = str(lib)
+    assert _native.nccl_cuda_major(dirs[12] + "/libnccl.so.2") == 12
+    assert _native.nccl_cuda_major(dirs[13] + "/libnccl.so.2") == 13
+    for driver, first in ((12, 12), (13, 13)):
+        monkeypatch.setattr(_native, "driver_cuda_major", lambda d=driver: d)
+        _native._nccl_wheel_dirs.cache_clear()
+        found = [d for d in _native._nccl_wheel_dirs() if d in dirs.values()]
+        assert found[0] == dirs[first], (driver, found)
+    _native._nccl_wheel_dirs.cache_clear()
+    why = _native.nccl_driver_mismatch("/x/libnccl.so.2", 13, 12)
+    assert "built for CUDA 13" in why and "supports CUDA 12" in why and \
+        "nvidia-nccl-cu12" in why and "PERSEUS_GPU_TRANSPORT=host" in why, why
+    assert _native.nccl_driver_mismatch("/x", 12, 13) is None
+    assert _native.nccl_driver_mismatch("/x", None, 12) is None
