@@ -170,17 +170,25 @@ def check_kernels(lib, cp, emulated=False):
     want = np.concatenate([np.zeros(3, np.uint8)] + [cp.asnumpy(x) for x in srcs])
     report("batched_copy (8 spans, unaligned)", rc == 0 and np.array_equal(cp.asnumpy(dst), want))
     # One large aligned span with a ragged end (shared among the blocks), and
-    # more spans than blocks (whole spans per block).
-    for sizes in ([(5 << 20) + 7], [3] * 1500):
-        srcs = [cp.asarray(rng.integers(0, 255, n, dtype=np.uint8)) for n in sizes]
-        dsts = [cp.zeros(n, cp.uint8) for n in sizes]
+    # more spans than blocks (whole spans per block); then ends at offsets
+    # (source, destination) that allow 16-byte words after a head, 8, 4, 2
+    # or 1-byte words.
+    cases = [([(5 << 20) + 7], 0, 0), ([3] * 1500, 0, 0)]
+    cases += [([100_003, 17, 4096], so, do) for so, do in
+              ((3, 3), (8, 0), (0, 4), (4, 8), (2, 6), (1, 0))]
+    for sizes, so, do in cases:
+        srcs = [cp.asarray(rng.integers(0, 255, n + 16, dtype=np.uint8)) for n in sizes]
+        dsts = [cp.zeros(n + 16, cp.uint8) for n in sizes]
         table = cp.asarray(np.array([v for a, b, n in zip(srcs, dsts, sizes)
-                                     for v in (a.data.ptr, b.data.ptr, n)], np.uint64))
+                                     for v in (a.data.ptr + so, b.data.ptr + do, n)], np.uint64))
         rc = lib.perseus_cuda_batched_copy(ptr(table), len(sizes), ctypes.c_void_p(s))
         stream.synchronize()
-        ok = rc == 0 and all(np.array_equal(cp.asnumpy(a), cp.asnumpy(b))
-                             for a, b in zip(srcs, dsts))
-        report(f"batched_copy ({len(sizes)} span(s) of {sizes[0]} bytes)", ok)
+        ok = rc == 0
+        for a, b, n in zip(srcs, dsts, sizes):
+            want = np.zeros(n + 16, np.uint8)
+            want[do:do + n] = cp.asnumpy(a)[so:so + n]
+            ok = ok and np.array_equal(cp.asnumpy(b), want)
+        report(f"batched_copy ({len(sizes)} span(s) of {sizes[0]} bytes, offsets {so}/{do})", ok)
 
     # One tile, one block, many of each (the CPU emulation runs each thread of
     # the scan's blocks as an OS thread: the largest takes minutes there).
@@ -262,6 +270,10 @@ def bench_kernels(lib, cp):
                  8 * n))
     rows.append(("batched_copy (1 span)",
                  timed(lambda: lib.perseus_cuda_batched_copy(ptr(spans), 1, s)), 8 * n))
+    # A float32 tensor packed after an odd count of others: 4-byte aligned.
+    spans4 = cp.asarray(np.array([x.data.ptr, y.data.ptr + 4, 4 * n - 16], np.uint64))
+    rows.append(("batched_copy (destination 4 bytes off)",
+                 timed(lambda: lib.perseus_cuda_batched_copy(ptr(spans4), 1, s)), 8 * n))
     flag = cp.zeros(1, cp.int32)
     rows.append(("nonfinite float32",
                  timed(lambda: lib.perseus_cuda_nonfinite(ptr(x), 0, n, ptr(flag), s)), 4 * n))

@@ -193,8 +193,18 @@ extern "C" __global__ void perseus_nonfinite_16(const u16* data, u64 n, u32 mask
 // With fewer spans than blocks, each span gets gridDim.x / count blocks, each
 // copying an even share of it (one block for a large span kept it to one
 // multiprocessor: 20 GB/s on an H200); with more spans, each block copies
-// whole spans, grid-strided. 16 bytes at a time when both ends are 16-byte
-// aligned, else byte by byte.
+// whole spans, grid-strided. Each span moves in the widest words both ends
+// allow: 16 bytes when source and destination sit alike modulo 16 (after up
+// to 15 bytes one by one), else 8, 4 or 2 bytes when both are aligned so (a
+// float32 tensor packed after an odd count of others is 4-aligned), else
+// bytes; the last partial word goes byte by byte.
+template <typename W>
+__device__ __forceinline__ void copy_words(const char* src, char* dst, u64 lo, u64 hi) {
+  const W* s = (const W*)src;
+  W* d = (W*)dst;
+  for (u64 i = lo + threadIdx.x; i < hi; i += blockDim.x) d[i] = s[i];
+}
+
 extern "C" __global__ void perseus_batched_copy(const u64* spans, int count) {
   const u64 per = gridDim.x >= (unsigned)count ? gridDim.x / count : 1;
   const u64 part = blockIdx.x % per;
@@ -203,19 +213,35 @@ extern "C" __global__ void perseus_batched_copy(const u64* spans, int count) {
     const char* src = (const char*)spans[3 * s];
     char* dst = (char*)spans[3 * s + 1];
     const u64 bytes = spans[3 * s + 2];
-    u64 done = 0;
-    if ((((u64)src | (u64)dst) & 15) == 0) {
-      const u64 words = bytes / 16;
-      const uint4* s4 = (const uint4*)src;
-      uint4* d4 = (uint4*)dst;
-      const u64 end = words * (part + 1) / per;
-      for (u64 i = words * part / per + threadIdx.x; i < end; i += blockDim.x) d4[i] = s4[i];
-      done = words * 16;
+    const u64 a = (u64)src, b = (u64)dst;
+    u64 head = 0, unit = 1;
+    if (((a ^ b) & 15) == 0) {
+      head = (16 - (a & 15)) & 15;
+      if (head > bytes) head = bytes;
+      unit = 16;
+    } else if (((a | b) & 7) == 0) {
+      unit = 8;
+    } else if (((a | b) & 3) == 0) {
+      unit = 4;
+    } else if (((a | b) & 1) == 0) {
+      unit = 2;
     }
-    const u64 rest = bytes - done;
-    const u64 end = done + rest * (part + 1) / per;
-    for (u64 i = done + rest * part / per + threadIdx.x; i < end; i += blockDim.x) {
-      dst[i] = src[i];
+    if (part == 0) {
+      for (u64 i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+    }
+    const u64 words = (bytes - head) / unit;
+    const u64 lo = words * part / per, hi = words * (part + 1) / per;
+    switch (unit) {
+      case 16: copy_words<uint4>(src + head, dst + head, lo, hi); break;
+      case 8: copy_words<u64>(src + head, dst + head, lo, hi); break;
+      case 4: copy_words<u32>(src + head, dst + head, lo, hi); break;
+      case 2: copy_words<u16>(src + head, dst + head, lo, hi); break;
+      default: copy_words<u8>(src + head, dst + head, lo, hi); break;
+    }
+    if (part == per - 1) {
+      for (u64 i = head + words * unit + threadIdx.x; i < bytes; i += blockDim.x) {
+        dst[i] = src[i];
+      }
     }
   }
 }
