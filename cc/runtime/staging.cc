@@ -109,6 +109,9 @@ bool RunStaged(DataPlane& plane, int stream, Requests& requests, const StagedBod
       if (out == nullptr && !st.out.empty()) {
         throw std::runtime_error("could not allocate the output");
       }
+      // The caller's allocation may hand back a new `ready` (TF: an event on
+      // its stream after the allocation): written only after it.
+      plane.WaitReady(stream, q.where);
       plane.FromHost(stream, out, st.out.data(), st.out.size());
     } else if (q.output) {
       plane.FromHost(stream, q.output, h.output, bytes_of(q));

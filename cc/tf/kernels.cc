@@ -108,17 +108,6 @@ struct TfGpu {
     return OkStatus();
   }
 
-  // Waits on the host until what TF queued so far has run: memory TF just
-  // allocated outside its stream's order (the runtime's `allocate`) may
-  // still be read by a kernel queued before, from a tensor freed since.
-  Status Drain() const {
-    void* event = nullptr;
-    TF_RETURN_IF_ERROR(
-        Check(lib->record_event(device, stream, &event), "recording an event on TF's stream"));
-    Status s = Check(lib->event_synchronize(event), "waiting for TF's stream");
-    lib->event_destroy(event);
-    return s;
-  }
 };
 
 // Reads the attributes every reducing op has (reduce_op, prescale, postscale).
@@ -397,12 +386,17 @@ class ShapeFromPeersKernel : public CollectiveKernel {
       OP_REQUIRES_OK_ASYNC(ctx, gpu->Find(ctx), done);
       OP_REQUIRES_OK_ASYNC(ctx, gpu->Place(&req->where), done);
     }
-    req->allocate = [ctx, gpu](const std::vector<int64_t>& shape) -> void* {
+    Request* placed = req.get();  // outlives its own allocate
+    req->allocate = [ctx, gpu, placed](const std::vector<int64_t>& shape) -> void* {
       TensorShape ts;
       for (int64_t d : shape) ts.AddDim(d);
       Tensor* out = nullptr;
       Status s = ctx->allocate_output(0, ts, &out);
-      if (s.ok() && gpu != nullptr) s = gpu->Drain();
+      // Memory TF just handed out in its stream's order may still be read
+      // by a kernel queued before (from a tensor freed since): the event
+      // recorded now on TF's stream becomes the request's `ready`, which the
+      // runtime's stream waits for before it writes the output. No host wait.
+      if (s.ok() && gpu != nullptr) s = gpu->Place(&placed->where);
       if (!s.ok()) return nullptr;
       return DataOf(*out);
     };
