@@ -65,10 +65,23 @@ void Executor::Stop() {
 }
 
 void Executor::ReleaseDevices() {
-  for (auto& comm : nccl_) comm.reset();
-  for (auto& comm : nccl_host_) comm.reset();
+  {
+    std::lock_guard<std::mutex> lock(nccl_mu_);
+    for (auto& comm : nccl_) comm.reset();
+    for (auto& comm : nccl_host_) comm.reset();
+  }
   std::lock_guard<std::mutex> lock(planes_mu_);
   device_planes_.clear();
+}
+
+void Executor::StopDeviceWork(const std::string& why) {
+  std::lock_guard<std::mutex> lock(nccl_mu_);
+  if (nccl_stop_why_.empty()) nccl_stop_why_ = why.empty() ? "the runtime stopped" : why;
+  for (auto* comms : {&nccl_, &nccl_host_}) {
+    for (auto& comm : *comms) {
+      if (comm) comm->RequestAbort(nccl_stop_why_);
+    }
+  }
 }
 
 std::vector<StreamStats> Executor::stats() {

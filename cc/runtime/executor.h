@@ -65,6 +65,11 @@ class Executor {
   // After Stop: closes NCCL's communicators and the device planes (their
   // streams and threads), while the process's CUDA is still alive.
   void ReleaseDevices();
+  // Any thread (the runtime's failure path): a wait on NCCL in progress ends
+  // within a poll, its communicator aborted by its own thread so that NCCL's
+  // kernels stop too, and later NCCL calls fail at once, saying `why`.
+  // (A communicator still being made waits its own deadline.)
+  void StopDeviceWork(const std::string& why);
 
   // Queues the response on `stream`, after what is queued there.
   void Submit(int stream, Response response, Requests requests);
@@ -144,7 +149,11 @@ class Executor {
   std::unique_ptr<DataPlane> host_plane_;
   std::map<std::pair<int, int>, std::unique_ptr<DataPlane>> device_planes_;  // (kind, device)
   int cuda_device_ = 0;  // the last CUDA device a plane was made for (planes_mu_)
-  std::vector<std::unique_ptr<NcclComm>> nccl_, nccl_host_;  // by stream
+  std::vector<std::unique_ptr<NcclComm>> nccl_, nccl_host_;  // by stream (nccl_mu_ to
+                                                             // replace or reach from
+                                                             // another thread)
+  std::mutex nccl_mu_;
+  std::string nccl_stop_why_;  // StopDeviceWork's reason, once called (nccl_mu_)
   std::mutex stats_mu_;
   std::vector<StreamStats> stats_;
 };

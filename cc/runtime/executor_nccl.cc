@@ -83,7 +83,7 @@ NcclComm* Executor::NcclFor(int stream, DataPlane& plane, DataType dtype, bool h
     const std::string group =
         options_.process_set_id ? "process set " + std::to_string(options_.process_set_id)
                                 : std::string("the world");
-    comm.reset(new NcclComm(
+    std::unique_ptr<NcclComm> made(new NcclComm(
         *lib, host_group ? options_.local_rank : options_.rank,
         host_group ? options_.local_size : options_.size, c_.nccl_bootstrap(name),
         std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000)),
@@ -91,6 +91,9 @@ NcclComm* Executor::NcclFor(int stream, DataPlane& plane, DataType dtype, bool h
             (host_group ? "host " + std::to_string(options_.cross_rank) + " of " + group
                         : group),
         plane.DeviceIdentity()));
+    std::lock_guard<std::mutex> lock(nccl_mu_);
+    if (!nccl_stop_why_.empty()) made->RequestAbort(nccl_stop_why_);
+    comm = std::move(made);
   }
   return comm.get();
 }

@@ -343,6 +343,9 @@ std::string Runtime::Fail(const std::string& what) {
   Status status = Status::Error(StatusCode::kUnavailable, msg.str());
   RecordFirstFailure(culprits, msg.str());
   if (transports_) transports_->Abort();  // ranks waiting in a shared-memory barrier stop waiting
+  // Streams waiting on NCCL for the failed rank stop within a poll, not at
+  // their own deadline.
+  if (executor_) executor_->StopDeviceWork(msg.str());
   // Peers waiting on this rank over TCP (a send it will never match, say)
   // fail now, not at GLOO_TIMEOUT_SECONDS; so do this process's other waits.
   // The census key written above tells them this rank is a survivor.

@@ -215,6 +215,25 @@ void NcclComm::Abort() {
   lib_.CommAbort(comm_);
 }
 
+void NcclComm::RequestAbort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(why_mu_);
+    if (abort_requested_) return;
+    abort_why_ = why;
+  }
+  abort_requested_ = true;
+}
+
+void NcclComm::CheckAbortRequested(const std::string& operation) {
+  if (!abort_requested_.load(std::memory_order_relaxed)) return;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(why_mu_);
+    why = abort_why_;
+  }
+  Fail(operation, "stopped: " + why);
+}
+
 void NcclComm::Fail(const std::string& operation, const std::string& why) {
   Abort();
   throw std::runtime_error("NCCL " + what_ + ", rank " + std::to_string(rank_) + " of " +
@@ -230,6 +249,7 @@ void NcclComm::Settle(NcclLibrary::Result r, const std::string& operation) {
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   auto sleep = std::chrono::microseconds(20);
   while (r == NcclLibrary::kInProgress) {
+    CheckAbortRequested(operation);
     if (std::chrono::steady_clock::now() >= deadline) {
       Fail(operation, "did not finish within " + std::to_string(timeout_.count() / 1000.0) +
                           " s (GLOO_TIMEOUT_SECONDS): a rank is missing, dead or stuck");
@@ -243,12 +263,14 @@ void NcclComm::Settle(NcclLibrary::Result r, const std::string& operation) {
 
 void NcclComm::Allreduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                          void* stream) {
+  CheckAbortRequested("allreduce");
   if (aborted_) Fail("allreduce", "cannot run: an earlier error");
   const int type = NcclDataType(dtype), red = NcclReduceOp(op);
   Settle(lib_.AllReduce(send, recv, count, type, red, comm_, stream), "allreduce");
 }
 
 void NcclComm::Broadcast(const void* send, void* recv, size_t bytes, int root, void* stream) {
+  CheckAbortRequested("broadcast");
   if (aborted_) Fail("broadcast", "cannot run: an earlier error");
   Settle(lib_.Broadcast(send, recv, bytes, NcclDataType(DataType::kUint8), root, comm_, stream),
          "broadcast");
@@ -256,6 +278,7 @@ void NcclComm::Broadcast(const void* send, void* recv, size_t bytes, int root, v
 
 void NcclComm::Reduce(const void* send, void* recv, size_t count, DataType dtype, ReduceOp op,
                       int root, void* stream) {
+  CheckAbortRequested("reduce");
   if (aborted_) Fail("reduce", "cannot run: an earlier error");
   const int type = NcclDataType(dtype), red = NcclReduceOp(op);
   Settle(lib_.Reduce(send, recv, count, type, red, root, comm_, stream), "reduce");
@@ -265,6 +288,7 @@ void NcclComm::WaitUntil(const std::function<bool()>& finished, const std::strin
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   auto sleep = std::chrono::microseconds(20);
   while (!finished()) {
+    CheckAbortRequested(operation);
     NcclLibrary::Result state = NcclLibrary::kSuccess;
     lib_.CommGetAsyncError(comm_, &state);
     if (state != NcclLibrary::kSuccess && state != NcclLibrary::kInProgress) {

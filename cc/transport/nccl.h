@@ -18,10 +18,12 @@
 // publish/fetch (the rendezvous store).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -125,9 +127,17 @@ class NcclComm {
   // communicator's asynchronous error meanwhile; aborts and throws on an
   // error or when the timeout passes.
   void WaitUntil(const std::function<bool()>& finished, const std::string& operation);
-  // Aborts the communicator (any thread; once). Later calls throw.
+  // Aborts the communicator (the thread that calls its collectives; once).
+  // Later calls throw.
   void Abort();
   bool aborted() const { return aborted_; }
+  // From any thread, at any time (a rank failed, the runtime is closing):
+  // the wait in progress on the communicator's own thread, if any, ends
+  // within its next poll (about 50 us) by aborting the communicator, so
+  // that NCCL's kernels stop too, and throws `why`; so does every later
+  // call. NCCL's handle is touched by the owning thread alone: an abort
+  // from another thread would free it under a poll in progress.
+  void RequestAbort(const std::string& why);
 
  private:
   // Polls until NCCL answers something other than in-progress.
@@ -140,7 +150,12 @@ class NcclComm {
   int size_ = 1;
   std::chrono::milliseconds timeout_;
   std::string what_;
-  bool aborted_ = false;
+  bool aborted_ = false;                       // the owning thread's
+  std::atomic<bool> abort_requested_{false};   // any thread's
+  std::mutex why_mu_;
+  std::string abort_why_;
+  // Throws (after aborting) when an abort was requested.
+  void CheckAbortRequested(const std::string& operation);
 };
 
 }  // namespace perseus

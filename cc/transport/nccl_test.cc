@@ -281,5 +281,40 @@ TEST(NcclCollectiveErrorsAndHangsAbortAndName) {
   }
 }
 
+TEST(NcclWaitsEndSoonAfterAnAbortRequestedFromAnotherThread) {
+  // A peer died: the runtime's failure path asks every communicator to stop
+  // from its own thread. The stream thread's wait ends within a poll or so,
+  // NCCL's work is aborted, and later calls fail at once, all saying why;
+  // not at the 60 s deadline.
+  const NcclLibrary* lib = Fake();
+  CHECK(lib != nullptr);
+  if (lib == nullptr) return;
+  unsetenv("FAKE_NCCL_SCRIPT");
+  Board board;
+  NcclComm comm(*lib, 0, 1, board.For(), milliseconds(60000), "stream 0 of the world");
+  float x[2] = {1, 2}, y[2];
+  setenv("FAKE_NCCL_SCRIPT", "allreduce_hang", 1);
+  const int aborts = FakeCounter("fake_nccl_aborts");
+  const auto start = std::chrono::steady_clock::now();
+  std::thread failure([&] {
+    std::this_thread::sleep_for(milliseconds(200));
+    comm.RequestAbort("rank 3 failed");
+  });
+  std::string err = ErrorOf([&] {
+    comm.Allreduce(x, y, 2, DataType::kFloat32, ReduceOp::kSum, nullptr);
+    comm.WaitUntil([] { return false; }, "allreduce");
+  });
+  failure.join();
+  unsetenv("FAKE_NCCL_SCRIPT");
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took < milliseconds(1500));
+  CHECK(Has(err, "stream 0 of the world"));
+  CHECK(Has(err, "stopped: rank 3 failed"));
+  CHECK(comm.aborted());
+  CHECK_EQ(FakeCounter("fake_nccl_aborts"), aborts + 1);
+  err = ErrorOf([&] { comm.Broadcast(x, y, 8, 0, nullptr); });
+  CHECK(Has(err, "rank 3 failed") || Has(err, "an earlier error"));
+}
+
 }  // namespace
 }  // namespace perseus
