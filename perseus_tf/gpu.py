@@ -29,6 +29,7 @@ import os
 import warnings
 
 _warned_late = False
+_warned_memory = False
 
 
 class Placement:
@@ -102,6 +103,26 @@ class _TfConfig:
     def set_memory_growth(self, device):
         self._tf.config.experimental.set_memory_growth(device, True)
 
+    def growth_on(self, device):
+        return bool(self._tf.config.experimental.get_memory_growth(device))
+
+
+def _warn_if_tf_takes_the_gpu(device_index, growth_on, has_limit, env):
+    """One warning per process when TensorFlow will reserve nearly all of
+    the rank's GPU (memory growth off, no memory limit): NCCL's buffers,
+    hundreds of MB per communicator, then fail at the first step."""
+    global _warned_memory
+    forced = env.get("TF_FORCE_GPU_ALLOW_GROWTH", "").strip().lower() == "true"
+    if growth_on or has_limit or forced or _warned_memory:
+        return
+    _warned_memory = True
+    warnings.warn(
+        f"Perseus: TensorFlow will reserve nearly all of GPU {device_index}'s memory (memory "
+        f"growth is off and no memory limit is set), leaving little for NCCL's buffers "
+        f"(hundreds of MB per communicator): expect an out-of-memory error at the first step. "
+        f"Set PERSEUS_GPU_MEMORY_GROWTH=1 (the default) or TF_FORCE_GPU_ALLOW_GROWTH=true, or "
+        f"give TF a limit with tf.config.set_logical_device_configuration.", stacklevel=3)
+
 
 def pin(local_rank=None, local_size=None, memory_growth=None, tf_config=None, env=None):
     """Makes this process train on its local rank's GPU; returns a Placement
@@ -135,6 +156,8 @@ def pin(local_rank=None, local_size=None, memory_growth=None, tf_config=None, en
                 f"local rank {local_rank} trains on /gpu:{index}. Build the strategy (or call "
                 f"perseus_tf.gpu.pin()) before any TF op runs to give each rank its GPU alone.",
                 stacklevel=2)
+        growth_on = getattr(cfg, "growth_on", lambda d: True)(chosen)
+        _warn_if_tf_takes_the_gpu(index, growth_on, cfg.has_limit(chosen), env)
         return Placement(f"/gpu:{index}", index, identity(chosen.name, env), False, shared)
     if memory_growth is None:
         from perseus_tf import config
@@ -144,6 +167,7 @@ def pin(local_rank=None, local_size=None, memory_growth=None, tf_config=None, en
     cfg.set_visible([chosen])
     if growth:
         cfg.set_memory_growth(chosen)
+    _warn_if_tf_takes_the_gpu(index, growth, cfg.has_limit(chosen), env)
     return Placement("/gpu:0", index, identity(chosen.name, env), growth, shared)
 
 

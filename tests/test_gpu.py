@@ -8,6 +8,7 @@ allgather that carries each rank's GPU, in checks_strategy.
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -54,6 +55,9 @@ class FakeConfig:
     def set_memory_growth(self, device):
         assert not self._started
         self.growth.append(device.name)
+
+    def growth_on(self, device):
+        return device.name in self.growth
 
 
 def test_no_gpu_trains_on_the_cpu_and_touches_nothing():
@@ -213,3 +217,30 @@ def test_the_nccl_that_the_driver_can_run_is_preferred_and_a_mismatch_is_named(t
         "nvidia-nccl-cu12" in why and "PERSEUS_GPU_TRANSPORT=host" in why, why
     assert _native.nccl_driver_mismatch("/x", 12, 13) is None
     assert _native.nccl_driver_mismatch("/x", None, 12) is None
+
+
+@pytest.mark.parametrize("case", ["growth off", "forced off", "started without growth",
+                                  "growth on", "limit", "forced on", "started with growth"])
+def test_a_rank_whose_tf_takes_the_whole_gpu_is_warned_once(case, monkeypatch):
+    """Memory growth off and no limit: TF reserves nearly all of the GPU and
+    NCCL's buffers fail at the first step; the rank is told once, with the
+    variables that change it. Growth on, a limit or TF_FORCE_GPU_ALLOW_GROWTH
+    say nothing."""
+    monkeypatch.setattr(gpu, "_warned_memory", False)
+    started = case.startswith("started")
+    cfg = FakeConfig(2, started=started, limits=[1] if case == "limit" else ())
+    if case == "started with growth":
+        cfg.growth.append(cfg.gpus[1].name)
+    env = {"TF_FORCE_GPU_ALLOW_GROWTH": "false" if case == "forced off" else "true"} \
+        if case.startswith("forced") else {}
+    growth = case in ("growth on", "forced off", "limit")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            gpu.pin(1, 2, memory_growth=growth, tf_config=cfg, env=env)
+    memory = [w for w in seen if "reserve nearly all of GPU 1" in str(w.message)]
+    expected = 1 if case in ("growth off", "forced off", "started without growth") else 0
+    assert len(memory) == expected, [str(w.message) for w in seen]
+    if memory:
+        text = str(memory[0].message)
+        assert "PERSEUS_GPU_MEMORY_GROWTH=1" in text and "TF_FORCE_GPU_ALLOW_GROWTH=true" in text
