@@ -286,20 +286,26 @@ def test_kernels_run_in_the_current_device_and_the_stand_in_tells_devices_apart(
     assert lines["plane"].strip() == "True", proc.stdout
 
 
-@pytest.mark.parametrize("np_", [2, 4])
-def test_the_tf_gpu_kernels_run_in_the_harness(np_):
+@pytest.mark.parametrize("np_,devices", [(2, 1), (4, 1), (2, 2)],
+                         ids=["2ranks", "4ranks", "2ranks-2gpus"])
+def test_the_tf_gpu_kernels_run_in_the_harness(np_, devices):
     """tools/tf_gpu_harness.py: TF's DEVICE_GPU kernels of every op with a
     tensor, created through TF's kernel registry on a stand-in GPU device
     (the stand-in CUDA driver here: its "device" memory is host memory and
     its streams finish at once), with their memory types (alltoall's splits
-    on the host), run at 2 and 4 ranks against numpy. On a GPU machine the
-    same harness runs on the real driver (tools/gpu_session.sh)."""
+    on the host), run at 2 and 4 ranks against numpy; and at 2 ranks on two
+    stand-in GPUs, a rank on each, where the driver refuses work of the
+    wrong device. On a GPU machine the same harness runs on the real driver
+    (tools/gpu_session.sh)."""
     _built()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from harness import fake_cuda_env, launch, tf_gpu_harness
     harness_lib = tf_gpu_harness()
+    env = fake_cuda_env()
+    if devices > 1:
+        env.update(FAKE_CUDA_DEVICES=str(devices), PERSEUS_TEST_HARNESS_GPU="local")
     proc = launch(np_, [sys.executable, os.path.join(ROOT, "tools", "tf_gpu_harness.py"),
-                        harness_lib], timeout=600, env=fake_cuda_env())
+                        harness_lib], timeout=600, env=env)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
     for r in range(np_):

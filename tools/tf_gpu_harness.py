@@ -112,7 +112,9 @@ def main():
     _native.init()
     topo = _native.topology()
     R, N = topo["rank"], topo["size"]
-    gpu = int(os.environ.get("PERSEUS_TEST_HARNESS_GPU", "0"))
+    # "local": the rank's local rank (a GPU per rank, as on a machine of several).
+    which = os.environ.get("PERSEUS_TEST_HARNESS_GPU", "0")
+    gpu = topo["local_rank"] if which == "local" else int(which)
     LIB = ctypes.CDLL(harness)
     LIB.harness_reused_blocks.restype = ctypes.c_int
     err = ctypes.create_string_buffer(4096)
