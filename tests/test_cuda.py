@@ -286,6 +286,41 @@ def test_kernels_run_in_the_current_device_and_the_stand_in_tells_devices_apart(
     assert lines["plane"].strip() == "True", proc.stdout
 
 
+OUT_OF_MEMORY_SCRIPT = """
+import numpy as np
+from perseus_tf import _core, _native
+_native.init()
+arrays = [np.ones(1 << 18, np.float32) for _ in range(4)]  # 1 MiB each: one 4 MiB bucket
+try:
+    _core.submit_group(arrays, [f"oom.{i}" for i in range(4)],
+                       _native.DTYPE_CODES["float32"]).wait()
+    print("no error")
+except Exception as e:
+    print("ERROR", e)
+"""
+
+
+def test_a_plane_buffer_that_does_not_fit_names_the_device_the_size_and_the_remedy():
+    """The fused bucket's device buffer is refused (the stand-in driver's
+    FAKE_CUDA_ALLOC_LIMIT, as a GPU whose memory TF took): every rank's
+    error says which device, how much, what it holds, and which settings
+    leave room, not only CUDA's "out of memory"."""
+    _built()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from harness import fake_cuda_env, launch
+    env = dict(fake_cuda_env(), PERSEUS_TEST_DEVICE="cuda", PERSEUS_GPU_TRANSPORT="host",
+               FAKE_CUDA_ALLOC_LIMIT=str(3 << 20), GLOO_TIMEOUT_SECONDS="20")
+    proc = launch(2, [sys.executable, "-c", OUT_OF_MEMORY_SCRIPT], timeout=300, env=env)
+    out = proc.stdout + proc.stderr
+    errors = [line for line in proc.stdout.splitlines() if "ERROR" in line]
+    assert len(errors) == 2, out[-4000:]
+    for line in errors:
+        assert "could not allocate 4.0 MiB of device memory" in line or \
+            "could not allocate 5.0 MiB of device memory" in line, line
+        assert "CUDA device 0" in line and "PERSEUS_GPU_MEMORY_GROWTH=1" in line and \
+            "TF_FORCE_GPU_ALLOW_GROWTH=true" in line, line
+
+
 @pytest.mark.parametrize("np_,devices", [(2, 1), (4, 1), (2, 2)],
                          ids=["2ranks", "4ranks", "2ranks-2gpus"])
 def test_the_tf_gpu_kernels_run_in_the_harness(np_, devices):

@@ -385,7 +385,7 @@ class CudaPlane : public DataPlane {
       if (b.ptr) st.retired_host.push_back(b.ptr);  // still held: counted on
       b.ptr = nullptr;
       b.size = 0;
-      Check(D().MemHostAlloc(&b.ptr, want, cu::kHostAllocPortable), "cuMemHostAlloc", device_);
+      CheckAllocation(D().MemHostAlloc(&b.ptr, want, cu::kHostAllocPortable), want, "pinned host");
       host_bytes_ += want;
     } else {
       if (b.ptr) Check(D().MemFreeAsync(DP(b.ptr), st.stream), "cuMemFreeAsync", device_);
@@ -393,11 +393,28 @@ class CudaPlane : public DataPlane {
       b.ptr = nullptr;
       b.size = 0;
       cu::DevicePtr p = 0;
-      Check(D().MemAllocAsync(&p, want, st.stream), "cuMemAllocAsync", device_);
+      CheckAllocation(D().MemAllocAsync(&p, want, st.stream), want, "device");
       b.ptr = reinterpret_cast<void*>(p);
       device_bytes_ += want;
     }
     b.size = want;
+  }
+
+  // An allocation of the plane's buffers that failed: what, where, how
+  // much, and what to change (out of memory is the usual cause at the first
+  // step, when TF took the GPU's memory).
+  void CheckAllocation(cu::Result r, size_t bytes, const char* kind) {
+    if (r == cu::kSuccess) return;
+    char size[32];
+    std::snprintf(size, sizeof(size), "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+    throw std::runtime_error(
+        std::string("Perseus could not allocate ") + size + " of " + kind + " memory for its " +
+        "buffers of CUDA device " + std::to_string(device_) + " (" + D().Describe(r) + "; it " +
+        "holds " + std::to_string(device_bytes_.load() >> 20) + " MiB on the device and " +
+        std::to_string(host_bytes_.load() >> 20) + " MiB pinned already). Leave room beside " +
+        "TensorFlow: turn on its memory growth (PERSEUS_GPU_MEMORY_GROWTH=1, the default, or " +
+        "TF_FORCE_GPU_ALLOW_GROWTH=true) or give it a memory limit; smaller buckets " +
+        "(PERSEUS_FUSION_THRESHOLD) need smaller buffers");
   }
 
   int device_;

@@ -387,8 +387,16 @@ Result cuEventRecord(void* event, void* stream) {
 Result cuEventQuery(void*) { return kSuccess; }
 Result cuEventSynchronize(void*) { return kSuccess; }
 
+// FAKE_CUDA_ALLOC_LIMIT: an allocation of more bytes than this fails with
+// CUDA_ERROR_OUT_OF_MEMORY (2), as on a GPU whose memory TF took.
+bool OverLimit(size_t bytes) {
+  const char* limit = std::getenv("FAKE_CUDA_ALLOC_LIMIT");
+  return limit != nullptr && bytes > std::strtoull(limit, nullptr, 10);
+}
+
 Result cuMemAlloc_v2(unsigned long long* p, size_t bytes) {
   if (g_current == nullptr) return kInvalidContext;
+  if (OverLimit(bytes)) return 2;
   void* mem = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
   if (mem == nullptr) return 2;  // out of memory
   std::memset(mem, 0xab, bytes);
