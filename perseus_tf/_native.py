@@ -538,6 +538,7 @@ def _tensorflow_cuda_major():
         return None
 
 
+@functools.lru_cache(maxsize=None)
 def nccl_cuda_major(path):
     """The CUDA major of the nvidia-nccl-cuNN wheel that installed `path`
     (its libnccl.so.2), or None when no such wheel did (a system NCCL, or

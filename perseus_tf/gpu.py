@@ -156,8 +156,7 @@ def pin(local_rank=None, local_size=None, memory_growth=None, tf_config=None, en
                 f"local rank {local_rank} trains on /gpu:{index}. Build the strategy (or call "
                 f"perseus_tf.gpu.pin()) before any TF op runs to give each rank its GPU alone.",
                 stacklevel=2)
-        growth_on = getattr(cfg, "growth_on", lambda d: True)(chosen)
-        _warn_if_tf_takes_the_gpu(index, growth_on, cfg.has_limit(chosen), env)
+        _warn_if_tf_takes_the_gpu(index, cfg.growth_on(chosen), cfg.has_limit(chosen), env)
         return Placement(f"/gpu:{index}", index, identity(chosen.name, env), False, shared)
     if memory_growth is None:
         from perseus_tf import config
