@@ -16,6 +16,19 @@ os.chmod(SCRATCH, 0o711)
 os.environ["TMPDIR"] = SCRATCH
 tempfile.tempdir = SCRATCH
 
+# Ranks of this test process's launches fork from servers that imported
+# TensorFlow once (zygote.py): the servers live in SCRATCH and end with it.
+# PERSEUS_TEST_ZYGOTES=0 starts every rank as a plain process.
+import zygote  # noqa: E402
+if os.environ.get(zygote.FOLDER_VARIABLE) == "0":
+    ZYGOTES = ""
+    os.environ.pop(zygote.FOLDER_VARIABLE)
+else:
+    ZYGOTES = zygote.make_folder(SCRATCH)
+    os.environ[zygote.FOLDER_VARIABLE] = ZYGOTES
+
 
 def pytest_sessionfinish(session, exitstatus):
+    if ZYGOTES:
+        zygote.stop_servers(ZYGOTES)
     shutil.rmtree(SCRATCH, ignore_errors=True)

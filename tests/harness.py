@@ -99,12 +99,40 @@ def record_check_times(module, np_, env, seconds):
                                 "seconds": worst}) + "\n")
 
 
+# Scripts whose ranks may start forked from a process that has imported
+# TensorFlow already (tests/zygote.py): they import it, compute and report,
+# and test nothing of how a rank starts or ends. Workers that kill or stop
+# themselves or their launcher, benchmarks and launcher tests start as plain
+# processes; so do batched checks of modules that never import TensorFlow
+# (the runtime through `_core`: a plain start costs them nothing).
+FORKABLE = {os.path.join(WORKERS, name) for name in (
+    "run_checks.py", "model_matrix_worker.py", "keras_version_worker.py",
+    "backup_worker.py")} | {
+    os.path.join(ROOT, "examples", name) for name in (
+        "keras_digits.py", "hvd_keras_digits.py", "hvd_estimator.py", "hvd_tape.py",
+        "hvd_monitored_session.py", "digits_collectives.py")}
+ZYGOTE = os.path.join(ROOT, "tests", "zygote.py")
+
+
+def _forkable(argv):
+    if len(argv) < 2 or argv[0] != sys.executable or argv[1] not in FORKABLE:
+        return False
+    if os.path.basename(argv[1]) != "run_checks.py":
+        return True
+    with open(os.path.join(WORKERS, argv[2] + ".py")) as f:
+        return any(line.startswith("import tensorflow") for line in f)
+
+
 def launch(np_, argv, env=None, timeout=300, hosts=None):
-    """Runs `perseusrun -np N [-H hosts] -- argv`; returns CompletedProcess."""
+    """Runs `perseusrun -np N [-H hosts] -- argv`; returns CompletedProcess.
+    A FORKABLE script on this host starts through tests/zygote.py."""
+    argv = list(argv)
+    if not hosts and _forkable(argv):
+        argv = [sys.executable, ZYGOTE, "run"] + argv[1:]
     cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(np_)]
     if hosts:
         cmd += ["-H", hosts]
-    cmd += ["--"] + list(argv)
+    cmd += ["--"] + argv
     return subprocess.run(cmd, env=rank_env(env), capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 

@@ -90,7 +90,7 @@ CHECK = [Job("test_cc_unit.py", 16), Job("test_layout.py", 2), Job("test_config.
          Job("test_compression.py", 10, select="1host"),
          Job("test_soak.py", 20, select="2ranks"), Job("test_tiers.py", 3),
          Job("test_gpu.py", 5), Job("test_keras_support.py", 8),
-         Job("test_install.py", 3, select="system or one_line")]
+         Job("test_install.py", 3, select="system or one_line"), Job("test_zygote.py", 20)]
 
 # Every file of the first pass, with its weight (seconds).
 FIRST_PASS = [
@@ -133,6 +133,7 @@ FIRST_PASS = [
     Job("test_store_security.py", 17),
     Job("test_strategy.py", 35),
     Job("test_tiers.py", 1),
+    Job("test_zygote.py", 20),
 ]
 
 # The second pass: the files where the TF version matters (module docstring),
@@ -175,6 +176,8 @@ SECOND_PASS = [
     Job("test_keras_support.py", 8),
     # hvd.init() and the strategy's GPU pinning with TF 2.15's tf.config.
     Job("test_gpu.py", 4, select="real_tensorflow"),
+    # Ranks forked after TF 2.15's import (tests/zygote.py serves both passes).
+    Job("test_zygote.py", 20),
 ]
 
 
