@@ -28,7 +28,8 @@ SYSTEM_PACKAGES := libgloo-dev g++ python3-venv
 TEST_PACKAGES := bazel-bootstrap iproute2 openssh-server openmpi-bin slurm-wlm munge
 NATIVE_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cu') setup.py \
     tools/build_native.py \
-    tools/gen_store_protocol.py perseus_tf/common/store_protocol.py
+    tools/gen_store_protocol.py perseus_tf/common/store_protocol.py \
+    tools/gen_settings.py perseus_tf/config/spec.py
 
 .PHONY: demo check test docs ray keras-versions system system-test install-packages native native-old bazel clean cuda
 

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from perseus_tf import config as _config
+from perseus_tf.config import spec as _spec
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lock = threading.Lock()
@@ -104,25 +105,16 @@ def init(cluster=None, **overrides):
             local_size=topo.local_size, cross_rank=topo.cross_rank,
             cross_size=topo.cross_size, store_addr=topo.store_addr,
             store_port=topo.store_port, secret=topo.secret, job_id=topo.job_id,
-            host_addr=topo.host_addr, gloo_iface=cfg.gloo_iface, streams=cfg.streams,
-            timeout_seconds=cfg.timeout_seconds,
-            fusion_threshold_bytes=cfg.fusion_threshold_bytes,
-            cycle_time_ms=cfg.cycle_time_ms,
-            stall_timeout_seconds=cfg.stall_timeout_seconds,
-            stall_check_seconds=cfg.stall_check_seconds,
-            gradient_scale=cfg.gradient_scale, nancheck=bool(cfg.nancheck),
+            host_addr=topo.host_addr,
             timeline_path=timeline_path(cfg.timeline, topo.rank),
-            perf_check_n_steps=cfg.perf_check_n_steps,
-            plan_check_n_steps=cfg.offline_neg_check_n_steps,
-            allreduce_mode=-1 if cfg.allreduce_mode is None else cfg.allreduce_mode,
-            shm=bool(cfg.shm_allreduce),
             nccl=cfg.gpu_transport == "nccl", nccl_dirs=_nccl_wheel_dirs(),
-            fusion_granularity=-1 if cfg.fusion is None else cfg.fusion,
-            topk_ratio=cfg.topk_ratio, topk_threshold_bytes=cfg.topk_threshold,
-            topk_fp16=bool(cfg.topk_fp16), topk_fallback=_DTYPE_COMPRESSION[cfg.allreduce_dtype],
-            downsample_n=cfg.downsample_n_elements,
-            gradient_momentum=cfg.gradient_momentum).items():
+            topk_fallback=_DTYPE_COMPRESSION[cfg.allreduce_dtype]).items():
             setattr(options, name, value)
+        for setting in _spec.native_settings():  # each under its own name
+            value = getattr(cfg, setting.name)
+            if value is None:
+                value = setting.none_as
+            setattr(options, setting.name, bool(value) if setting.kind == "flag" else value)
         _core.init(options)
         _config_in_use, _topology = cfg, topo
         _watch_launcher()
@@ -130,12 +122,7 @@ def init(cluster=None, **overrides):
 
 # Options the native runtime takes at start-up (the others, such as
 # accumulate_n_steps or allreduce_dtype, are read by each strategy or shim).
-_RUNTIME_OPTIONS = (
-    "streams", "timeout_seconds", "fusion_threshold_bytes", "cycle_time_ms",
-    "stall_timeout_seconds", "stall_check_seconds", "gradient_scale", "nancheck", "timeline",
-    "perf_check_n_steps", "offline_neg_check_n_steps", "allreduce_mode", "shm_allreduce",
-    "fusion", "topk_ratio", "topk_threshold", "topk_fp16", "downsample_n_elements",
-    "gradient_momentum", "gloo_iface")
+_RUNTIME_OPTIONS = frozenset(s.name for s in _spec.runtime_settings())
 
 
 def _check_same_options(overrides):
@@ -208,8 +195,7 @@ def _watch_launcher():
 
 # Settings each rank may choose for itself: its network interfaces, its
 # timeline file, and how it waits (cycle time, GLOO_TIMEOUT_SECONDS).
-_PER_RANK_SETTINGS = {"gloo_iface", "nccl_iface", "timeline", "cycle_time_ms",
-                      "timeout_seconds", "stall_check_seconds"}
+_PER_RANK_SETTINGS = frozenset(s.name for s in _spec.SETTINGS if s.per_rank)
 
 
 def shared_settings(cfg, topo):

@@ -147,7 +147,8 @@ def test_every_variable_the_sources_read_is_known():
                     text = f.read()
                 for found in re.findall(r"\bPERSEUS_[A-Z0-9_]*[A-Z0-9]\b", text):
                     if found not in known and not found.startswith(settings.TEST_PREFIXES) \
-                            and found not in ("PERSEUS_PAUSE",):  # a C++ macro
+                            and found not in ("PERSEUS_PAUSE", "PERSEUS_NATIVE_SETTINGS",
+                                              "PERSEUS_BIND_SETTING"):  # C++ macros
                         missing.setdefault(found, os.path.relpath(path, root))
     assert not missing, missing
 
@@ -182,3 +183,65 @@ def test_a_bad_setting_under_another_launcher_is_one_line_from_rank_0():
     other = subprocess.run([sys.executable, "-c", "import perseus_tf; raise KeyError('x')"],
                            capture_output=True, text=True, timeout=120)
     assert "Traceback" in other.stderr and "KeyError: 'x'" in other.stderr, other.stderr
+
+
+# One spec for every setting (perseus_tf/config/spec.py): the layers made
+# from it must agree with it.
+
+def _gen_settings():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tools", "gen_settings.py")
+    loader = importlib.util.spec_from_file_location("gen_settings", path)
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+def test_the_runtime_header_and_the_configuration_page_are_made_from_the_spec():
+    import os
+    gen = _gen_settings()
+    with open(os.path.join(gen.ROOT, gen.HEADER)) as f:
+        assert f.read() == gen.render(), \
+            "cc/runtime/settings.h is out of date: run python tools/gen_settings.py"
+    with open(os.path.join(gen.ROOT, gen.PAGE)) as f:
+        page = f.read()
+    assert gen.page_problems(page) == [], "run python tools/gen_settings.py --docs"
+    # The check sees a changed row, a row in the wrong section and a missing one.
+    row = next(line for line in page.split("\n")
+               if line.startswith("| `PERSEUS_ALLREDUCE_STREAMS` (`streams`)"))
+    assert gen.page_problems(page.replace(row, row.replace("1 to 12", "1 to 16")))[0][0] == \
+        "streams"
+    assert any("no row" in p for _, p in gen.page_problems(page.replace(row + "\n", "")))
+
+
+def test_every_layer_names_each_setting_as_the_spec_does():
+    import dataclasses
+
+    from perseus_tf import _core, _native
+    from perseus_tf.config import Config, settings, spec
+    names = [s.name for s in spec.SETTINGS]
+    assert len(set(names)) == len(names) and \
+        len({s.variable for s in spec.SETTINGS}) == len(names)
+    assert [f.name for f in dataclasses.fields(Config)] == names
+    assert list(settings.VARIABLES) == names
+    assert all(settings.VARIABLES[s.name][0] == s.variable for s in spec.SETTINGS)
+    # The binding has each native setting under its name, with the spec's
+    # default (or the runtime's value for unset), and no other setting.
+    options = _core.InitOptions()
+    for s in spec.native_settings():
+        expected = s.none_as if s.default is None else s.default
+        assert getattr(options, s.name) == expected, s.name
+    topology = {"rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+                "store_addr", "store_port", "secret", "job_id", "host_addr"}
+    derived = {"settings", "timeline_path", "nccl", "nccl_dirs", "topk_fallback"}
+    bound = {n for n in dir(options) if not n.startswith("_")}
+    assert bound == topology | derived | {s.name for s in spec.native_settings()}
+    # What init() compares and what ranks may differ in come from the spec.
+    assert _native._RUNTIME_OPTIONS == {s.name for s in spec.runtime_settings()}
+    assert _native._PER_RANK_SETTINGS == {s.name for s in spec.SETTINGS if s.per_rank}
+    # Every spec default passes its own parser.
+    for s in spec.SETTINGS:
+        if s.default is not None:
+            assert settings._parse(s.name, s.default, s.variable) == s.default, s.name

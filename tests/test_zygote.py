@@ -17,6 +17,8 @@ SCRIPT = """
 import json, os, signal, subprocess, sys, time
 before = 'tensorflow' in sys.modules
 mode = sys.argv[1]
+if mode == 'term':  # before the line below tells the test it may signal
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
 out = {'argv': sys.argv, 'cwd': os.getcwd(), 'x': os.environ.get('PERSEUS_X'),
        'preimported': before, 'stdin': sys.stdin.read() if mode == 'echo' else '',
        'pid': os.getpid(), 'group_leader': os.getpgrp() == os.getpid(),
@@ -24,7 +26,6 @@ out = {'argv': sys.argv, 'cwd': os.getcwd(), 'x': os.environ.get('PERSEUS_X'),
 print(json.dumps(out), flush=True)
 print('to stderr', file=sys.stderr, flush=True)
 if mode == 'term':
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
     time.sleep(60)
 if mode == 'hang':
     child = subprocess.Popen(['sleep', '60'])
@@ -96,6 +97,10 @@ def test_a_forked_rank_is_the_process_it_stands_for(folder, tmp_path):
     proc.communicate(timeout=120)
     assert proc.returncode == 3
     assert len([n for n in os.listdir(path) if n.endswith(".sock")]) == 2
+    # Stopped, the servers report the CPU they and their ranks used (two
+    # TensorFlow imports at least), which the test job's figure adds.
+    assert zygote.stop_servers(path) > 2.0
+    assert not [n for n in os.listdir(path) if n.endswith(".sock")]
 
 
 def test_signals_and_deaths_cross_between_starter_and_rank(folder):

@@ -266,6 +266,24 @@ def serve(path):
     listener.listen(64)
     os.rename(partial, path)
     waiters = set()
+
+    def stop(_signum, _frame):
+        # What this server and the ranks it forked used, for the job's CPU
+        # figure (a forked rank is no child of the test process that waits).
+        while True:
+            try:
+                if not os.waitpid(-1, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                break
+        t = os.times()
+        with open(path[:-len(".sock")] + ".cpu", "w") as f:
+            f.write(f"{t.user + t.system + t.children_user + t.children_system:.2f}\n")
+        try:
+            os.unlink(path)
+        finally:
+            os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
     idle_since = time.monotonic()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -330,16 +348,35 @@ def make_folder(parent):
     return folder
 
 
-def stop_servers(folder):
+def stop_servers(folder, deadline_s=10.0):
     """Stops the folder's servers (and nothing they forked: ranks are their
-    tests' to end)."""
+    tests' to end); returns the CPU seconds the servers and their ranks
+    used."""
+    pids = []
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         if name.endswith(".lock"):
             try:
                 with open(os.path.join(folder, name)) as f:
-                    os.kill(int(f.read()), signal.SIGKILL)
+                    pid = int(f.read())
+                os.kill(pid, signal.SIGTERM)
+                pids.append(pid)
             except (OSError, ValueError):
                 pass
+    deadline = time.monotonic() + deadline_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in pids:
+        if _alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    total = 0.0
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.endswith(".cpu"):
+            with open(os.path.join(folder, name)) as f:
+                total += float(f.read() or 0)
+    return total
 
 
 def main():

@@ -12,7 +12,9 @@ rpath=$ORIGIN), so a process has exactly one runtime.
 
 Before compiling it writes cc/rendezvous/store_protocol.h from
 perseus_tf/common/store_protocol.py when that changed (gen_store_protocol.py),
-so the C++ client always speaks the protocol the Python store defines.
+so the C++ client always speaks the protocol the Python store defines, and
+cc/runtime/settings.h from perseus_tf/config/spec.py (gen_settings.py), so
+the runtime's settings are the table's.
 
 Used by setup.py (pip install) and runnable by hand:
   python tools/build_native.py [OUT_DIR]     (default: perseus_tf/)
@@ -27,7 +29,8 @@ import subprocess
 import sys
 import sysconfig
 
-import gen_store_protocol  # beside this file: tools/ is on sys.path (setup.py, or run here)
+import gen_settings  # beside this file: tools/ is on sys.path (setup.py, or run here)
+import gen_store_protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -165,8 +168,9 @@ def build(out_dir=None, jobs=None, verbose=True):
     obj_dir = os.path.join(ROOT, "build", "native-obj")
     os.makedirs(out_dir, exist_ok=True)
     os.makedirs(obj_dir, exist_ok=True)
-    if gen_store_protocol.write(ROOT) and verbose:
-        print("wrote", gen_store_protocol.HEADER, flush=True)
+    for generator in (gen_store_protocol, gen_settings):
+        if generator.write(ROOT) and verbose:
+            print("wrote", generator.HEADER, flush=True)
     jobs = jobs or os.cpu_count() or 2
     cxx = os.environ.get("CXX", "g++")
     check_system(cxx)

@@ -406,8 +406,8 @@ PYBIND11_MODULE(_core, m) {
   m.attr("COMPRESSION") = compression;
 
   // Runtime::Init's options, field by field (cc/runtime/options.h).
-  py::class_<InitOptions>(m, "InitOptions")
-      .def(py::init<>())
+  py::class_<InitOptions> init_options(m, "InitOptions");
+  init_options.def(py::init<>())
       .def_readwrite("rank", &InitOptions::rank)
       .def_readwrite("size", &InitOptions::size)
       .def_readwrite("local_rank", &InitOptions::local_rank)
@@ -419,30 +419,16 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("secret", &InitOptions::secret)
       .def_readwrite("job_id", &InitOptions::job_id)
       .def_readwrite("host_addr", &InitOptions::host_addr)
-      .def_readwrite("gloo_iface", &InitOptions::gloo_iface)
-      .def_readwrite("streams", &InitOptions::streams)
-      .def_readwrite("timeout_seconds", &InitOptions::timeout_seconds)
-      .def_readwrite("fusion_threshold_bytes", &InitOptions::fusion_threshold_bytes)
-      .def_readwrite("fusion_granularity", &InitOptions::fusion_granularity)
-      .def_readwrite("cycle_time_ms", &InitOptions::cycle_time_ms)
-      .def_readwrite("stall_check_seconds", &InitOptions::stall_check_seconds)
-      .def_readwrite("stall_timeout_seconds", &InitOptions::stall_timeout_seconds)
-      .def_readwrite("gradient_scale", &InitOptions::gradient_scale)
-      .def_readwrite("nancheck", &InitOptions::nancheck)
+      .def_readwrite("settings", &InitOptions::settings)
       .def_readwrite("timeline_path", &InitOptions::timeline_path)
-      .def_readwrite("perf_check_n_steps", &InitOptions::perf_check_n_steps)
-      .def_readwrite("plan_check_n_steps", &InitOptions::plan_check_n_steps)
-      .def_readwrite("allreduce_mode", &InitOptions::allreduce_mode)
-      .def_readwrite("shm", &InitOptions::shm)
       .def_readwrite("nccl", &InitOptions::nccl)
       .def_readwrite("nccl_dirs", &InitOptions::nccl_dirs)
-      .def_readwrite("topk_ratio", &InitOptions::topk_ratio)
-      .def_readwrite("settings", &InitOptions::settings)
-      .def_readwrite("topk_threshold_bytes", &InitOptions::topk_threshold_bytes)
-      .def_readwrite("topk_fp16", &InitOptions::topk_fp16)
-      .def_readwrite("topk_fallback", &InitOptions::topk_fallback)
-      .def_readwrite("downsample_n", &InitOptions::downsample_n)
-      .def_readwrite("gradient_momentum", &InitOptions::gradient_momentum);
+      .def_readwrite("topk_fallback", &InitOptions::topk_fallback);
+  // Every setting, under its name in perseus_tf/config/spec.py.
+#define PERSEUS_BIND_SETTING(Part, name) \
+  init_options.def_readwrite(#name, &Part::name);
+  PERSEUS_NATIVE_SETTINGS(PERSEUS_BIND_SETTING)
+#undef PERSEUS_BIND_SETTING
 
   m.def("init", [](const InitOptions& opts) {
     Status s;

@@ -54,7 +54,7 @@ Controller::Controller(ControllerContext context)
     : c_(std::move(context)), table_(*c_.requests) {
   const InitOptions& o = c_.options;
   negotiator_.reset(new Negotiator(o.size, o.fusion_threshold_bytes, o.global_ranks,
-                                   [granularity = o.fusion_granularity,
+                                   [granularity = o.fusion,
                                     threshold = o.fusion_threshold_bytes](int64_t b) {
                                      return PlanBucketBytes(b, granularity, threshold);
                                    }));

@@ -27,7 +27,9 @@ namespace perseus {
 Executor::Executor(const ExecutorContext& context)
     : c_(context), options_(c_.options), timeline_(*c_.timeline) {
   CompressionContext compression;
-  compression.options = &options_;
+  compression.settings = &options_;
+  compression.rank = options_.rank;
+  compression.size = options_.size;
   compression.timeline = &timeline_;
   compression.world = c_.world;
   compression.residuals = &residuals_;

@@ -87,7 +87,7 @@ void Controller::RunOffline(bool* stop) {
     c_.stats->Update([](Stats& s) { ++s.plan_timeouts; });
   }
   RequestTable::PlanWork work =
-      table_.TakePlanWork(c_.options.plan_check_n_steps,
+      table_.TakePlanWork(c_.options.offline_neg_check_n_steps,
                           c_.options.perf_check_n_steps > 0 ? c_.options.size : 0,
                           negotiator_->HasPending(), on_plan_step_);
   if (work.closed) return;

@@ -9,12 +9,13 @@
 #include <vector>
 
 #include "cc/core/common.h"
+#include "cc/runtime/settings.h"
 
 namespace perseus {
 
 // Who this process is and how to reach the others (the launcher's env
 // contract, already parsed and validated in Python: perseus_tf/config/).
-struct InitOptions {
+struct Topology {
   int rank = 0;
   int size = 1;
   int local_rank = 0;
@@ -26,58 +27,34 @@ struct InitOptions {
   std::string secret;
   std::string job_id = "local";
   std::string host_addr;
-  std::string gloo_iface;
-  int streams = 4;
-  double timeout_seconds = 60;
-  int64_t fusion_threshold_bytes = 64 << 20;
-  // PERSEUS_ALLREDUCE_FUSION: an offline plan's buckets hold about 1/N of
-  // the step's gradient bytes (0: one tensor per bucket); -1: choose.
-  int fusion_granularity = -1;
-  double cycle_time_ms = 1.0;
-  // A collective some ranks submitted and others did not: rank 0 reports it
-  // after stall_check_seconds (again every interval), and it fails on every
-  // rank after stall_timeout_seconds (0: never).
-  double stall_check_seconds = 60;
-  double stall_timeout_seconds = 0;
-  // Compressed allreduces send x * gradient_scale as float16 and divide after.
-  double gradient_scale = 10.0;
-  bool nancheck = false;  // reject reductions whose input holds NaN/Inf
-  std::string timeline_path;  // PERSEUS_TIMELINE (this rank's file); empty: off
-  int perf_check_n_steps = 0;  // report slow ranks every N offline steps (0: off)
-  // PERSEUS_OFFLINE_NEG_CHECK_N_STEPS: compare every rank's copy of the
-  // offline plan when it is entered and then every N plan steps (0: off).
-  int plan_check_n_steps = 0;
-  // PERSEUS_ALLREDUCE_MODE: 0 flat ring, 1 hierarchical (reduce in the host,
-  // allreduce among hosts' leaders, broadcast in the host), -1 choose.
-  // Hierarchy needs several hosts of several ranks each (launcher topology).
-  int allreduce_mode = -1;
-  // PERSEUS_SHM_ALLREDUCE: allreduce through shared memory instead of TCP
-  // over loopback between the ranks of a host (the whole allreduce when the
-  // world is one host; the host phases of the two-level one otherwise).
-  bool shm = true;
-  // Top-k (kCompressTopk): each rank sends its ceil(ratio * n) largest
-  // |gradient + residual| elements; tensors under threshold bytes use
-  // `topk_fallback` (the PERSEUS_ALLREDUCE_DTYPE code) instead.
-  double topk_ratio = 0.01;
+  // A process set (sub-group) runtime: its id and the world ranks of its
+  // members, in order (this process is member `rank`). Empty: the world.
+  int process_set_id = 0;
+  std::vector<int> global_ranks;
+};
+
+// What Runtime::Init takes: the topology, every setting (settings.h, one
+// struct per part, made from perseus_tf/config/spec.py), and what the front
+// end derives from the settings for this process.
+struct InitOptions : Topology,
+                     TransportSettings,
+                     NegotiationSettings,
+                     CompressionSettings,
+                     HealthSettings {
   // Settings every rank must share, as "NAME=value" lines; compared at
   // init (the world only) before any connection is made.
   std::string settings;
-  int64_t topk_threshold_bytes = 1 << 20;
-  bool topk_fp16 = false;
-  int topk_fallback = 0;
-  // Downsampling (kCompressDownsample): 1/N of each tensor per step.
-  int downsample_n = 1;
-  double gradient_momentum = 1.0;
+  // This rank's file of PERSEUS_TIMELINE; empty: off.
+  std::string timeline_path;
   // Tensors on CUDA devices: reduced and broadcast by NCCL where they are
   // (PERSEUS_GPU_TRANSPORT resolved to nccl), else staged through pinned
   // host memory for the CPU transports. nccl_dirs: where the nvidia-nccl
   // wheels keep libnccl.so.2 (NcclLibrary::Load).
   bool nccl = false;
   std::vector<std::string> nccl_dirs;
-  // A process set (sub-group) runtime: its id and the world ranks of its
-  // members, in order (this process is member `rank`). Empty: the world.
-  int process_set_id = 0;
-  std::vector<int> global_ranks;
+  // Top-k: tensors under topk_threshold bytes use this compression (the
+  // code PERSEUS_ALLREDUCE_DTYPE stands for) instead.
+  int topk_fallback = 0;
 };
 
 // The world rank of member `r` of the runtime `o` configures (names in

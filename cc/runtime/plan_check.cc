@@ -112,7 +112,7 @@ void CheckPlans(const PlanDigest& plan, const BufferAllreduce& allreduce,
   }
   std::ostringstream msg;
   msg << "offline plan check before plan step " << step
-      << " (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=" << options.plan_check_n_steps
+      << " (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=" << options.offline_neg_check_n_steps
       << "): the ranks hold different plans";
   if (pos >= 0) msg << "; at position " << pos << " (bucket order)";
   msg << ": ";

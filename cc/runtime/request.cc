@@ -100,14 +100,14 @@ Status Runtime::CheckCompression(Request& request) {
     return Invalid(m, "compression must be from 0 to 4 (none, float16, mixed, top-k, "
                       "downsample), got " + std::to_string(m.compression));
   } else if (m.compression == kCompressTopk) {
-    if (NumElements(m.shape) * 4 < options_.topk_threshold_bytes) {
+    if (NumElements(m.shape) * 4 < options_.topk_threshold) {
       request.meta.compression = options_.topk_fallback;  // too small to sparsify
     } else {
       // Its residual changes with every run, so it is never voted down and
       // re-run: top-k tensors are negotiated online, step by step.
       request.meta.flags &= ~kMetaPlannable;
     }
-  } else if (m.compression == kCompressDownsample && options_.downsample_n <= 1) {
+  } else if (m.compression == kCompressDownsample && options_.downsample_n_elements <= 1) {
     request.meta.compression = kCompressNone;
   }
   return Status::OK();

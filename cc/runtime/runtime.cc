@@ -152,7 +152,7 @@ void Runtime::Connect(TransportOptions* bo) {
   topo.cross_size = o.cross_size;
   topo.streams = bo->streams;
   topo.world_group = o.process_set_id == 0;
-  topo.shm_allowed = o.shm;
+  topo.shm_allowed = o.shm_allreduce;
   topo.allreduce_mode = o.allreduce_mode;
   topo.key_prefix = bo->key_prefix;
   topo.timeout = bo->timeout;

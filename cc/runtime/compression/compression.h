@@ -58,7 +58,10 @@ class Residuals {
 
 // What compressors use from the runtime.
 struct CompressionContext {
-  const InitOptions* options = nullptr;
+  // The compression settings (settings.h), and the runtime's rank and size.
+  const CompressionSettings* settings = nullptr;
+  int rank = 0;
+  int size = 1;
   Timeline* timeline = nullptr;
   Transport* world = nullptr;  // top-k's allgather
   Residuals* residuals = nullptr;
@@ -102,7 +105,7 @@ class Compressors {
 // Bytes one rank puts on the wire for a tensor (statistics); two_level: the
 // job's allreduce runs in two levels, so mixed compression halves what
 // crosses hosts.
-int64_t WireBytes(const TensorMeta& m, const InitOptions& options, bool two_level);
+int64_t WireBytes(const TensorMeta& m, const CompressionSettings& options, bool two_level);
 
 // Elements top-k sends of a tensor of n (at least 1).
 int64_t TopkCount(int64_t n, double ratio);

@@ -18,7 +18,7 @@ Compressor* Compressors::For(int compression) const {
   }
 }
 
-int64_t WireBytes(const TensorMeta& m, const InitOptions& options, bool two_level) {
+int64_t WireBytes(const TensorMeta& m, const CompressionSettings& options, bool two_level) {
   const int64_t n = NumElements(m.shape);
   switch (m.compression) {
     case kCompressFp16:
@@ -28,7 +28,7 @@ int64_t WireBytes(const TensorMeta& m, const InitOptions& options, bool two_leve
     case kCompressTopk:
       return TopkCount(n, options.topk_ratio) * (4 + (options.topk_fp16 ? 2 : 4));
     case kCompressDownsample:
-      return 4 * ((n + options.downsample_n - 1) / options.downsample_n);
+      return 4 * ((n + options.downsample_n_elements - 1) / options.downsample_n_elements);
     default:
       return n * static_cast<int64_t>(DataTypeSize(m.dtype));
   }

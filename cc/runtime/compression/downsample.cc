@@ -33,10 +33,10 @@ class Downsample : public Compressor {
 
   bool Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const Response& r,
                  std::vector<std::shared_ptr<Request>>& requests) override {
-    const InitOptions& options = *c_.options;
+    const CompressionSettings& options = *c_.settings;
     const TensorMeta& m0 = r.metas[0];
     const size_t esize = sizeof(float);
-    const size_t N = static_cast<size_t>(options.downsample_n);
+    const size_t N = static_cast<size_t>(options.downsample_n_elements);
     const float momentum = static_cast<float>(options.gradient_momentum);
     const float pre = static_cast<float>(m0.prescale);
     auto sent_count = [N](size_t n, size_t phase) {
@@ -65,13 +65,13 @@ class Downsample : public Compressor {
       }
     }
     if (r.carrier_vote >= 0) WriteExtras(buf.data() + total * esize, DataType::kFloat32, r,
-                                         options.rank);
+                                         c_.rank);
     c_.allreduce(stream, plane, buf.data(), slots, DataType::kFloat32, m0.reduce_op, 0);
     if (r.carrier_vote >= 0 &&
         !Deliver(r, ReadOutcome(buf.data() + total * esize, DataType::kFloat32, r))) {
       return false;  // voted down: outputs and residuals untouched
     }
-    ScaleBuffer(buf.data(), DataType::kFloat32, total, PostScale(m0, options.size));
+    ScaleBuffer(buf.data(), DataType::kFloat32, total, PostScale(m0, c_.size));
     size_t at = 0;
     for (size_t i = 0; i < requests.size(); ++i) {
       // Everything not sent this step stays in the residual (decayed by the

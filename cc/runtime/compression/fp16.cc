@@ -24,7 +24,7 @@ class Fp16 : public Compressor {
 
 bool Fp16::Allreduce(int stream, DataPlane& plane, StreamScratch&, const Response& r,
                      std::vector<std::shared_ptr<Request>>& requests) {
-  const InitOptions& options = *c_.options;
+  const CompressionSettings& options = *c_.settings;
   const TensorMeta& m0 = r.metas[0];
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
@@ -44,7 +44,7 @@ bool Fp16::Allreduce(int stream, DataPlane& plane, StreamScratch&, const Respons
   }
   std::vector<uint16_t> extra(extras);
   if (carrier) {
-    WriteExtras(reinterpret_cast<char*>(extra.data()), DataType::kFloat16, r, options.rank);
+    WriteExtras(reinterpret_cast<char*>(extra.data()), DataType::kFloat16, r, c_.rank);
     plane.FromHost(stream, half + total, extra.data(), 2 * extras);
   }
   c_.allreduce(stream, plane, half, total + extras, DataType::kFloat16, ReduceOp::kSum, 0);
@@ -55,7 +55,7 @@ bool Fp16::Allreduce(int stream, DataPlane& plane, StreamScratch&, const Respons
       return false;
     }
   }
-  const double post = PostScale(m0, options.size);
+  const double post = PostScale(m0, c_.size);
   const float out_scale = static_cast<float>(post / options.gradient_scale);
   offset = 0;
   TimelineSpan unpack(*c_.timeline, 1 + stream, "fp16 decompress", "compression");

@@ -32,7 +32,7 @@ class Topk : public Compressor {
 bool Topk::Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const Response& r,
                      std::vector<std::shared_ptr<Request>>& requests) {
   Request& q = *requests[0];
-  const InitOptions& options = *c_.options;
+  const CompressionSettings& options = *c_.settings;
   const TensorMeta& m = r.metas[0];
   const size_t n = static_cast<size_t>(NumElements(m.shape));
   const size_t k = static_cast<size_t>(TopkCount(NumElements(m.shape), options.topk_ratio));
@@ -99,16 +99,16 @@ bool Topk::Allreduce(int stream, DataPlane& plane, StreamScratch& scratch, const
       acc[e] -= sent;
     }
   }
-  std::vector<char> all(record * static_cast<size_t>(options.size));
+  std::vector<char> all(record * static_cast<size_t>(c_.size));
   {
     TimelineSpan ring(*c_.timeline, 1 + stream, "gloo allgather (top-k)", "communication");
     c_.world->Allgatherv(stream, send.data(), all.data(),
-                         std::vector<size_t>(static_cast<size_t>(options.size), record));
+                         std::vector<size_t>(static_cast<size_t>(c_.size), record));
   }
-  const double post = PostScale(m, options.size);
+  const double post = PostScale(m, c_.size);
   float* out = static_cast<float*>(q.output);
   if (n) std::memset(out, 0, n * sizeof(float));
-  for (int rank = 0; rank < options.size; ++rank) {
+  for (int rank = 0; rank < c_.size; ++rank) {
     const char* at = all.data() + record * static_cast<size_t>(rank);
     const int32_t* got_idx = reinterpret_cast<const int32_t*>(at);
     const char* values = at + k * 4;
