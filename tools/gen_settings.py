@@ -21,6 +21,9 @@ import re
 import sys
 import textwrap
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gen_store_protocol import write_if_changed  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = "perseus_tf/config/spec.py"
 HEADER = "cc/runtime/settings.h"
@@ -92,21 +95,9 @@ def render(root=ROOT):
     ])
 
 
-def _write_if_changed(path, text):
-    try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == text:
-                return False
-    except FileNotFoundError:
-        pass
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    return True
-
-
 def write(root=ROOT):
     """Writes the header when its text changed; returns True if it did."""
-    return _write_if_changed(os.path.join(root, HEADER), render(root))
+    return write_if_changed(os.path.join(root, HEADER), render(root))
 
 
 _ROW = re.compile(r"^\| `(?P<variable>[A-Z0-9_]+)` \(`(?P<name>[a-z0-9_]+)`\) \|")
@@ -172,7 +163,7 @@ def main(argv):
     if argv[1:] == ["--docs"]:
         with open(page, encoding="utf-8") as f:
             text = f.read()
-        if _write_if_changed(page, render_page(text)):
+        if write_if_changed(page, render_page(text)):
             print(f"wrote {PAGE}")
     return 0
 

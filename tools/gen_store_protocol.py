@@ -141,10 +141,9 @@ def render(root=ROOT):
     ])
 
 
-def write(root=ROOT):
-    """Writes the header when its text changed; returns True if it did."""
-    path = os.path.join(root, HEADER)
-    text = render(root)
+def write_if_changed(path, text):
+    """Writes `text` to `path` unless the file holds it already (so make and
+    the compiler see no change); returns True if it wrote."""
     try:
         with open(path, encoding="utf-8") as f:
             if f.read() == text:
@@ -154,6 +153,11 @@ def write(root=ROOT):
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return True
+
+
+def write(root=ROOT):
+    """Writes the header when its text changed; returns True if it did."""
+    return write_if_changed(os.path.join(root, HEADER), render(root))
 
 
 def main(argv):
