@@ -7,8 +7,12 @@ PerseusCrossDeviceOps the same way, so PerseusStrategy marks the gradient
 ones: Keras optimizers all-reduce gradients inside `apply_gradients` (Keras 3
 in `apply`'s update step, Keras 2 when it aggregates), and the reductions
 traced while an optimizer's `apply_gradients` runs are gradient reductions.
-The mark is a process-wide depth counter, not thread-local, because
-MirroredStrategy runs replica functions and merge calls in other threads.
+The mark belongs to the thread that runs `apply_gradients` (a replica's
+thread under MirroredStrategy). The reductions themselves run in a merge
+call, which MirroredStrategy runs in another thread (its main one), so the
+mark travels with each merge call made while it is set
+(`carry_into_merge_calls`): another thread tracing at the same time (a
+metric's reduction, another model) is never taken for a gradient reduction.
 
 Local gradient accumulation (PERSEUS_ACCUMULATE_N_STEPS=N, PerseusStrategy's
 accumulate_n_steps) lives here too. MirroredStrategy cannot put an
@@ -25,35 +29,69 @@ import contextlib
 import functools
 import threading
 
-_lock = threading.Lock()
-_depth = [0]
-_installed = False
+
+class _Mark(threading.local):
+    depth = 0        # gradient_reduction() scopes this thread is in
+    pending = None   # the apply step's predicate of an accumulating apply_gradients
+
+
+_mark = _Mark()
 
 
 @contextlib.contextmanager
-def gradient_reduction():
-    with _lock:
-        _depth[0] += 1
+def gradient_reduction(pending=None):
+    """Reductions made in this scope (in this thread, and in the merge calls
+    it makes) carry gradients; `pending`: an accumulating optimizer's apply
+    step predicate."""
+    saved = _mark.depth, _mark.pending
+    _mark.depth += 1
+    if pending is not None:
+        _mark.pending = pending
     try:
         yield
     finally:
-        with _lock:
-            _depth[0] -= 1
+        _mark.depth, _mark.pending = saved
 
 
 def active():
-    return _depth[0] > 0
-
-
-# The apply step's predicate while an accumulating apply_gradients runs (one
-# replica per process: one predicate at a time).
-_pending = [None]
+    return _mark.depth > 0
 
 
 def pending_step():
     """A boolean tensor (True on every N-th call) while an accumulating
     optimizer applies gradients, else None."""
-    return _pending[0]
+    return _mark.pending
+
+
+def carry_into_merge_calls(patching, flavour):
+    """A merge call made by a thread inside gradient_reduction() runs its
+    function inside the same scope, in whichever thread the strategy runs it."""
+    from tensorflow.python.autograph.core import ag_ctx
+    from tensorflow.python.autograph.impl import api as autograph
+
+    def wrap(merge_call):
+        @functools.wraps(merge_call)
+        def marked_merge_call(self, merge_fn, args=(), kwargs=None):
+            if not active():
+                return merge_call(self, merge_fn, args, kwargs)
+            depth, pending = _mark.depth, _mark.pending
+            # Converted as merge_call would, then left alone by it.
+            converted = autograph.tf_convert(merge_fn, ag_ctx.control_status_ctx(),
+                                             convert_by_default=False)
+
+            @autograph.do_not_convert
+            def carried(*a, **kw):
+                saved = _mark.depth, _mark.pending
+                _mark.depth, _mark.pending = saved[0] + depth, pending
+                try:
+                    return converted(*a, **kw)
+                finally:
+                    _mark.depth, _mark.pending = saved
+
+            return merge_call(self, carried, args, kwargs)
+        return marked_merge_call
+
+    patching.wrap("tensorflow.python.distribute.distribute_lib.ReplicaContext.merge_call", wrap)
 
 
 def _accumulation_steps():
@@ -77,25 +115,21 @@ def _accumulating_apply(self, original, n, grads_and_vars, args, kwargs):
         self._perseus_accumulator = acc
     is_step, totals = acc.add([g for g, _ in grads_and_vars], variables)
     grads = [t / tf.cast(n, t.dtype) for t in totals]
-    _pending[0] = is_step
-    try:
-        with gradient_reduction():
-            return original(self, list(zip(grads, variables)), *args, **kwargs)
-    finally:
-        _pending[0] = None
+    with gradient_reduction(pending=is_step):
+        return original(self, list(zip(grads, variables)), *args, **kwargs)
 
 
-def _wrap_update(cls, attr):
+def _wrap_update(patching, cls, attr):
     """Makes an optimizer's cross-replica update run only on apply steps."""
     original = cls.__dict__.get(attr)
-    if original is None or getattr(original, "_perseus_wrapped", False):
+    if original is None:
         return
 
     @functools.wraps(original)
     def update(self, distribution, *args, **kwargs):
         import tensorflow as tf
 
-        pred = _pending[0]
+        pred = _mark.pending
         if pred is None:
             return original(self, distribution, *args, **kwargs)
 
@@ -106,48 +140,45 @@ def _wrap_update(cls, attr):
 
         return tf.cond(pred, apply, lambda: tf.constant(False))
 
-    update._perseus_wrapped = True
-    setattr(cls, attr, update)
+    patching.replace(cls, attr, update)
 
 
-def _wrap(cls):
+def _wrap(patching, cls):
     original = cls.__dict__.get("apply_gradients")
-    if original is None or getattr(original, "_perseus_wrapped", False):
+    if original is None:
         return
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        n = _accumulation_steps() if _pending[0] is None else 1
+        n = _accumulation_steps() if _mark.pending is None else 1
         if n > 1:
             return _accumulating_apply(self, original, n, grads_and_vars, args, kwargs)
         with gradient_reduction():
             return original(self, grads_and_vars, *args, **kwargs)
 
-    apply_gradients._perseus_wrapped = True
-    cls.apply_gradients = apply_gradients
+    patching.replace(cls, "apply_gradients", apply_gradients)
 
 
-def install():
-    """Marks reductions inside Keras optimizers' apply_gradients (idempotent)."""
-    global _installed
-    if _installed:
-        return
-    import tensorflow as tf
-
+def mark_optimizer_apply(patching, flavour):
+    """Marks reductions inside this Keras' optimizers' apply_gradients (and
+    its legacy ones'): every class of their MRO that defines it."""
     from perseus_tf import _keras
 
-    classes = []
-    for cls in _keras.optimizer_classes():
+    roots = _keras.optimizer_classes(flavour)
+    bases = list(dict.fromkeys(base for cls in roots for base in cls.__mro__))
+    for cls in bases:
         # Keras 3's base class defines apply_gradients on its backend base.
-        classes.append(cls)
-        classes.extend(c for c in cls.__mro__ if "apply_gradients" in c.__dict__)
-    classes.append(tf.compat.v1.train.Optimizer)
-    for cls in classes:
-        _wrap(cls)
-        # Where Keras 3 (TF backend) and Keras 2 update variables in
-        # cross-replica context.
-        for attr in ("_distributed_tf_update_step", "_distributed_apply_gradients_fn"):
-            for base in cls.__mro__:
-                if attr in base.__dict__:
-                    _wrap_update(base, attr)
-    _installed = True
+        if "apply_gradients" in cls.__dict__:
+            _wrap(patching, cls)
+    # Where Keras 3 (TF backend) and Keras 2 update variables in
+    # cross-replica context.
+    for attr in ("_distributed_tf_update_step", "_distributed_apply_gradients_fn"):
+        for cls in bases:
+            if attr in cls.__dict__:
+                _wrap_update(patching, cls, attr)
+
+
+def mark_tf1_optimizer_apply(patching, flavour):
+    """The same for tf.compat.v1.train.Optimizer."""
+    import tensorflow as tf
+    _wrap(patching, tf.compat.v1.train.Optimizer)

@@ -18,32 +18,13 @@ Keras 3 newer than the newest tested runs with one warning line. Where an
 old Keras lacks what one feature needs, that feature says so when used
 (`require`), and everything else works.
 
-The patches and the Keras internals each reaches, by release:
-  strategy/keras_backports.py  3.0-3.7: TFOptimizer, TensorFlowTrainer.train_step,
-                               scale_loss, Metric.add_variable (3.8+: nothing)
-  strategy/keras_files.py      Keras 3: ModelCheckpoint, TensorBoard, BackupAndRestore
-                               (3.1+ for resume; its _save_model and file paths,
-                               the *.bkp pair from 3.7), the epoch iterator (3.0-3.6:
-                               TFEpochIterator.enumerate_epoch; 3.7+:
-                               EpochIterator._enumerate_iterator, 3-tuples from 3.11);
-                               Keras 2: engine.data_adapter.DataHandler
-  strategy/keras_mixed.py      Keras 3: LossScaleOptimizer.check_finite
-  strategy/keras_preempt.py    BackupAndRestore, Model.fit; Keras 2:
-                               distribute.worker_training_state
-  strategy/keras_predict.py    trainer.reduce_per_replica (Keras 3: backend.tensorflow;
-                               Keras 2: engine.training); Keras 3:
-                               TensorFlowTrainer.predict_on_batch, and
-                               TensorFlowTrainer.predict on 3.0-3.2
-  strategy/keras_save.py       Model/Layer saving methods, CallbackList
-  strategy/keras_xla.py        Model.make_{train,test,predict}_function
-  strategy/__init__.py         Keras 3: BatchNormalization.build
-  (TensorFlow's own: strategy/input_teardown.py, multi_device_iterator_ops)
-  _gradients.py, horovod/keras/_optimizer.py   optimizers' apply paths,
-                               LossScaleOptimizer (Keras 3 and 2)
+The patches and the Keras internals each reaches, by release, are the table
+of perseus_tf/patches.py (PATCHES); a patch whose target a supported release
+lacks fails there, naming it.
 
 Several Keras may be loaded at once (TF 2.16+ with tf_keras installed has
 both): every patch is applied to each Keras the script may train with
-(`in_use`).
+(`in_use`) that its row applies to.
 """
 
 import importlib
@@ -146,13 +127,12 @@ def keras2():
     return [f for f in in_use() if f.major == 2]
 
 
-def optimizer_classes():
+def optimizer_classes(flavour=None):
     """The Keras optimizer base classes a script may train with: those of
-    `tf.keras` and of each Keras in use, and their `legacy` ones."""
-    import tensorflow as tf
-    modules = [getattr(tf.keras, "optimizers", None)] + [f.package.optimizers for f in in_use()]
+    each Keras in use (or of `flavour`), and their `legacy` ones."""
+    flavours = in_use() if flavour is None else [flavour]
     classes = []
-    for module in modules:
+    for module in [f.package.optimizers for f in flavours]:
         for holder in (module, getattr(module, "legacy", None)):
             cls = getattr(holder, "Optimizer", None)
             if isinstance(cls, type) and cls not in classes:

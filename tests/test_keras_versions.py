@@ -35,7 +35,8 @@ from test_docs import _quick_start
 
 NAMES = list(VERSIONS)
 
-# The checks run between the ends (3.2, 3.5, 3.10, 3.12): those of the
+# The checks run between the ends (3.2, 3.5, 3.10, 3.12): that every patch
+# target exists and the patches apply in order (perseus_tf/patches.py), and those of the
 # patches whose Keras internals change inside Keras 3 (perseus_tf/_keras.py
 # lists them by release): gradient reduction and fit's loss scaling (3.5,
 # 3.8), the TF optimizer's apply path, metric and statistics variables read
@@ -44,7 +45,8 @@ NAMES = list(VERSIONS)
 # Keras 3 in tests/test_strategy.py. Patches whose internals are the same in
 # every Keras 3 (saving, TensorBoard, ModelCheckpoint, XLA, the loss-scale
 # check) are checked at the ends.
-BETWEEN = ["check_fit_equals_single_process_sgd", "check_fit_with_last_partial_batch",
+BETWEEN = ["check_keras_patches_in_order_found_and_undone",
+           "check_fit_equals_single_process_sgd", "check_fit_with_last_partial_batch",
            "check_custom_training_loop_equals_single_process",
            "check_accumulation_equals_a_larger_batch",
            "check_backup_and_restore_resumes_on_every_rank",

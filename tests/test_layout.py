@@ -4,6 +4,7 @@ no file grows past 600 lines without saying why in its header comment. The
 Python package's: the modules of config/ and runner/ import each other one
 way, and the runner needs nothing of the package beyond config/."""
 
+import ast
 import os
 import re
 
@@ -318,3 +319,120 @@ def test_only_the_launcher_imports_the_launcher():
                           for m in sorted(_all_imports(path))
                           if m == "perseus_tf.runner" or m.startswith("perseus_tf.runner.")]
     assert not wrong, "\n".join(wrong)
+
+
+# -- Patches of Keras and TensorFlow go through perseus_tf/patches.py ----------------
+
+def _functions_defined(tree):
+    """Names of the functions a module defines (at any depth), and those of
+    them that build and return a function of their own (wrapper factories)."""
+    defined, factories = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defined.add(node.name)
+            inner = {n.name for n in ast.walk(node)
+                     if isinstance(n, (ast.FunctionDef, ast.Lambda)) and n is not node
+                     and isinstance(n, ast.FunctionDef)}
+            returns = {r.value.id for r in ast.walk(node)
+                       if isinstance(r, ast.Return) and isinstance(r.value, ast.Name)}
+            if inner & returns:
+                factories.add(node.name)
+    return defined, factories
+
+
+def _is_function_value(value, defined, factories):
+    if isinstance(value, ast.Lambda):
+        return True
+    if isinstance(value, ast.Name):
+        return value.id in defined
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+            and value.func.id in factories)
+
+
+def _patches_outside_registry(text):
+    """(line, what) of each place that sets a function on another object's
+    attribute (`Class.method = wrapper`, `setattr(module, name, fn)`) rather
+    than through the registry's Patching; an instance's own (`self.x = ...`)
+    does not count."""
+    tree = ast.parse(text)
+    defined, factories = _functions_defined(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if (isinstance(target, ast.Attribute)
+                        and not (isinstance(target.value, ast.Name)
+                                 and target.value.id == "self")
+                        and _is_function_value(node.value, defined, factories)):
+                    found.append((node.lineno, ast.unparse(target)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "setattr" and len(node.args) == 3
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")
+              and _is_function_value(node.args[2], defined, factories)):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+# Python's own documented hooks are meant to be set.
+PYTHON_HOOKS = {"sys.excepthook"}
+
+
+def test_patches_go_through_the_registry_only():
+    wrong = []
+    for folder, _, names in os.walk(PACKAGE):
+        for name in names:
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, ROOT)
+            if not name.endswith(".py") or rel == "perseus_tf/patches.py":
+                continue
+            for line, what in _patches_outside_registry(open(path).read()):
+                if what not in PYTHON_HOOKS:
+                    wrong.append(f"{rel}:{line}: {what}")
+    assert not wrong, ("patch these through perseus_tf/patches.py (a row in PATCHES, "
+                       "Patching.wrap/replace):\n" + "\n".join(wrong))
+
+
+def test_the_patch_rule_sees_each_way_of_patching():
+    """The rule above finds a function, a lambda and a wrapper factory's
+    result set on a class or module, by assignment and by setattr, and lets an
+    instance's own attributes and plain values be."""
+    text = '''
+import functools
+def _wrap(fn):
+    @functools.wraps(fn)
+    def wrapper(*a):
+        return fn(*a)
+    return wrapper
+def install(cls, module):
+    def replacement(self):
+        pass
+    cls.method = replacement
+    module.function = _wrap(module.function)
+    cls.hook = lambda self: True
+    setattr(cls, "other", replacement)
+    setattr(module, "other", _wrap(module.other))
+def fine(self, options):
+    self.method = _wrap(print)
+    options.enabled = False
+    self.count = len([])
+'''
+    found = [what for _, what in _patches_outside_registry(text)]
+    assert found == ["cls.method", "module.function", "cls.hook",
+                     "setattr(cls, 'other', replacement)",
+                     "setattr(module, 'other', _wrap(module.other))"], found
+
+
+def test_patch_table_order_and_targets():
+    """Each patch comes after those it names in `after`, its apply function
+    exists, and every name an entry point installs is in the table."""
+    from perseus_tf import patches
+    patches._check_table()
+    for patch in patches.PATCHES:
+        module, function = patch.apply.split(":")
+        source = open(os.path.join(ROOT, *module.split(".")) +
+                      ("/__init__.py" if module == "perseus_tf.strategy" else ".py")).read()
+        assert f"def {function}(patching, flavour" in source, patch
+        assert patch.targets and all("." in t for t in patch.targets), patch
+    for group in (patches.STRATEGY, patches.STRATEGY_MULTI_RANK, patches.STEP_RESUME,
+                  patches.BACKPORTS, patches.SHIM):
+        assert set(group) <= set(patches.BY_NAME), set(group) - set(patches.BY_NAME)

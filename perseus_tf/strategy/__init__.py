@@ -5,8 +5,9 @@ MirroredStrategy) made global: the replica count is the world size, datasets
 are sharded per rank, variables start from rank 0's values, and every
 reduction goes through PerseusCrossDeviceOps across processes.
 
-The package also holds the Keras patches the strategy installs (the Keras
-releases each supports: perseus_tf/_keras.py): keras_backports (what Keras
+The package also holds the code of the Keras patches the strategy installs
+(perseus_tf/patches.py lists them, with the Keras releases each applies to,
+and installs them in order): keras_backports (what Keras
 3.8 does under a strategy, on 3.0 to 3.7: averaged gradients, global
 metrics), keras_mixed (mixed-precision step skipping agreed by all ranks), keras_xla
 (no XLA around the collectives),
@@ -40,16 +41,15 @@ from tensorflow.python.distribute import cross_device_ops as cross_device_ops_li
 from tensorflow.python.trackable import base as trackable_base
 from tensorflow.python.util import nest
 
-from perseus_tf import _gradients
 from perseus_tf import _keras
 from perseus_tf import _malloc
 from perseus_tf import _native
 from perseus_tf import config
 from perseus_tf import gpu
 from perseus_tf import ops as perseus_ops
+from perseus_tf import patches
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import (input_teardown, keras_backports, keras_files, keras_mixed,
-                                 keras_predict, keras_preempt, keras_save, keras_xla)
+from perseus_tf.strategy import input_teardown, keras_backports, keras_save, keras_xla
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -61,16 +61,11 @@ _METRIC_AGGREGATION = {"sum": tf.VariableAggregation.SUM, "mean": tf.VariableAgg
 _batch_norm_statistics = threading.local()
 
 
-def _install_batch_norm_statistics():
+def mark_batch_norm_statistics(patching, flavour):
     """Marks Keras 3 BatchNormalization's moving statistics as they are
-    created (see PerseusExtended._create_variable). Idempotent."""
-    flavour = _keras.keras3()
-    if flavour is None:
-        return  # Keras 2 already creates them ON_READ with MEAN
-    cls = flavour.package.layers.BatchNormalization
-    original = cls.build
-    if getattr(original, "_perseus_wrapped", False):
-        return
+    created (see PerseusExtended._create_variable); Keras 2 already creates
+    them ON_READ with MEAN."""
+    _, _, original = patching.target("{keras}.layers.BatchNormalization.build")
 
     def build(self, input_shape):
         add_weight = self.add_weight
@@ -90,8 +85,7 @@ def _install_batch_norm_statistics():
         finally:
             object.__delattr__(self, "add_weight")
 
-    build._perseus_wrapped = True
-    cls.build = build
+    patching.wrap("{keras}.layers.BatchNormalization.build", lambda _: build)
 
 
 class PerseusExtended(mirrored_strategy.MirroredExtended):
@@ -339,20 +333,23 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         extended._cluster_resolver = _cluster_resolver(placement)
         if cluster_resolver is not None:
             extended._cluster_resolver = cluster_resolver
-        keras_mixed.install(lambda strategy: isinstance(strategy, PerseusStrategy))
-        keras_backports.install(lambda strategy: isinstance(strategy, PerseusStrategy))
-        keras_xla.install(_trains_under_perseus)
-        keras_save.install(lambda strategy: isinstance(strategy, PerseusStrategy),
-                           lambda tensors: perseus_ops.grouped_allreduce(
-                               tensors, op=perseus_ops.Average,
-                               name="perseus.average_on_read_variables"))
-        keras_predict.install(lambda strategy: isinstance(strategy, PerseusStrategy))
-        input_teardown.install()
-        _gradients.install()
-        _install_batch_norm_statistics()
-        keras_files.install_step_resume()   # before the restore check wraps it
-        if perseus_ops.size() > 1:
-            keras_files.install(perseus_ops.rank())
-            keras_files.install_restore_check()
-        # After the two above: it wraps what they installed.
-        keras_preempt.install(lambda strategy: isinstance(strategy, PerseusStrategy))
+        install_patches()
+
+
+def install_patches():
+    """Every patch of Keras and TF internals PerseusStrategy needs, in
+    perseus_tf.patches' order (those applied already stay as they are)."""
+    keras_xla.holding_collectives(_trains_under_perseus)
+    keras_backports.also_under(_is_perseus)
+    names = patches.STRATEGY + (patches.STRATEGY_MULTI_RANK if perseus_ops.size() > 1 else ())
+    patches.install(names, is_perseus=_is_perseus, holds_collectives=_trains_under_perseus,
+                    allreduce_average=_average_on_read, rank=perseus_ops.rank())
+
+
+def _is_perseus(strategy):
+    return isinstance(strategy, PerseusStrategy)
+
+
+def _average_on_read(tensors):
+    return perseus_ops.grouped_allreduce(tensors, op=perseus_ops.Average,
+                                         name="perseus.average_on_read_variables")

@@ -24,9 +24,6 @@ import functools
 
 import tensorflow as tf
 
-_installed = False
-
-
 def without_model_thread(dataset):
     """The dataset with tf.data's autotuner off, unless its options turn it
     on explicitly."""
@@ -37,18 +34,14 @@ def without_model_thread(dataset):
     return dataset.with_options(options)
 
 
-def install():
+def without_autotune_threads(patching, flavour):
     """Per-device datasets of every MultiDeviceIterator made from now on
     start no autotuning thread (they are a fixed prefetch: nothing to tune)."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from tensorflow.python.data.ops import multi_device_iterator_ops
-    original = multi_device_iterator_ops._create_device_dataset
+    def wrap(original):
+        @functools.wraps(original)
+        def create_device_dataset(*args, **kwargs):
+            return without_model_thread(original(*args, **kwargs))
+        return create_device_dataset
 
-    @functools.wraps(original)
-    def create_device_dataset(*args, **kwargs):
-        return without_model_thread(original(*args, **kwargs))
-
-    multi_device_iterator_ops._create_device_dataset = create_device_dataset
+    patching.wrap(
+        "tensorflow.python.data.ops.multi_device_iterator_ops._create_device_dataset", wrap)

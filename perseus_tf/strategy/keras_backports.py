@@ -39,7 +39,6 @@ import tensorflow as tf
 
 from perseus_tf import _keras
 
-_installed = False
 _predicates = []   # strategy -> whether to behave as Keras 3.8 under it
 
 
@@ -58,37 +57,41 @@ def metric_variable():
     return getattr(_metric, "aggregation", None)
 
 
-def install(is_perseus):
-    """Patches Keras 3.0 to 3.7's TF trainer and optimizers once;
-    is_perseus(strategy) tells the strategies to do it under (each call adds
-    one: tests/workers/model_matrix_worker.py adds its one-process
-    MirroredStrategy reference)."""
-    global _installed
-    flavour = _keras.keras3()
-    if flavour is None or flavour.at_least(3, 8):
-        return
+def also_under(is_perseus):
+    """Behave as Keras 3.8 under the strategies is_perseus(strategy) tells
+    too (tests/workers/model_matrix_worker.py adds its one-process
+    MirroredStrategy reference); the patches are perseus_tf.patches.BACKPORTS."""
     if is_perseus not in _predicates:
         _predicates.append(is_perseus)
-    if _installed:
-        return
-    _installed = True
-    _scale_fit_loss(_applies)
-    if not flavour.at_least(3, 5):
-        _sum_gradients(_applies)
-    if not flavour.at_least(3, 7):
-        _mark_metric_variables()
 
 
-def _mark_metric_variables():
+def scale_fit_loss(patching, flavour, is_perseus):
+    also_under(is_perseus)
+    _scale_fit_loss(patching, _applies)
+
+
+def sum_gradients(patching, flavour, is_perseus):
+    also_under(is_perseus)
+    _sum_gradients(patching, _applies)
+
+
+def mark_metric_variables(patching, flavour, is_perseus):
+    also_under(is_perseus)
+    _mark_metric_variables(patching)
+
+
+def mark_metric_variables_initializer(patching, flavour):
+    patching.wrap("{keras}.src.backend.tensorflow.core.Variable._initialize_with_initializer",
+                  _initialized_marked)
+
+
+def _mark_metric_variables(patching):
     """Marks a metric variable's creation; a variable made while a step is
     traced is created later, outside add_variable (its TF variable is made
     at _deferred_initialize), so the variable carries its aggregation too."""
     import inspect
 
-    from keras.src.backend.tensorflow import core
-    from keras.src.metrics import metric
-
-    add_variable = metric.Metric.add_variable
+    _, _, add_variable = patching.target("{keras}.src.metrics.metric.Metric.add_variable")
     signature = inspect.signature(add_variable)
 
     def marked(self, *args, **kwargs):
@@ -102,10 +105,8 @@ def _mark_metric_variables():
         variable._perseus_aggregation = aggregation
         return variable
 
-    metric.Metric.add_variable = marked
-    for method in ("_initialize", "_initialize_with_initializer"):
-        if method in vars(core.Variable):
-            setattr(core.Variable, method, _initialized_marked(vars(core.Variable)[method]))
+    patching.wrap("{keras}.src.metrics.metric.Metric.add_variable", lambda _: marked)
+    patching.wrap("{keras}.src.backend.tensorflow.core.Variable._initialize", _initialized_marked)
 
 
 def _initialized_marked(initialize):
@@ -121,24 +122,21 @@ def _initialized_marked(initialize):
     return initialized
 
 
-def _scale_fit_loss(is_perseus):
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-    from keras.src.optimizers import base_optimizer, loss_scale_optimizer
+def _scale_fit_loss(patching, is_perseus):
+    def scaled(train_step):
+        def scaled_train_step(self, *args, **kwargs):
+            strategy = tf.distribute.get_strategy()
+            _train_step.divisor = strategy.num_replicas_in_sync if is_perseus(strategy) else None
+            try:
+                return train_step(self, *args, **kwargs)
+            finally:
+                _train_step.divisor = None
+        return scaled_train_step
 
-    trainer = tf_trainer.TensorFlowTrainer
-    train_step = trainer.train_step
-
-    def scaled_train_step(self, *args, **kwargs):
-        strategy = tf.distribute.get_strategy()
-        _train_step.divisor = strategy.num_replicas_in_sync if is_perseus(strategy) else None
-        try:
-            return train_step(self, *args, **kwargs)
-        finally:
-            _train_step.divisor = None
-
-    trainer.train_step = scaled_train_step
-    for cls in (base_optimizer.BaseOptimizer, loss_scale_optimizer.LossScaleOptimizer):
-        cls.scale_loss = _divided_once(cls.scale_loss)
+    patching.wrap("{keras}.src.backend.tensorflow.trainer.TensorFlowTrainer.train_step", scaled)
+    patching.wrap("{keras}.src.optimizers.base_optimizer.BaseOptimizer.scale_loss", _divided_once)
+    patching.wrap("{keras}.src.optimizers.loss_scale_optimizer.LossScaleOptimizer.scale_loss",
+                  _divided_once)
 
 
 def _divided_once(scale_loss):
@@ -151,11 +149,9 @@ def _divided_once(scale_loss):
     return divided
 
 
-def _sum_gradients(is_perseus):
-    from keras.src.backend.tensorflow import optimizer as tf_optimizer
-
-    cls = tf_optimizer.TFOptimizer
-    update_step = cls._backend_update_step
+def _sum_gradients(patching, is_perseus):
+    _, _, update_step = patching.target(
+        "{keras}.src.backend.tensorflow.optimizer.TFOptimizer._backend_update_step")
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         context = tf.distribute.get_replica_context()
@@ -167,4 +163,5 @@ def _sum_gradients(is_perseus):
                 grads[i] = g
         return update_step(self, grads, trainable_variables, learning_rate)
 
-    cls._backend_update_step = _backend_update_step
+    patching.wrap("{keras}.src.backend.tensorflow.optimizer.TFOptimizer._backend_update_step",
+                  lambda _: _backend_update_step)

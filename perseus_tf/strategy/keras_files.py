@@ -16,7 +16,7 @@ from perseus_tf import _keras
 from perseus_tf.common.scratch import rank_scratch
 from perseus_tf.strategy.keras_preempt import read_marker
 
-_installed = False
+_BACKUP = "{keras}.callbacks.BackupAndRestore"
 
 
 def _out_of_room(error):
@@ -55,26 +55,24 @@ def _writing_scratch(what, directory, rank, write, model):
             f"or set TMPDIR to a directory with room on every host") from e
 
 
-def install(rank):
-    global _installed
-    flavour = _keras.keras3()   # Keras 2 uses the strategy's should_checkpoint / task id
-    if rank == 0 or _installed or flavour is None:
+def write_in_rank_scratch(patching, flavour, rank):
+    """Keras 3's file-writing callbacks on a rank other than 0 (Keras 2 uses
+    the strategy's should_checkpoint and task id itself)."""
+    if rank == 0:
         return
-    keras = flavour.package
     scratch = rank_scratch(rank)
     # Full checkpoint copies: removed when the process exits (and by
     # perseusrun or remote.py when a signal kills it: common/scratch.py).
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
-    callbacks = keras.callbacks
-
-    get_path = callbacks.ModelCheckpoint._get_file_path
+    checkpoint = "{keras}.callbacks.ModelCheckpoint."
+    _, _, get_path = patching.target(checkpoint + "_get_file_path")
 
     def _get_file_path(self, *args, **kwargs):
         path = get_path(self, *args, **kwargs)
         return os.path.join(scratch, "checkpoints", os.path.basename(path))
 
-    callbacks.ModelCheckpoint._get_file_path = _get_file_path
-    checkpoint_save = callbacks.ModelCheckpoint._save_model
+    patching.wrap(checkpoint + "_get_file_path", lambda _: _get_file_path)
+    _, _, checkpoint_save = patching.target(checkpoint + "_save_model")
 
     def _checkpoint_save_model(self, *args, **kwargs):
         return _writing_scratch(
@@ -82,23 +80,21 @@ def install(rank):
             os.path.join(scratch, "checkpoints"), rank,
             lambda: checkpoint_save(self, *args, **kwargs), self.model)
 
-    callbacks.ModelCheckpoint._save_model = _checkpoint_save_model
-
-    tb_init = callbacks.TensorBoard.__init__
+    patching.wrap(checkpoint + "_save_model", lambda _: _checkpoint_save_model)
+    _, _, tb_init = patching.target("{keras}.callbacks.TensorBoard.__init__")
 
     def tensorboard_init(self, log_dir="logs", *args, **kwargs):
         tb_init(self, os.path.join(scratch, "tensorboard"), *args, **kwargs)
 
-    callbacks.TensorBoard.__init__ = tensorboard_init
+    patching.wrap("{keras}.callbacks.TensorBoard.__init__", lambda _: tensorboard_init)
 
     # BackupAndRestore: every rank restores from rank 0's backup (the real
     # backup_dir, which must be readable by every rank: one host, or a shared
     # file system), so all resume at the same epoch with the same weights;
     # ranks other than 0 still save, into their scratch directory, and
     # never delete rank 0's backup.
-    backup = callbacks.BackupAndRestore
-    save_model = backup._save_model
-    train_end = backup.on_train_end
+    _, _, save_model = patching.target(_BACKUP + "._save_model")
+    _, _, train_end = patching.target(_BACKUP + ".on_train_end")
     write_dir = os.path.join(scratch, "backup")
 
     def _save_model(self):
@@ -127,31 +123,22 @@ def install(rank):
         finally:
             self.backup_dir = real
 
-    backup._save_model = _save_model
-    backup.on_train_end = on_train_end
-    _installed = True
+    patching.wrap(_BACKUP + "._save_model", lambda _: _save_model)
+    patching.wrap(_BACKUP + ".on_train_end", lambda _: on_train_end)
 
 
-def install_restore_check():
+def check_same_restore(patching, flavour):
     """After BackupAndRestore restores (any Keras, any rank), the ranks compare
     what they restored: the epoch and a checksum of the weights. Ranks that
     resumed from different states would train on different weights with no
     error, so they fail at once, naming each rank's state."""
-    for flavour in _keras.in_use():
-        _install_restore_check(flavour.package.callbacks.BackupAndRestore)
+    def wrap(original):
+        def on_train_begin(self, logs=None):
+            original(self, logs)
+            _check_same_restore(self.model)
+        return on_train_begin
 
-
-def _install_restore_check(backup):
-    original = backup.on_train_begin
-    if getattr(original, "_perseus_checked", False):
-        return
-
-    def on_train_begin(self, logs=None):
-        original(self, logs)
-        _check_same_restore(self.model)
-
-    on_train_begin._perseus_checked = True
-    backup.on_train_begin = on_train_begin
+    patching.wrap(_BACKUP + ".on_train_begin", wrap)
 
 
 def _check_same_restore(model):
@@ -196,7 +183,7 @@ _pending_skip = [0]   # batches the next training epoch drops (Keras 3's iterato
 def skip_batches_of_next_epoch(count):
     """The next `fit` starts its first epoch at batch `count`: the batches
     before it are read and dropped, not trained (elastic's resumed epoch).
-    Needs install_step_resume()."""
+    Needs the step-resume patches (perseus_tf.patches.STEP_RESUME)."""
     _pending_skip[0] = int(count)
 
 
@@ -211,21 +198,10 @@ def _drop_batches(iterator, count):
     return True
 
 
-def install_step_resume():
-    for flavour in _keras.in_use():
-        if flavour.major == 3:
-            _install_step_resume_keras3(flavour.package)
-        else:
-            _install_step_resume_keras2(flavour)
-
-
-def _install_step_resume_keras2(flavour):
+def resume_at_saved_step_keras2(patching, flavour):
     """Keras 2.15 and tf_keras 2.15 to 2.21: DataHandler.enumerate_epochs."""
-    data_adapter = flavour.src("engine.data_adapter")
-    handler = data_adapter.DataHandler
-    original = handler.enumerate_epochs
-    if getattr(original, "_perseus_step_resume", False):
-        return
+    target = "{keras}.src.engine.data_adapter.DataHandler.enumerate_epochs"
+    _, _, original = patching.target(target)
 
     def enumerate_epochs(self):
         first = True
@@ -239,8 +215,7 @@ def _install_step_resume_keras2(flavour):
             first = False
             yield epoch, iterator
 
-    enumerate_epochs._perseus_step_resume = True
-    handler.enumerate_epochs = enumerate_epochs
+    patching.wrap(target, lambda _: enumerate_epochs)
 
 
 # Keras 3 writes a backup in two steps, the weights, then the metadata that
@@ -317,15 +292,14 @@ def _whole_backup(callback):
         "previous backup to fall back to)")
 
 
-def _install_step_resume_keras3(keras):
+def resume_at_saved_step(patching, flavour):
+    """Keras 3's BackupAndRestore (the batches are skipped by
+    skip_resumed_batches)."""
     import json
 
-    backup = keras.callbacks.BackupAndRestore
-    if getattr(backup.on_train_begin, "_perseus_step_resume", False):
-        return
-    begin, epoch_begin, train_end = backup.on_train_begin, backup.on_epoch_begin, \
-        backup.on_train_end
-    save = backup._save_model
+    begin, epoch_begin, train_end, save = (
+        patching.target(_BACKUP + "." + name)[2]
+        for name in ("on_train_begin", "on_epoch_begin", "on_train_end", "_save_model"))
 
     def _save_model(self):
         save(self)
@@ -371,7 +345,7 @@ def _install_step_resume_keras3(keras):
         _pending_skip[0] = 0
         if not hasattr(self, "_training_metadata_path"):
             # Keras 3.0 backs up the weights only and restarts at epoch 0.
-            _keras.require(_keras.keras3(), (3, 1),
+            _keras.require(flavour, (3, 1),
                            "BackupAndRestore (resuming at the saved epoch)")
             begin(self, logs)
             return
@@ -404,16 +378,12 @@ def _install_step_resume_keras3(keras):
         _pending_skip[0] = 0
         train_end(self, logs)
 
-    on_train_begin._perseus_step_resume = True
-    backup.on_train_begin = on_train_begin
-    backup.on_epoch_begin = on_epoch_begin
-    backup.on_train_end = on_train_end
-    backup._save_model = _save_model   # keras_files.install() wraps it on ranks > 0
-
-    _install_batch_skip_keras3(keras)
+    for name, fn in (("on_train_begin", on_train_begin), ("on_epoch_begin", on_epoch_begin),
+                     ("on_train_end", on_train_end), ("_save_model", _save_model)):
+        patching.wrap(_BACKUP + "." + name, lambda _, fn=fn: fn)
 
 
-def _install_batch_skip_keras3(keras):
+def skip_resumed_batches(patching, flavour):
     """Drops the batches of _pending_skip at the start of the next epoch.
 
     Where Keras 3 hands `fit` its batches, by release (all checked in CI at
@@ -425,13 +395,8 @@ def _install_batch_skip_keras3(keras):
         (first step, last step, iterator).
     One call of the step function takes steps_per_execution batches.
     """
-    from keras.src.trainers import epoch_iterator as epoch_iterator_module
-    iterator_class = epoch_iterator_module.EpochIterator
-    method = "_enumerate_iterator"
-    if not hasattr(iterator_class, method):   # Keras 3.0 to 3.6
-        from keras.src.backend.tensorflow import trainer as tf_trainer
-        iterator_class, method = tf_trainer.TFEpochIterator, "enumerate_epoch"
-    enumerate_original = getattr(iterator_class, method)
+    (target,) = patching.patch.targets   # by release: perseus_tf.patches
+    _, _, enumerate_original = patching.target(target)
 
     def enumerate_batches(self):
         skip, _pending_skip[0] = _pending_skip[0], 0
@@ -445,4 +410,4 @@ def _install_batch_skip_keras3(keras):
                 continue
             yield item
 
-    setattr(iterator_class, method, enumerate_batches)
+    patching.wrap(target, lambda _: enumerate_batches)

@@ -12,30 +12,21 @@ before its check, so it needs nothing.
 
 import tensorflow as tf
 
-_installed = False
 
-
-def install(is_perseus):
-    """Patches Keras 3's LossScaleOptimizer once; is_perseus(strategy) tells
-    the strategies whose replicas must agree (given by the strategy module,
+def agree_on_skipped_steps(patching, flavour, is_perseus):
+    """Keras 3's LossScaleOptimizer.check_finite, made global under the
+    strategies is_perseus(strategy) tells (given by the strategy module,
     which this one does not import)."""
-    global _installed
-    from perseus_tf import _keras
-    flavour = _keras.keras3()
-    if _installed or flavour is None:
-        return
-    optimizer_cls = flavour.package.optimizers.LossScaleOptimizer
-    local_check = optimizer_cls.check_finite
+    def wrap(local_check):
+        def check_finite(self, grads):
+            finite = local_check(self, grads)
+            strategy = tf.distribute.get_strategy()
+            context = tf.distribute.get_replica_context()
+            if not is_perseus(strategy) or context is None:
+                return finite
+            bad = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
+            bad_replicas = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+            return tf.equal(bad_replicas, 0.0)
+        return check_finite
 
-    def check_finite(self, grads):
-        finite = local_check(self, grads)
-        strategy = tf.distribute.get_strategy()
-        context = tf.distribute.get_replica_context()
-        if not is_perseus(strategy) or context is None:
-            return finite
-        bad = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
-        bad_replicas = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
-        return tf.equal(bad_replicas, 0.0)
-
-    optimizer_cls.check_finite = check_finite
-    _installed = True
+    patching.wrap("{keras}.optimizers.LossScaleOptimizer.check_finite", wrap)

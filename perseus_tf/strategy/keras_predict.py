@@ -44,7 +44,6 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
-_installed = False
 # On this thread: `predicting` while a Keras 3.0 to 3.2 predict or any Keras
 # 3 predict_on_batch runs (traces) its predict function; `local` while a
 # Keras 3 predict_on_batch does.
@@ -97,7 +96,6 @@ def _gathering(original, is_ours):
 
         return tf.nest.map_structure(gather, values)
 
-    reduce_per_replica._perseus_gathers = True
     return reduce_per_replica
 
 
@@ -118,7 +116,6 @@ def _local_predict_on_batch(original, is_ours):
             self._perseus_batch_predict_function = self.predict_function
             self.predict_function = shared
 
-    predict_on_batch._perseus_local = True
     return predict_on_batch
 
 
@@ -133,33 +130,22 @@ def _concatenating_predict(original, is_ours):
         with _marked("predicting"):
             return original(self, *args, **kwargs)
 
-    predict._perseus_concatenates = True
     return predict
 
 
-def _trainer_module(flavour):
+def gather_rows(patching, flavour, is_perseus):
+    """The gathering reduction (and Keras 3's predict_on_batch through a
+    predict function of its own)."""
     if flavour.major == 3:
-        return flavour.src("backend.tensorflow.trainer")
-    return flavour.src("engine.training")  # Keras 2
+        trainer = "{keras}.src.backend.tensorflow.trainer."
+        patching.wrap(trainer + "TensorFlowTrainer.predict_on_batch",
+                      lambda fn: _local_predict_on_batch(fn, is_perseus))
+    else:
+        trainer = "{keras}.src.engine.training."
+    patching.wrap(trainer + "reduce_per_replica", lambda fn: _gathering(fn, is_perseus))
 
 
-def install(is_ours):
-    """Installs the gathering reduction in every Keras in use, once."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from perseus_tf import _keras
-    for flavour in _keras.in_use():
-        module = _trainer_module(flavour)
-        fn = module.reduce_per_replica
-        if not getattr(fn, "_perseus_gathers", False):
-            module.reduce_per_replica = _gathering(fn, is_ours)
-        if flavour.major == 3:
-            trainer = module.TensorFlowTrainer
-            fn = trainer.predict_on_batch
-            if not getattr(fn, "_perseus_local", False):
-                trainer.predict_on_batch = _local_predict_on_batch(fn, is_ours)
-            fn = trainer.predict
-            if not flavour.at_least(3, 3) and not getattr(fn, "_perseus_concatenates", False):
-                trainer.predict = _concatenating_predict(fn, is_ours)
+def concatenate_predictions(patching, flavour, is_perseus):
+    """Keras 3.0 to 3.2's predict concatenates the replicas' rows."""
+    patching.wrap("{keras}.src.backend.tensorflow.trainer.TensorFlowTrainer.predict",
+                  lambda fn: _concatenating_predict(fn, is_perseus))

@@ -150,29 +150,22 @@ def _restart_after_failure(error):
     raise SystemExit(EXIT_RESTART) from error
 
 
-def install(is_perseus):
-    """Patches BackupAndRestore and Model.fit of every Keras in use (Keras 3,
-    Keras 2.15, tf_keras); idempotent. is_perseus(strategy) tells
-    PerseusStrategy apart."""
-    from perseus_tf import _keras
-    for flavour in _keras.in_use():
-        _install(flavour, is_perseus)
+_BACKUP = "{keras}.callbacks.BackupAndRestore."
 
 
-def _install(flavour, is_perseus):
-    keras = flavour.package
-    backup = keras.callbacks.BackupAndRestore
-    if getattr(backup, "_perseus_preempt", False):
-        return
+def back_up_on_sigterm(patching, flavour, is_perseus):
+    """Patches BackupAndRestore and Model.fit of one Keras (Keras 3, Keras
+    2.15, tf_keras). is_perseus(strategy) tells PerseusStrategy apart."""
     from perseus_tf import ops
     keras3 = flavour.major == 3
+    backup_owner, _, _ = patching.target(_BACKUP + "on_train_begin")
 
     def active(callback):
         model = getattr(callback, "model", None)
         return model is not None and is_perseus(model.distribute_strategy)
 
-    begin, end, batch_end = backup.on_train_begin, backup.on_train_end, \
-        backup.on_train_batch_end
+    begin, end, batch_end = (patching.target(_BACKUP + name)[2]
+                             for name in ("on_train_begin", "on_train_end", "on_train_batch_end"))
     previous = {}
 
     def on_train_begin(self, logs=None):
@@ -223,49 +216,48 @@ def _install(flavour, is_perseus):
                 self._backup(epoch=self._current_epoch, batch=batch)
         _stop(self, self._current_epoch, batch, save, notices)
 
-    backup.on_train_begin = on_train_begin
-    backup.on_train_end = on_train_end
-    backup.on_train_batch_end = on_train_batch_end
+    for name, fn in (("on_train_begin", on_train_begin), ("on_train_end", on_train_end),
+                     ("on_train_batch_end", on_train_batch_end)):
+        patching.wrap(_BACKUP + name, lambda _, fn=fn: fn)
     if not keras3:
         # Keras 2 skips batch hooks of a callback that saves by epoch.
-        hooks = backup._implements_train_batch_hooks
-        backup._implements_train_batch_hooks = \
-            lambda self: active(self) or hooks(self)
-    _install_marker_upkeep(backup, flavour)
+        patching.wrap(_BACKUP + "_implements_train_batch_hooks",
+                      lambda hooks: lambda self: active(self) or hooks(self))
+    _install_marker_upkeep(patching, flavour)
 
-    model_class = keras.Model
-    fit = model_class.fit
+    def wrap_fit(fit):
+        @functools.wraps(fit)
+        def fit_with_restart(self, *args, **kwargs):
+            try:
+                return fit(self, *args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - only collective failures
+                callbacks = kwargs.get("callbacks") or (args[5] if len(args) > 5 else None) \
+                    or []
+                if is_perseus(self.distribute_strategy) and \
+                        any(isinstance(c, backup_owner) for c in callbacks):
+                    _restart_after_failure(error)
+                raise
+        return fit_with_restart
 
-    @functools.wraps(fit)
-    def fit_with_restart(self, *args, **kwargs):
-        try:
-            return fit(self, *args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - only collective failures
-            callbacks = kwargs.get("callbacks") or (args[5] if len(args) > 5 else None) or []
-            if is_perseus(self.distribute_strategy) and \
-                    any(isinstance(c, backup) for c in callbacks):
-                _restart_after_failure(error)
-            raise
-
-    model_class.fit = fit_with_restart
-    backup._perseus_preempt = True
+    patching.wrap("{keras}.Model.fit", wrap_fit)
 
 
-def _install_marker_upkeep(backup, flavour):
+def _install_marker_upkeep(patching, flavour):
     """A later regular backup supersedes a preemption marker: rank 0 removes it."""
     from perseus_tf import ops
     if flavour.major == 3:
-        save_model = backup._save_model
+        def wrap(save_model):
+            def _save_model(self):
+                save_model(self)
+                if ops.rank() == 0:
+                    remove_marker(self.backup_dir)
+            return _save_model
 
-        def _save_model(self):
-            save_model(self)
-            if ops.rank() == 0:
-                remove_marker(self.backup_dir)
-
-        backup._save_model = _save_model
+        patching.wrap(_BACKUP + "_save_model", wrap)
         return
-    state = flavour.src("distribute.worker_training_state").WorkerTrainingState
-    back_up, counters = state.back_up, state.maybe_load_initial_counters_from_ckpt
+    state_target = "{keras}.src.distribute.worker_training_state.WorkerTrainingState."
+    _, _, back_up = patching.target(state_target + "back_up")
+    _, _, counters = patching.target(state_target + "maybe_load_initial_counters_from_ckpt")
 
     def backup_dir(self):
         return os.path.dirname(self.read_checkpoint_manager.directory.rstrip("/"))
@@ -284,5 +276,6 @@ def _install_marker_upkeep(backup, flavour):
             return epoch + 1, 0
         return epoch, done
 
-    state.back_up = back_up_marked
-    state.maybe_load_initial_counters_from_ckpt = maybe_load_initial_counters_from_ckpt
+    patching.wrap(state_target + "back_up", lambda _: back_up_marked)
+    patching.wrap(state_target + "maybe_load_initial_counters_from_ckpt",
+                  lambda _: maybe_load_initial_counters_from_ckpt)

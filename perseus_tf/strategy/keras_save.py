@@ -29,7 +29,6 @@ import tensorflow as tf
 from tensorflow.python.distribute import values as values_lib
 
 _state = threading.local()
-_installed = False
 
 
 def local_reads_active():
@@ -168,22 +167,29 @@ def _check_predict_steps_agree(model, params, is_ours):
         f"rows back), or pass steps={fewest}")
 
 
-def install(is_ours, allreduce_average):
-    """Installs both patches once.
+def read_locally_while_saving(patching, flavour):
+    """Saving and get_weights read this rank's own copy of on-read variables.
+    get_weights too: `if rank == 0: model.get_weights()` is a Horovod habit,
+    and a collective read there would wait for ranks that never come."""
+    for target in ("{keras}.Model.save", "{keras}.Model.save_weights",
+                   "{keras}.Model.get_weights", "{keras}.layers.Layer.get_weights"):
+        owner, name, _ = patching.target(target)
+        if name in vars(owner):   # inherited: patched where it is defined
+            patching.replace(owner, name, _reading_locally(vars(owner)[name]))
+    patching.wrap("{keras}.saving.save_model", _reading_locally)
+
+
+def average_at_epoch_ends(patching, flavour, is_perseus, allreduce_average):
+    """Every fit's callback list starts with one that averages the model's
+    on-read statistics over the ranks (and checks that the ranks' step counts
+    agree).
 
     Args:
-      is_ours: strategy -> bool, whether it is a PerseusStrategy.
+      is_perseus: strategy -> bool, whether it is a PerseusStrategy.
       allreduce_average: list of tensors -> their averages over the ranks (a
         grouped allreduce every rank makes).
     """
-    global _installed
-    if _installed:
-        return
-    _installed = True
-    from perseus_tf import _keras
-    for flavour in _keras.in_use():
-        _patch_saving(flavour.package)
-        _patch_epoch_ends(flavour, is_ours, allreduce_average)
+    _patch_epoch_ends(patching, flavour, is_perseus, allreduce_average)
 
 
 def _reading_locally(fn):
@@ -191,39 +197,11 @@ def _reading_locally(fn):
     def wrapper(*args, **kwargs):
         with local_reads():
             return fn(*args, **kwargs)
-    wrapper._perseus_local_reads = True
     return wrapper
 
 
-def _patch_saving(keras):
-    # get_weights too: `if rank == 0: model.get_weights()` is a Horovod habit,
-    # and a collective read there would wait for ranks that never come.
-    classes = [(model_class, ("save", "save_weights", "get_weights"))
-               for model_class in {keras.Model, tf.keras.Model}]
-    classes += [(layer_class, ("get_weights",))
-                for layer_class in {keras.layers.Layer, tf.keras.layers.Layer}]
-    for model_class, methods in classes:
-        for method in methods:
-            if method not in vars(model_class):
-                continue  # inherited: patched where it is defined
-            fn = getattr(model_class, method, None)
-            if fn is not None and not getattr(fn, "_perseus_local_reads", False):
-                setattr(model_class, method, _reading_locally(fn))
-    saving = getattr(keras, "saving", None)
-    fn = getattr(saving, "save_model", None)
-    if fn is not None and not getattr(fn, "_perseus_local_reads", False):
-        saving.save_model = _reading_locally(fn)
-
-
-def _callback_list_class(flavour):
-    if flavour.major == 3:
-        return flavour.src("callbacks.callback_list").CallbackList
-    return flavour.package.callbacks.CallbackList  # Keras 2
-
-
-def _patch_epoch_ends(flavour, is_ours, allreduce_average):
+def _patch_epoch_ends(patching, flavour, is_ours, allreduce_average):
     keras = flavour.package
-    callback_list = _callback_list_class(flavour)
 
     class AverageOnReadVariables(keras.callbacks.Callback):
         """Every rank averages the model's sync-on-read statistics."""
@@ -247,12 +225,12 @@ def _patch_epoch_ends(flavour, is_ours, allreduce_average):
             self.in_fit = False
             _average_into_local_copies(self.model, is_ours, allreduce_average)
 
-    init = callback_list.__init__
+    def wrap(init):
+        @functools.wraps(init)
+        def __init__(self, callbacks=None, *args, **kwargs):
+            # First in the list: user callbacks at the epoch's end see the result.
+            callbacks = [AverageOnReadVariables()] + list(callbacks or [])
+            init(self, callbacks, *args, **kwargs)
+        return __init__
 
-    @functools.wraps(init)
-    def __init__(self, callbacks=None, *args, **kwargs):
-        # First in the list: user callbacks at the epoch's end see the result.
-        callbacks = [AverageOnReadVariables()] + list(callbacks or [])
-        init(self, callbacks, *args, **kwargs)
-
-    callback_list.__init__ = __init__
+    patching.wrap("{keras}.callbacks.CallbackList.__init__", wrap)

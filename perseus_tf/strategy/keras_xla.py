@@ -29,19 +29,17 @@ from perseus_tf import notices
 _predicates = []   # model -> whether its train step holds Perseus collectives
 
 
-def install(holds_collectives):
-    """Adds a predicate (model -> bool) and patches the Model classes'
-    make_*_function methods once."""
+def holding_collectives(holds_collectives):
+    """Adds a predicate (model -> bool) of models whose steps hold Perseus
+    collectives (the patch is perseus_tf.patches' xla.off_around_collectives)."""
     if holds_collectives not in _predicates:
         _predicates.append(holds_collectives)
-    from perseus_tf import _keras
-    classes = [tf.keras.Model] + [f.package.Model for f in _keras.in_use()]
-    for cls in dict.fromkeys(classes):
-        for method in ("make_train_function", "make_test_function", "make_predict_function"):
-            fn = getattr(cls, method, None)
-            if fn is None or getattr(fn, "_perseus_xla", False):
-                continue
-            setattr(cls, method, _without_xla_around_collectives(fn))
+
+
+def off_around_collectives(patching, flavour, holds_collectives):
+    holding_collectives(holds_collectives)
+    for method in ("make_train_function", "make_test_function", "make_predict_function"):
+        patching.wrap("{keras}.Model." + method, _without_xla_around_collectives)
 
 
 def _jit_compile(model):
@@ -60,5 +58,4 @@ def _without_xla_around_collectives(make_function):
                 f"says so and silences this)")
             self.jit_compile = False
         return make_function(self, *args, **kwargs)
-    make._perseus_xla = True
     return make

@@ -9,6 +9,7 @@ data: the distributed weights must equal that single-process result.
 
 import os
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -54,6 +55,82 @@ def make_model(seed):
 
 def dataset(n=96):
     return tf.data.Dataset.from_tensor_slices((X[:n], Y[:n])).batch(GLOBAL_BATCH)
+
+
+def check_keras_patches_in_order_found_and_undone():
+    """perseus_tf/patches.py on this Keras: every target of every patch that
+    applies to it exists (a Keras release that renamed one fails here), the
+    strategy applied each of them (none skipped) in the table's order, taking
+    them off leaves Keras as it was, and taking one from the middle and
+    putting it back restores the order (the checks after this one train
+    through the patches put back)."""
+    from perseus_tf import _gradients, _keras, patches
+    from perseus_tf import strategy as strategy_module
+
+    assert patches.missing_targets() == [], patches.missing_targets()
+    flavours = [None] + _keras.in_use()
+    wanted = patches.STRATEGY + (patches.STRATEGY_MULTI_RANK if N > 1 else ())
+    expected = [(p.name, None if f is None else f.name) for p in patches.PATCHES
+                if p.name in wanted for f in flavours if patches.applies(p, f)]
+    applied = patches.installed()
+    assert [a for a in applied if a[0] in wanted] == expected, (applied, expected)
+
+    def current():
+        values = {}
+        for p in patches.PATCHES:
+            for f in flavours:
+                if patches.applies(p, f):
+                    for t in p.targets:
+                        owner, name, _ = patches._resolve(t, f)
+                        values[(t, f and f.name)] = vars(owner).get(name)
+        return values
+
+    patched = current()
+    patches.uninstall()
+    assert patches.installed() == []
+    plain = current()
+    changed = [k for k in plain if plain[k] is not patched[k]]
+    assert len(changed) >= 20, changed   # every patch replaced something
+    strategy_module.install_patches()
+    assert patches.installed() == applied
+    patches.uninstall(["files.step_resume", "files.step_resume_keras2"])
+    assert all(a[0] not in ("files.step_resume", "files.step_resume_keras2")
+               for a in patches.installed())
+    strategy_module.install_patches()
+    assert patches.installed() == applied, (patches.installed(), applied)
+    patches.uninstall()
+    after = current()
+    assert all(after[k] is plain[k] for k in plain), [k for k in plain if after[k] is not plain[k]]
+    strategy_module.install_patches()
+
+    # Gradient reductions are told apart per thread, and the mark travels
+    # into the merge calls (the reductions) a marked replica makes.
+    seen = []
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _gradients.gradient_reduction():
+            inside.set()
+            release.wait(60)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert inside.wait(60)
+        assert not _gradients.active(), "another thread's gradient mark is seen here"
+    finally:
+        release.set()
+        other.join()
+
+    def replica_fn():
+        context = tf.distribute.get_replica_context()
+        with _gradients.gradient_reduction():
+            context.merge_call(lambda s: seen.append(("marked", _gradients.active())))
+        context.merge_call(lambda s: seen.append(("plain", _gradients.active())))
+
+    STRATEGY.run(replica_fn)
+    assert ("marked", True) in seen and ("plain", False) in seen, seen
+    assert ("marked", False) not in seen and ("plain", True) not in seen, seen
 
 
 def check_replicas_and_variables_start_equal():

@@ -225,8 +225,14 @@ def reference(name, initial, size, entry):
     # trains as Keras 3.8 does there (keras_backports), so the reference
     # must too. (checks_strategy.py compares those releases with training
     # under no strategy at all.)
+    from perseus_tf import patches
     from perseus_tf.strategy import keras_backports
-    keras_backports.install(lambda s: isinstance(s, tf.distribute.MirroredStrategy))
+
+    def mirrored(s):
+        return isinstance(s, tf.distribute.MirroredStrategy)
+
+    keras_backports.also_under(mirrored)
+    patches.install(patches.BACKPORTS, is_perseus=mirrored)
     # Reduced on one device: no collective ops, whose keys a second
     # MirroredStrategy in one process would reuse.
     strategy = tf.distribute.MirroredStrategy(

@@ -25,7 +25,6 @@ again. With local accumulation, the step's summed gradients are what is
 checked.
 """
 
-import sys
 
 import tensorflow as tf
 
@@ -190,32 +189,18 @@ def _keras2_loss_scale_apply_gradients(original):
     return apply_gradients
 
 
-_loss_scale_wrapped = set()
-
-
-def reduce_before_loss_scaling():
-    """Wraps the LossScaleOptimizer classes importable here (Keras 3's, and
-    Keras 2's current and legacy ones) once, so that around a
-    DistributedOptimizer they reduce the gradients before deciding whether
-    they are finite (see the module's docstring). Around any other optimizer
-    they behave as before."""
-    targets = []
-    flavour = _keras.keras3()
-    if flavour is not None:
-        targets.append((flavour.package.optimizers.LossScaleOptimizer, "apply",
-                        _keras3_loss_scale_apply))
-    keras2 = [tf.keras] + [f.package for f in _keras.keras2()]
-    for base in dict.fromkeys(getattr(getattr(k, "mixed_precision", None), "LossScaleOptimizer",
-                                      None) for k in keras2):
-        module = sys.modules.get(getattr(base, "__module__", ""), None)
-        for name in ("LossScaleOptimizer", "LossScaleOptimizerV3"):
-            cls = getattr(module, name, None)
-            if isinstance(cls, type) and not _is_keras3(cls) and "apply_gradients" in vars(cls):
-                targets.append((cls, "apply_gradients", _keras2_loss_scale_apply_gradients))
-    for cls, method, wrap in targets:
-        if (cls, method) not in _loss_scale_wrapped:
-            setattr(cls, method, wrap(vars(cls)[method]))
-            _loss_scale_wrapped.add((cls, method))
+def reduce_first(patching, flavour):
+    """Wraps this Keras' LossScaleOptimizer classes (Keras 3's; Keras 2's
+    current and legacy ones), so that around a DistributedOptimizer they
+    reduce the gradients before deciding whether they are finite (see the
+    module's docstring). Around any other optimizer they behave as before."""
+    if flavour.major == 3:
+        patching.wrap("{keras}.optimizers.LossScaleOptimizer.apply", _keras3_loss_scale_apply)
+        return
+    for target in patching.patch.targets:
+        cls, name, _ = patching.target(target)
+        if name in vars(cls):
+            patching.replace(cls, name, _keras2_loss_scale_apply_gradients(vars(cls)[name]))
 
 
 def _holds_shim_collectives(model):
@@ -226,9 +211,10 @@ def _holds_shim_collectives(model):
 
 def distributed_class(optimizer_class, settings):
     """A subclass of `optimizer_class` that reduces gradients with `settings`."""
-    reduce_before_loss_scaling()
+    from perseus_tf import patches
     from perseus_tf.strategy import keras_xla
-    keras_xla.install(_holds_shim_collectives)
+    keras_xla.holding_collectives(_holds_shim_collectives)
+    patches.install(patches.SHIM, holds_collectives=_holds_shim_collectives)
     if issubclass(optimizer_class, _DistributedMixin):
         raise ValueError(f"{optimizer_class.__name__} is already a DistributedOptimizer")
     if getattr(optimizer_class, "inner_optimizer", None) is not None or \

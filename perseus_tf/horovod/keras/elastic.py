@@ -77,8 +77,9 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
     def __init__(self, state):
         super().__init__()
         self.state = state
+        from perseus_tf import patches
         from perseus_tf.strategy import keras_files
-        keras_files.install_step_resume()
+        patches.install(patches.STEP_RESUME)
         self._skip_batches = keras_files.skip_batches_of_next_epoch
 
     def on_train_begin(self, logs=None):
