@@ -90,7 +90,7 @@ def _worker(args):
     import tensorflow as tf
 
     import perseus_tf as ptf
-    from perseus_tf import _gradients, _native
+    from perseus_tf import _gradient_marks, _native
 
     core = _native._core
     f32 = _native.DTYPE_CODES["float32"]
@@ -103,7 +103,7 @@ def _worker(args):
         def reduce(tensors):
             # Marked as gradients, as a Keras optimizer's apply does: the
             # reduction may run from the offline plan.
-            with _gradients.gradient_reduction():
+            with _gradient_marks.gradient_reduction():
                 return tf.distribute.get_replica_context().all_reduce("sum", tensors)
 
         def made_in_step(collective):

@@ -17,7 +17,7 @@ from tensorflow.python.distribute import reduce_util
 from tensorflow.python.distribute import values as values_lib
 
 from perseus_tf import _backprop_order
-from perseus_tf import _gradients
+from perseus_tf import _gradient_marks
 from perseus_tf import _native
 from perseus_tf import ops as perseus_ops
 
@@ -100,14 +100,14 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
             by_dtype = {}
             for i, t in enumerate(locals_):
                 by_dtype.setdefault(t.dtype, []).append(i)
-            if _gradients.active():
+            if _gradient_marks.active():
                 groups = _backprop_order.backprop_groups
                 by_dtype = {(dtype, n): chunk for dtype, idx in by_dtype.items()
                             for n, chunk in enumerate(groups(idx, locals_))}
             else:
                 by_dtype = {(dtype, 0): idx for dtype, idx in by_dtype.items()}
             reduced = list(locals_)
-            gradients = _gradients.active()
+            gradients = _gradient_marks.active()
             if gradients:
                 # Each group's gradients are computed before backprop goes on
                 # past it (_backprop_order), whatever TF's executor prefers.
@@ -118,7 +118,7 @@ class PerseusCrossDeviceOps(tf.distribute.CrossDeviceOps):
             compression = _native.gradient_compression() if gradients else 0
             # Accumulating gradients (PERSEUS_ACCUMULATE_N_STEPS): reduce only
             # on apply steps; other steps' values are not used.
-            pending = _gradients.pending_step() if gradients else None
+            pending = _gradient_marks.pending_step() if gradients else None
             for (dtype, _), idx in by_dtype.items():
                 inputs = [locals_[i] for i in idx]
 

@@ -44,22 +44,22 @@ _K2 = ((2, 15), (3, 0))
 _BACKUP = "{keras}.callbacks.BackupAndRestore"
 
 PATCHES = (
-    # -- gradient reductions: which ones are compressed (perseus_tf/_gradients.py) ----
-    Patch("gradients.merge_call_carries_mark", "perseus_tf._gradients:carry_into_merge_calls",
+    # -- gradient reductions: which ones are compressed (perseus_tf/_gradient_marks.py) ----
+    Patch("gradients.merge_call_carries_mark", "perseus_tf._gradient_marks:carry_into_merge_calls",
           ("tensorflow.python.distribute.distribute_lib.ReplicaContext.merge_call",), None,
           doc="a replica thread's gradient mark reaches its merge call's thread"),
-    Patch("gradients.optimizer_apply", "perseus_tf._gradients:mark_optimizer_apply",
+    Patch("gradients.optimizer_apply", "perseus_tf._gradient_marks:mark_optimizer_apply",
           ("{keras}.optimizers.Optimizer.apply_gradients",
            "{keras}.src.backend.tensorflow.optimizer.TFOptimizer._distributed_tf_update_step"),
           _K3, after=("gradients.merge_call_carries_mark",),
           doc="reductions inside apply_gradients are gradient reductions; accumulation"),
-    Patch("gradients.optimizer_apply_keras2", "perseus_tf._gradients:mark_optimizer_apply",
+    Patch("gradients.optimizer_apply_keras2", "perseus_tf._gradient_marks:mark_optimizer_apply",
           ("{keras}.optimizers.Optimizer.apply_gradients",
            "{keras}.optimizers.legacy.Optimizer.apply_gradients",
            "{keras}.optimizers.Optimizer._distributed_apply_gradients_fn"),
           _K2, after=("gradients.merge_call_carries_mark",),
           doc="reductions inside apply_gradients are gradient reductions; accumulation"),
-    Patch("gradients.tf1_optimizer_apply", "perseus_tf._gradients:mark_tf1_optimizer_apply",
+    Patch("gradients.tf1_optimizer_apply", "perseus_tf._gradient_marks:mark_tf1_optimizer_apply",
           ("tensorflow.python.training.optimizer.Optimizer.apply_gradients",), None,
           after=("gradients.merge_call_carries_mark",),
           doc="the same for tf.compat.v1.train.Optimizer"),

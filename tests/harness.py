@@ -236,22 +236,19 @@ def inputs_hash(paths, *also):
 def fake_cuda_env():
     """The environment that makes libperseus_cuda.so run on the CPU: the
     stand-in CUDA driver and NVRTC of cc/testing/fake_cuda.cc, built here
-    (into build/fake_cuda/, again when it or the kernel source changed) with
-    the kernel source of cc/cuda/kernel_source.cc compiled as host code."""
+    (into build/fake_cuda/, again when it or the kernels changed) with
+    cc/cuda/kernels.cu compiled as host code."""
     import subprocess
     out = os.path.join(ROOT, "build", "fake_cuda")
     lib = os.path.join(out, "libfake_cuda.so")
     sources = [os.path.join(ROOT, "cc", "testing", "fake_cuda.cc"),
-               os.path.join(ROOT, "cc", "cuda", "kernel_source.cc")]
+               os.path.join(ROOT, "cc", "cuda", "kernels.cu"),
+               os.path.join(ROOT, "cc", "cuda", "kernel_list.h")]
     if not os.path.exists(lib) or \
             os.path.getmtime(lib) < max(os.path.getmtime(p) for p in sources):
         os.makedirs(out, exist_ok=True)
-        text = open(sources[1]).read()
-        start = text.index('R"perseus_cuda(') + len('R"perseus_cuda(')
-        with open(os.path.join(out, "kernels_src.inc"), "w") as f:
-            f.write(text[start:text.index(')perseus_cuda"')])
         partial = f"{lib}.{os.getpid()}.partial"
-        subprocess.run(["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-I" + out, sources[0],
+        subprocess.run(["g++", "-std=c++20", "-O2", "-shared", "-fPIC", "-I" + ROOT, sources[0],
                         "-o", partial, "-lpthread"], check=True, capture_output=True, text=True)
         os.replace(partial, lib)
     return {"PERSEUS_CUDA_DRIVER": lib, "PERSEUS_NVRTC_LIBRARY": lib,
@@ -267,8 +264,12 @@ def tf_gpu_harness(python=sys.executable):
     lib = os.path.join(out, "libtf_gpu_harness.so")
     sources = [os.path.join(ROOT, "tools", "tf_gpu_harness.cc"),
                os.path.join(ROOT, "cc", "cuda", "driver.cc"),
-               os.path.join(ROOT, "cc", "cuda", "driver.h")]
-    if os.path.exists(lib) and os.path.getmtime(lib) >= max(map(os.path.getmtime, sources)):
+               os.path.join(ROOT, "cc", "core", "shared_library.cc"),
+               os.path.join(ROOT, "cc", "cuda", "driver.h"),
+               os.path.join(ROOT, "cc", "core", "shared_library.h")]
+    # This file too: a change in how it builds (what it compiles) rebuilds it.
+    if os.path.exists(lib) and \
+            os.path.getmtime(lib) >= max(map(os.path.getmtime, sources + [__file__])):
         return lib
     os.makedirs(out, exist_ok=True)
     flags = subprocess.run(
@@ -277,7 +278,7 @@ def tf_gpu_harness(python=sys.executable):
         capture_output=True, text=True, check=True).stdout.strip().splitlines()[-3:]
     partial = f"{lib}.{os.getpid()}.partial"
     subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-I" + ROOT] +
-                   flags[0].split() + sources[:2] + ["-o", partial] + flags[1].split() +
+                   flags[0].split() + sources[:3] + ["-o", partial] + flags[1].split() +
                    ["-Wl,-rpath," + flags[2]], check=True, capture_output=True, text=True)
     os.replace(partial, lib)
     return lib

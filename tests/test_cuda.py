@@ -159,7 +159,7 @@ def test_an_install_finds_the_wheels_nvrtc_by_itself():
 
 
 def test_the_kernels_and_their_launches_match_numpy_on_the_cpu():
-    """tools/gpu_check.py --emulated: every kernel of kernel_source.cc,
+    """tools/gpu_check.py --emulated: every kernel of kernels.cu,
     launched through kernels.cc's C calls (the driver's argument arrays,
     unpacked by each kernel's parameter types) on the stand-in driver of
     cc/testing/fake_cuda.cc, against numpy: casts, scaling, the sum of
@@ -454,3 +454,25 @@ def test_the_runtime_on_a_gpu(np_):
     assert proc.returncode == 0 and "FAIL" not in proc.stdout, (
         proc.stdout[-6000:] + proc.stderr[-3000:])
 
+
+
+def test_one_kernel_list_and_the_embedded_source_is_current():
+    """cc/cuda/kernel_list.h names exactly the `extern "C" __global__`
+    functions of kernels.cu, in any order, once each; a synchronising entry
+    is one whose body calls __syncthreads; and kernel_source.cc (the string
+    NVRTC compiles) is kernels.cu as it is now."""
+    import re
+    cu = open(os.path.join(ROOT, "cc", "cuda", "kernels.cu")).read()
+    listed = re.findall(r"X\((\w+), (\w+), (true|false)\)",
+                        open(os.path.join(ROOT, "cc", "cuda", "kernel_list.h")).read())
+    defined = re.findall(r'extern "C" __global__ void (\w+)\(', cu)
+    names = [function for _, function, _ in listed]
+    assert sorted(names) == sorted(defined) and len(set(names)) == len(names), (names, defined)
+    starts = {m.group(1): m.start() for m in re.finditer(r'extern "C" __global__ void (\w+)\(', cu)}
+    ends = sorted(starts.values()) + [len(cu)]
+    for _, function, synchronising in listed:
+        body = cu[starts[function]:ends[ends.index(starts[function]) + 1]]
+        assert ("__syncthreads" in body) == (synchronising == "true"), function
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gen_kernel_source.py"),
+                           "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

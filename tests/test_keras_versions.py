@@ -15,7 +15,7 @@ At the two ends, Keras 3.0 and tf_keras, the Horovod shim's Keras checks
 (checks_horovod_keras.py: DistributedOptimizer, accumulation, mixed
 precision, callbacks, elastic state) pass too, all but the one of gradient
 groups overlapping backprop (12 trainings, the file's slowest): that is the
-gradient marking of perseus_tf/_gradients.py, whose Keras-dependent part
+gradient marking of perseus_tf/_gradient_marks.py, whose Keras-dependent part
 (_keras.optimizer_classes) checks_strategy's overlap check takes at the same
 ends (and on the newest Keras 3 in tests/test_strategy.py).
 """

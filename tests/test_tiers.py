@@ -202,3 +202,34 @@ def test_bad_settings_of_the_runner_are_named(variable, value):
                           text=True, timeout=60)
     assert proc.returncode != 0
     assert f"{variable}={value!r}: must be an integer of 1 or more" in proc.stderr, proc.stderr
+
+
+def _feature_index():
+    import importlib.util
+    path = os.path.join(ROOT, "tools", "gen_feature_index.py")
+    spec = importlib.util.spec_from_file_location("gen_feature_index", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_readme_feature_names_checks_that_exist_and_the_index_is_current():
+    """tests/features.py covers each row of README's feature table with
+    checks that exist, and docs/testing.md's index is rendered from it; a
+    row without checks, a misspelt check or a stale index fails."""
+    gen = _feature_index()
+    assert gen.problems() == [], gen.problems()
+    page = open(gen.PAGE).read()
+    assert gen.updated(page) == page, "run python tools/gen_feature_index.py"
+    real = gen.features
+    try:
+        gen.features = lambda: real()[1:] + [("`perseusrun` over ssh", [
+            "tests/test_runner.py::test_no_such_test", "checks_core.check_no_such_check",
+            "tests/test_no_such_file.py"])]
+        found = gen.problems()
+    finally:
+        gen.features = real
+    assert any("without an entry" in p and "PerseusStrategy" in p for p in found), found
+    assert any("has no test_no_such_test" in p for p in found), found
+    assert any("no check checks_core.check_no_such_check" in p for p in found), found
+    assert any("no file tests/test_no_such_file.py" in p for p in found), found

@@ -14,7 +14,8 @@ Before compiling it writes cc/rendezvous/store_protocol.h from
 perseus_tf/common/store_protocol.py when that changed (gen_store_protocol.py),
 so the C++ client always speaks the protocol the Python store defines, and
 cc/runtime/settings.h from perseus_tf/config/spec.py (gen_settings.py), so
-the runtime's settings are the table's.
+the runtime's settings are the table's, and cc/cuda/kernel_source.cc from cc/cuda/kernels.cu
+(gen_kernel_source.py), the CUDA kernels as the string NVRTC compiles.
 
 Used by setup.py (pip install) and runnable by hand:
   python tools/build_native.py [OUT_DIR]     (default: perseus_tf/)
@@ -29,7 +30,8 @@ import subprocess
 import sys
 import sysconfig
 
-import gen_settings  # beside this file: tools/ is on sys.path (setup.py, or run here)
+import gen_kernel_source  # beside this file: tools/ is on sys.path (setup.py, or run here)
+import gen_settings
 import gen_store_protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +170,7 @@ def build(out_dir=None, jobs=None, verbose=True):
     obj_dir = os.path.join(ROOT, "build", "native-obj")
     os.makedirs(out_dir, exist_ok=True)
     os.makedirs(obj_dir, exist_ok=True)
-    for generator in (gen_store_protocol, gen_settings):
+    for generator in (gen_store_protocol, gen_settings, gen_kernel_source):
         if generator.write(ROOT) and verbose:
             print("wrote", generator.HEADER, flush=True)
     jobs = jobs or os.cpu_count() or 2
@@ -190,7 +192,7 @@ def build(out_dir=None, jobs=None, verbose=True):
         "py": (_sources("python"), ["-I" + pybind11.get_include(),
                                     "-I" + sysconfig.get_paths()["include"],
                                     "-fvisibility=hidden"]),
-        "cuda": (_sources("cuda"), []),
+        "cuda": (_sources("cuda") + [os.path.join(ROOT, "cc", "core", "shared_library.cc")], []),
     }
     compile_jobs, objects = [], {}
     for group, (srcs, extra) in groups.items():

@@ -34,7 +34,7 @@ int perseus_cuda_test_produce(int device, void* dst, const void* host, size_t by
 int perseus_cuda_test_fetch(int device, void* host, const void* src, size_t bytes);
 int perseus_cuda_event_destroy(void* event);
 
-// For TF's GPU kernels (cc/tf/kernels.cc), each a CUresult: an event
+// For TF's GPU kernels (cc/tf/op_kernels.cc), each a CUresult: an event
 // recorded now on `stream` of `device` (a producer's cudaStream_t), and a
 // host wait for one.
 int perseus_cuda_record_event(int device, void* stream, void** event);

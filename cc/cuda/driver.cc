@@ -6,38 +6,31 @@
 #include <mutex>
 #include <type_traits>
 
+#include "cc/core/shared_library.h"
+
 namespace perseus {
 namespace cu {
 namespace {
 
-// Resolves every named call of `handle` into its slot; false with the first
-// missing name in *missing.
-template <typename T>
-void Resolve(void* handle, const char* name, T* slot, std::string* missing) {
-  *slot = reinterpret_cast<T>(dlsym(handle, name));
-  if (*slot == nullptr && missing->empty()) *missing = name;
-}
-
 const Driver* OpenDriver(std::string* why_not) {
   const char* env = std::getenv("PERSEUS_CUDA_DRIVER");
   const std::string path = env != nullptr && *env ? env : "libcuda.so.1";
-  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (h == nullptr) {
-    const char* err = dlerror();
+  SharedLibrary lib(path);
+  if (!lib.ok()) {
     *why_not = "the CUDA driver (" + path + ", part of the NVIDIA driver) cannot be loaded: " +
-               (err ? err : "unknown error");
+               lib.error();
     return nullptr;
   }
   auto* d = new Driver();
   d->path = path;
-  std::string missing;
-#define PTF_RESOLVE(field, api, symbol) Resolve(h, symbol, &d->field, &missing);
+#define PTF_RESOLVE(field, api, symbol) lib.Find(symbol, &d->field);
   PTF_CUDA_DRIVER_CALLS(PTF_RESOLVE)
 #undef PTF_RESOLVE
-  if (!missing.empty()) {
-    *why_not = path + " lacks " + missing + ": the NVIDIA driver is older than CUDA 11.2's " +
-               "(Perseus needs 525 or later)";
-    return nullptr;  // the handle stays open: a process loads it once
+  if (!lib.missing().empty()) {
+    *why_not = path + " lacks " + lib.missing() + ": the NVIDIA driver is older than CUDA " +
+               "11.2's (Perseus needs 525 or later)";
+    delete d;
+    return nullptr;  // the library stays open: a process loads it once
   }
   const Result r = d->Init(0);
   if (r != kSuccess) {
@@ -70,20 +63,18 @@ const Nvrtc* OpenNvrtc(std::string* why_not) {
   }
   std::string errors;
   for (const std::string& path : tried) {
-    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (h == nullptr) {
-      const char* err = dlerror();
-      errors += (errors.empty() ? "" : "; ") + std::string(err ? err : path.c_str());
+    SharedLibrary lib(path);
+    if (!lib.ok()) {
+      errors += (errors.empty() ? "" : "; ") + lib.error();
       continue;
     }
     auto* n = new Nvrtc();
     n->path = path;
-    std::string missing;
-#define PTF_RESOLVE(field, api, symbol) Resolve(h, symbol, &n->field, &missing);
+#define PTF_RESOLVE(field, api, symbol) lib.Find(symbol, &n->field);
     PTF_NVRTC_CALLS(PTF_RESOLVE)
 #undef PTF_RESOLVE
-    if (!missing.empty()) {
-      errors += (errors.empty() ? "" : "; ") + path + " lacks " + missing +
+    if (!lib.missing().empty()) {
+      errors += (errors.empty() ? "" : "; ") + path + " lacks " + lib.missing() +
                 " (NVRTC older than CUDA 11.2)";
       delete n;
       continue;
@@ -104,14 +95,7 @@ const Nvrtc* OpenNvrtc(std::string* why_not) {
 
 }  // namespace
 
-const Driver* Driver::Get(std::string* why_not) {
-  static std::once_flag once;
-  static const Driver* driver = nullptr;
-  static std::string reason;
-  std::call_once(once, [] { driver = OpenDriver(&reason); });
-  if (driver == nullptr && why_not != nullptr) *why_not = reason;
-  return driver;
-}
+const Driver* Driver::Get(std::string* why_not) { return LoadOnce<Driver, OpenDriver>(why_not); }
 
 std::string Driver::Describe(Result r) const {
   const char* text = nullptr;
@@ -121,14 +105,7 @@ std::string Driver::Describe(Result r) const {
   return std::string(text) + " (" + std::to_string(r) + ")";
 }
 
-const Nvrtc* Nvrtc::Get(std::string* why_not) {
-  static std::once_flag once;
-  static const Nvrtc* nvrtc = nullptr;
-  static std::string reason;
-  std::call_once(once, [] { nvrtc = OpenNvrtc(&reason); });
-  if (nvrtc == nullptr && why_not != nullptr) *why_not = reason;
-  return nvrtc;
-}
+const Nvrtc* Nvrtc::Get(std::string* why_not) { return LoadOnce<Nvrtc, OpenNvrtc>(why_not); }
 
 }  // namespace cu
 }  // namespace perseus

@@ -1,4 +1,4 @@
-// The kernels of kernel_source.cc: compiled by NVRTC for the context's GPU,
+// The kernels of kernels.cu (embedded as kernel_source.cc): compiled by NVRTC for the context's GPU,
 // cached on disk, loaded once per context, and launched through the driver
 // API (kernels.h).
 #include "cc/cuda/kernels.h"
@@ -18,20 +18,26 @@
 #include <vector>
 
 #include "cc/cuda/driver.h"
+#include "cc/cuda/kernel_list.h"
 
 namespace perseus {
 
 extern const char kKernelSource[];
-extern const char* const kKernelNames[];
 
 namespace {
 
-// Indexes into kKernelNames (kernel_source.cc), in its order.
+// The kernels of kernel_list.h, in its order.
 enum Kernel {
-  kToHalf, kFromHalf, kScaleF32, kScaleF64, kScaleF16, kScaleBf16, kScaleI32, kScaleI64,
-  kScaleU8, kScaleI8, kScaleU16, kScaleI16, kSumChunks, kNonFiniteF32, kNonFiniteF64,
-  kNonFinite16, kBatchedCopy, kTopkKeys, kTopkThreshold, kTopkEqualFlags, kTopkChosenFlags,
-  kTopkWrite, kScanBlockSums, kScanOffsets, kScanApply, kSpin, kKernelCount
+#define PTF_KERNEL_ENUM(name, function, synchronising) k##name,
+  PERSEUS_CUDA_KERNELS(PTF_KERNEL_ENUM)
+#undef PTF_KERNEL_ENUM
+  kKernelCount
+};
+
+const char* const kKernelNames[] = {
+#define PTF_KERNEL_NAME(name, function, synchronising) #function,
+    PERSEUS_CUDA_KERNELS(PTF_KERNEL_NAME)
+#undef PTF_KERNEL_NAME
 };
 
 constexpr unsigned kThreads = 256;

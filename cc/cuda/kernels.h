@@ -5,7 +5,7 @@
 // a guess at device 0) and returns a CUresult (0: queued). Nothing here
 // waits for the device.
 //
-// The kernels' source (kernel_source.cc) is compiled at run time by NVRTC
+// The kernels' source (kernels.cu, embedded as kernel_source.cc) is compiled at run time by NVRTC
 // for the GPU of the context, once per context, and the result is cached
 // on disk (PERSEUS_KERNEL_CACHE, default ~/.cache/perseus_tf/kernels). So
 // libperseus_cuda.so builds with the host compiler alone, at `pip install`.

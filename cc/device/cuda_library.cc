@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "cc/core/shared_library.h"
+
 namespace perseus {
 namespace {
 
@@ -24,10 +26,9 @@ std::string DefaultPath() {
 const CudaLibrary* Open(std::string* why_not) {
   const char* env = std::getenv("PERSEUS_CUDA_LIBRARY");
   const std::string path = env != nullptr && *env ? env : DefaultPath();
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* err = dlerror();
-    *why_not = "cannot open " + path + " (" + (err ? err : "unknown error") +
+  SharedLibrary handle(path);
+  if (!handle.ok()) {
+    *why_not = "cannot open " + path + " (" + handle.error() +
                "): it holds Perseus's CUDA code and `pip install` builds it beside "
                "libperseus_core.so (reinstall Perseus-TF); PERSEUS_CUDA_LIBRARY names another "
                "path";
@@ -35,14 +36,7 @@ const CudaLibrary* Open(std::string* why_not) {
   }
   auto* lib = new CudaLibrary();
   lib->path = path;
-  bool ok = true;
-  auto get = [&](auto& fn, const char* name) {
-    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(handle, name));
-    if (fn == nullptr) {
-      ok = false;
-      *why_not = path + " lacks " + name + ": it is from another version of Perseus; rebuild it";
-    }
-  };
+  auto get = [&](auto& fn, const char* name) { handle.Find(name, &fn); };
   get(lib->plane_create, "perseus_cuda_plane_create");
   get(lib->device_count, "perseus_cuda_device_count");
   get(lib->error_string, "perseus_cuda_error_string");
@@ -53,9 +47,11 @@ const CudaLibrary* Open(std::string* why_not) {
   get(lib->event_destroy, "perseus_cuda_event_destroy");
   get(lib->record_event, "perseus_cuda_record_event");
   get(lib->event_synchronize, "perseus_cuda_event_synchronize");
-  if (!ok) {
+  if (!handle.missing().empty()) {
+    *why_not = path + " lacks " + handle.missing() +
+               ": it is from another version of Perseus; rebuild it";
     delete lib;
-    return nullptr;  // the handle stays open: a process loads it once
+    return nullptr;  // the library stays open: a process loads it once
   }
   return lib;
 }
@@ -63,12 +59,7 @@ const CudaLibrary* Open(std::string* why_not) {
 }  // namespace
 
 const CudaLibrary* CudaLibrary::Load(std::string* why_not) {
-  static std::once_flag once;
-  static const CudaLibrary* lib = nullptr;
-  static std::string reason;
-  std::call_once(once, [] { lib = Open(&reason); });
-  if (lib == nullptr && why_not != nullptr) *why_not = reason;
-  return lib;
+  return LoadOnce<CudaLibrary, Open>(why_not);
 }
 
 void CudaLibrary::Check(int code, const std::string& what) const {

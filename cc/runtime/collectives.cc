@@ -40,13 +40,13 @@ void Executor::Allgather(int stream, const Response& r, Request& q) {
 }
 
 void Executor::Alltoall(int stream, const Response& r, Request& q) {
-  const int me = options_.rank;
+  const int me = c_.ranks.rank;
   std::vector<int64_t> trailing = Trailing(q.meta.shape);
   int64_t row = NumElements(trailing) * static_cast<int64_t>(DataTypeSize(q.meta.dtype));
-  std::vector<int64_t> send(options_.size), recv(options_.size);
+  std::vector<int64_t> send(c_.ranks.size), recv(c_.ranks.size);
   int64_t rows = 0;
-  q.received_splits.assign(options_.size, 0);
-  for (int p = 0; p < options_.size; ++p) {
+  q.received_splits.assign(c_.ranks.size, 0);
+  for (int p = 0; p < c_.ranks.size; ++p) {
     send[p] = r.splits[me][p] * row;
     recv[p] = r.splits[p][me] * row;
     q.received_splits[p] = r.splits[p][me];
@@ -77,11 +77,11 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
   ScaleBuffer(buf.data(), dtype, n, m.prescale);
   // Rows are dealt out as evenly as possible, lower ranks taking the rest.
   const int64_t dim0 = q.meta.shape[0];
-  const int64_t base = dim0 / options_.size, extra = dim0 % options_.size;
+  const int64_t base = dim0 / c_.ranks.size, extra = dim0 % c_.ranks.size;
   const std::vector<int64_t> trailing = Trailing(q.meta.shape);
   const size_t row_elems = static_cast<size_t>(NumElements(trailing));
-  std::vector<size_t> counts(options_.size);
-  for (int i = 0; i < options_.size; ++i) counts[i] = (base + (i < extra ? 1 : 0)) * row_elems;
+  std::vector<size_t> counts(c_.ranks.size);
+  for (int i = 0; i < c_.ranks.size; ++i) counts[i] = (base + (i < extra ? 1 : 0)) * row_elems;
   const ReduceOp op = m.reduce_op;
   if (c_.topology.one_host_shm) {
     TimelineSpan span(timeline_, 1 + stream, "shm allreduce", "communication");
@@ -90,7 +90,7 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
     TimelineSpan span(timeline_, 1 + stream, "gloo reduce-scatter", "communication");
     c_.world->ReduceScatter(stream, buf.data(), counts, dtype, op);
   }
-  const int64_t me = options_.rank;
+  const int64_t me = c_.ranks.rank;
   const int64_t my_rows = base + (me < extra ? 1 : 0);
   const int64_t first_row = me * base + std::min(me, extra);
   const size_t row = row_elems * esize;
@@ -100,7 +100,7 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
   if (out == nullptr && my_rows * row > 0) throw std::runtime_error("could not allocate the output");
   if (my_rows) std::memcpy(out, buf.data() + first_row * row, my_rows * row);
   const double post =
-      m.postscale * (m.reduce_op == ReduceOp::kAverage ? 1.0 / options_.size : 1.0);
+      m.postscale * (m.reduce_op == ReduceOp::kAverage ? 1.0 / c_.ranks.size : 1.0);
   ScaleBuffer(out, dtype, static_cast<size_t>(my_rows * row_elems), post);
 }
 

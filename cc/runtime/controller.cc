@@ -52,10 +52,10 @@ constexpr size_t kControlSlot = 512;
 
 Controller::Controller(ControllerContext context)
     : c_(std::move(context)), table_(*c_.requests) {
-  const InitOptions& o = c_.options;
-  negotiator_.reset(new Negotiator(o.size, o.fusion_threshold_bytes, o.global_ranks,
-                                   [granularity = o.fusion,
-                                    threshold = o.fusion_threshold_bytes](int64_t b) {
+  const NegotiationSettings& n = c_.negotiation;
+  negotiator_.reset(new Negotiator(c_.ranks.size, n.fusion_threshold_bytes, c_.ranks.global_ranks,
+                                   [granularity = n.fusion,
+                                    threshold = n.fusion_threshold_bytes](int64_t b) {
                                      return PlanBucketBytes(b, granularity, threshold);
                                    }));
   started_ = last_cycle_ = Clock::now();
@@ -97,7 +97,7 @@ void Controller::Loop() {
 
 void Controller::RunCycle(bool* stop) {
   const auto cycle_time = std::chrono::microseconds(
-      static_cast<int64_t>(c_.options.cycle_time_ms * 1000));
+      static_cast<int64_t>(c_.negotiation.cycle_time_ms * 1000));
   // Cycles are at least one cycle time apart, so requests that arrive
   // together (a backward pass) travel, and fuse, in few cycles; a request
   // after a quiet spell goes at once.
@@ -117,7 +117,7 @@ void Controller::RunCycle(bool* stop) {
   const int64_t my_clock =
       std::chrono::duration_cast<std::chrono::milliseconds>(last_cycle_ - started_).count();
 
-  const int size = c_.options.size;
+  const int size = c_.ranks.size;
   const auto exchange_start = Clock::now();
   const size_t my_requests = mine.requests.size();
   Doing("waiting in a negotiation cycle's exchange with the other ranks");
@@ -155,10 +155,10 @@ void Controller::RunCycle(bool* stop) {
   // The stall inspector and the stall timeout read rank 0's clock, which
   // every rank received in this cycle, so their verdicts agree everywhere.
   const std::vector<std::string> stalls =
-      negotiator_->StallReport(static_cast<int64_t>(c_.options.stall_check_seconds * 1000));
+      negotiator_->StallReport(static_cast<int64_t>(c_.negotiation.stall_check_seconds * 1000));
   ReportStalls(stalls);
   for (Response& r : negotiator_->TakeStalled(
-           static_cast<int64_t>(c_.options.stall_timeout_seconds * 1000))) {
+           static_cast<int64_t>(c_.negotiation.stall_timeout_seconds * 1000))) {
     ready.push_back(std::move(r));
   }
   idle_cycles_ = (any_requests || !ready.empty()) ? 0 : idle_cycles_ + 1;
@@ -183,7 +183,7 @@ void Controller::RunCycle(bool* stop) {
 
 Controller::Exchanged Controller::ExchangeControl(CycleMessage mine, int64_t my_clock,
                                                   bool in_plan) {
-  const int size = c_.options.size;
+  const int size = c_.ranks.size;
   Exchanged x;
   std::vector<CycleMessage>& all = x.all;
   all.resize(size);
@@ -236,7 +236,7 @@ Controller::Exchanged Controller::ExchangeControl(CycleMessage mine, int64_t my_
       char none = 0;
       const char* tail = encoded.size() > kInline ? encoded.data() + kInline : &none;
       c_.control->Allgatherv(Transport::kControl, tail, gathered.data(), rest);
-      sent += static_cast<int64_t>(rest[c_.options.rank]);
+      sent += static_cast<int64_t>(rest[c_.ranks.rank]);
     }
     size_t offset = 0;
     std::vector<char> message;
@@ -256,7 +256,7 @@ Controller::Exchanged Controller::ExchangeControl(CycleMessage mine, int64_t my_
 }
 
 void Controller::ReportStalls(const std::vector<std::string>& stalls) {
-  if (stalls.empty() || WorldRank(c_.options.rank) != 0) return;
+  if (stalls.empty() || WorldRank(c_.ranks.rank) != 0) return;
   std::ostringstream msg;
   if (stalls_explained_) {
     msg << "Perseus stall inspector (rank 0): still waiting";
@@ -264,11 +264,11 @@ void Controller::ReportStalls(const std::vector<std::string>& stalls) {
     stalls_explained_ = true;
     msg << "Perseus stall inspector (rank 0): " << stalls.size()
         << (stalls.size() == 1 ? " collective has" : " collectives have")
-        << " waited more than " << c_.options.stall_check_seconds
+        << " waited more than " << c_.negotiation.stall_check_seconds
         << " s (PERSEUS_STALL_CHECK_TIME_SECONDS) for ranks that have not submitted them";
-    if (c_.options.stall_timeout_seconds > 0) {
+    if (c_.negotiation.stall_timeout_seconds > 0) {
       msg << "; the job fails after PERSEUS_STALL_TIMEOUT_SECONDS="
-          << c_.options.stall_timeout_seconds << " s";
+          << c_.negotiation.stall_timeout_seconds << " s";
     }
   }
   msg << ":\n";
@@ -288,7 +288,7 @@ void Controller::Doing(const char* what) {
 }
 
 void Controller::Dispatch(Response response, bool lone, bool any_in_plan, bool joined) {
-  if (!response.real_request.empty() && !response.real_request[c_.options.rank]) {
+  if (!response.real_request.empty() && !response.real_request[c_.ranks.rank]) {
     // The refusal of a call this rank refused too: its request of the name,
     // if any, is a later call.
     return;
@@ -312,8 +312,8 @@ void Controller::Dispatch(Response response, bool lone, bool any_in_plan, bool j
   // its own plan state: ranks leave a plan at their own pace), so each
   // collective runs on the same stream everywhere.
   int stream = any_in_plan
-                   ? c_.options.streams
-                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(c_.options.streams));
+                   ? c_.streams
+                   : static_cast<int>(dispatched_++ % static_cast<uint64_t>(c_.streams));
   if (lone && c_.executor->RunHereIfIdle(stream, response, requests)) return;
   c_.executor->Submit(stream, std::move(response), std::move(requests));
 }

@@ -38,7 +38,11 @@ class HealthMonitor;
 class Transport;
 
 struct ControllerContext {
-  InitOptions options;
+  Topology ranks;                   // this runtime's members and this rank among them
+  NegotiationSettings negotiation;  // cycles, fusion, stalls, the offline plan's check
+  int streams = 4;                  // TransportSettings::streams: where responses run
+  double timeout_seconds = 60;      // TransportSettings::timeout_seconds: the plan's deadline
+  int perf_check_n_steps = 0;       // HealthSettings::perf_check_n_steps: plan steps carry times
   RequestTable* requests = nullptr;
   Executor* executor = nullptr;
   Transport* control = nullptr;  // the control context (Transport::kControl)
@@ -101,7 +105,7 @@ class Controller {
   // Stream threads complete these with `status` (a failed response) and the
   // rest of its grouped calls with the reason they did not run.
   void Complete(const Response& response, const Requests& requests, const Requests& siblings);
-  int WorldRank(int r) const { return WorldRankOf(c_.options, r); }
+  int WorldRank(int r) const { return WorldRankOf(c_.ranks, r); }
 
   // Offline mode (offline.cc): runs the plan's buckets, negotiates the rest.
   void RunOffline(bool* stop);

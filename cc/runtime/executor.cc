@@ -25,11 +25,11 @@
 namespace perseus {
 
 Executor::Executor(const ExecutorContext& context)
-    : c_(context), options_(c_.options), timeline_(*c_.timeline) {
+    : c_(context), timeline_(*c_.timeline) {
   CompressionContext compression;
-  compression.settings = &options_;
-  compression.rank = options_.rank;
-  compression.size = options_.size;
+  compression.settings = &c_.compression;
+  compression.rank = c_.ranks.rank;
+  compression.size = c_.ranks.size;
   compression.timeline = &timeline_;
   compression.world = c_.world;
   compression.residuals = &residuals_;
@@ -37,13 +37,13 @@ Executor::Executor(const ExecutorContext& context)
                                  DataType dtype, ReduceOp op, size_t half_across) {
     AllreduceBuffer(stream, plane, data, count, dtype, op, half_across);
   };
-  host_plane_ = MakeHostPlane(options_.streams + 1);
+  host_plane_ = MakeHostPlane(c_.transport.streams + 1);
   compressors_.reset(new Compressors(compression));
-  stats_.resize(options_.streams + 1);
-  nccl_.resize(options_.streams + 1);
-  nccl_host_.resize(options_.streams + 1);
-  for (int s = 0; s <= options_.streams; ++s) streams_.emplace_back(new Stream());
-  for (int s = 0; s <= options_.streams; ++s) {
+  stats_.resize(c_.transport.streams + 1);
+  nccl_.resize(c_.transport.streams + 1);
+  nccl_host_.resize(c_.transport.streams + 1);
+  for (int s = 0; s <= c_.transport.streams; ++s) streams_.emplace_back(new Stream());
+  for (int s = 0; s <= c_.transport.streams; ++s) {
     streams_[s]->thread = std::thread(&Executor::StreamLoop, this, s);
   }
 }
@@ -229,7 +229,7 @@ void Executor::Run(int index, Response& response, Requests& requests) {
     ++st.responses;
     st.tensors += static_cast<int64_t>(response.names.size());
     for (const TensorMeta& m : response.metas) {
-      st.bytes += WireBytes(m, options_, c_.topology.two_level);
+      st.bytes += WireBytes(m, c_.compression, c_.topology.two_level);
     }
     st.busy_seconds += secs;
     st.wait_seconds += std::chrono::duration<double>(start - oldest).count();
@@ -255,10 +255,10 @@ DataPlane& Executor::PlaneFor(const Placement& where) {
   std::unique_ptr<DataPlane> plane;
   switch (where.kind) {
     case MemoryKind::kSimulated:
-      plane = MakeSimPlane(options_.streams + 1);
+      plane = MakeSimPlane(c_.transport.streams + 1);
       break;
     case MemoryKind::kCuda:
-      plane = MakeCudaPlane(where.device, options_.streams + 1);
+      plane = MakeCudaPlane(where.device, c_.transport.streams + 1);
       cuda_device_ = where.device;
       break;
     default:
@@ -283,7 +283,7 @@ bool OnDeviceEverywhere(const Response& r) {
 }  // namespace
 
 DataPlane& Executor::PlaneOf(const Response& response, const Requests& requests) {
-  const bool cuda = options_.nccl && OnDeviceEverywhere(response);
+  const bool cuda = c_.nccl && OnDeviceEverywhere(response);
   for (const auto& q : requests) {
     if (q->where.kind == MemoryKind::kCuda || (!cuda && q->where.kind != MemoryKind::kHost)) {
       return PlaneFor(q->where);
@@ -356,7 +356,7 @@ bool Executor::ExecuteOnHost(int stream, const Response& r, Requests& requests) 
     case OpType::kBroadcast: {
       Request& q = *requests[0];
       size_t bytes = NumElements(q.meta.shape) * DataTypeSize(q.meta.dtype);
-      if (options_.rank == q.meta.root && q.output != q.input && bytes) {
+      if (c_.ranks.rank == q.meta.root && q.output != q.input && bytes) {
         std::memcpy(q.output, q.input, bytes);
       }
       c_.world->Broadcast(stream, q.output, bytes, q.meta.root);
@@ -398,8 +398,8 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
     b.plane = &plane;
     b.stream = stream;
     b.timeline = &timeline_;
-    b.rank = options_.rank;
-    b.size = options_.size;
+    b.rank = c_.ranks.rank;
+    b.size = c_.ranks.size;
     b.reduce = [&](void* buf, size_t count, DataType dtype, ReduceOp op, size_t half_across) {
       AllreduceBuffer(stream, plane, buf, count, dtype, op, half_across);
     };
@@ -415,7 +415,7 @@ void Executor::InPlaceAllreduce(int stream, DataPlane& plane, const TensorMeta& 
   plane.Scale(stream, q.output, m0.dtype, n, m0.prescale);
   AllreduceBuffer(stream, plane, q.output, n, m0.dtype, m0.reduce_op,
                   m0.compression == kCompressMixed ? n : 0);
-  plane.Scale(stream, q.output, m0.dtype, n, PostScale(m0, options_.size));
+  plane.Scale(stream, q.output, m0.dtype, n, PostScale(m0, c_.ranks.size));
 }
 
 void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t count,
@@ -446,7 +446,7 @@ void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t c
   call.dtype = dtype;
   call.op = op;
   call.half_across = half_across;
-  call.scale = static_cast<float>(options_.gradient_scale);
+  call.scale = static_cast<float>(c_.compression.gradient_scale);
   call.half = &streams_[stream]->scratch.half;
   RunAllreduce(ChooseAllreduce(bytes, half_across > 0, c_.topology), c_.groups, call, timeline_);
   if (!plane.host()) plane.FromHost(stream, buf, data, bytes);

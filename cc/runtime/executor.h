@@ -37,7 +37,12 @@
 namespace perseus {
 
 struct ExecutorContext {
-  InitOptions options;
+  Topology ranks;                   // this runtime's members and this rank among them
+  TransportSettings transport;      // streams, timeout_seconds
+  CompressionSettings compression;  // what the compressors and fp16 scaling read
+  // Tensors on CUDA devices through NCCL, and where its wheels keep it (options.h).
+  bool nccl = false;
+  std::vector<std::string> nccl_dirs;
   Transport* world = nullptr;  // broadcast, allgather, alltoall, reduce-scatter, top-k
   AllreduceTopology topology;  // how allreduces travel
   AllreduceGroups groups;
@@ -57,7 +62,7 @@ struct ExecutorContext {
 
 class Executor {
  public:
-  // Starts options.streams + 1 stream threads.
+  // Starts transport.streams + 1 stream threads.
   explicit Executor(const ExecutorContext& context);
   ~Executor();
   // Runs what is queued, then joins the threads.
@@ -140,7 +145,6 @@ class Executor {
   void Reducescatter(int stream, const Response& r, Request& q);
 
   ExecutorContext c_;
-  const InitOptions& options_;
   Timeline& timeline_;
   Residuals residuals_;
   std::unique_ptr<Compressors> compressors_;

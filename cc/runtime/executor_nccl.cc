@@ -24,7 +24,7 @@ void Executor::NcclTwoLevel(int stream, DataPlane& plane, void* buf, size_t coun
       // hosts as float16 times the gradient scale, the rest (a plan bucket's
       // votes) as plain float16, both cast here on the device; the host
       // path (allreduce_algorithms.cc) does the same on the host.
-      const float scale = static_cast<float>(options_.gradient_scale);
+      const float scale = static_cast<float>(c_.compression.gradient_scale);
       float* f = static_cast<float*>(buf);
       auto* h = static_cast<uint16_t*>(plane.Buffer(stream, PlaneBuffer::kHalf, count * 2));
       const size_t scaled = std::min(half_across, count);
@@ -56,7 +56,7 @@ void Executor::NcclTwoLevel(int stream, DataPlane& plane, void* buf, size_t coun
 }
 
 bool Executor::NcclTakes(int stream, const DataPlane& plane, DataType dtype) const {
-  if (plane.kind() != MemoryKind::kCuda || !options_.nccl) return false;
+  if (plane.kind() != MemoryKind::kCuda || !c_.nccl) return false;
   if (!streams_[stream]->on_device_everywhere) return false;  // some rank has host memory
   return dtype != DataType::kUint16 && dtype != DataType::kInt16;  // no NCCL type
 }
@@ -72,23 +72,23 @@ NcclComm* Executor::NcclFor(int stream, DataPlane& plane, DataType dtype, bool h
       (host_group ? nccl_host_ : nccl_).at(static_cast<size_t>(stream));
   if (!comm) {
     std::string why;
-    const NcclLibrary* lib = NcclLibrary::Load(options_.nccl_dirs, &why);
+    const NcclLibrary* lib = NcclLibrary::Load(c_.nccl_dirs, &why);
     if (lib == nullptr) {
       throw std::runtime_error("PERSEUS_GPU_TRANSPORT=nccl, but NCCL cannot be loaded: " + why +
                                "; or set PERSEUS_GPU_TRANSPORT=host on every rank");
     }
     const std::string name =
-        (host_group ? "host" + std::to_string(options_.cross_rank) + "." : std::string()) +
+        (host_group ? "host" + std::to_string(c_.ranks.cross_rank) + "." : std::string()) +
         "stream" + std::to_string(stream);
     const std::string group =
-        options_.process_set_id ? "process set " + std::to_string(options_.process_set_id)
+        c_.ranks.process_set_id ? "process set " + std::to_string(c_.ranks.process_set_id)
                                 : std::string("the world");
     std::unique_ptr<NcclComm> made(new NcclComm(
-        *lib, host_group ? options_.local_rank : options_.rank,
-        host_group ? options_.local_size : options_.size, c_.nccl_bootstrap(name),
-        std::chrono::milliseconds(static_cast<int64_t>(options_.timeout_seconds * 1000)),
+        *lib, host_group ? c_.ranks.local_rank : c_.ranks.rank,
+        host_group ? c_.ranks.local_size : c_.ranks.size, c_.nccl_bootstrap(name),
+        std::chrono::milliseconds(static_cast<int64_t>(c_.transport.timeout_seconds * 1000)),
         "stream " + std::to_string(stream) + " of " +
-            (host_group ? "host " + std::to_string(options_.cross_rank) + " of " + group
+            (host_group ? "host " + std::to_string(c_.ranks.cross_rank) + " of " + group
                         : group),
         plane.DeviceIdentity()));
     std::lock_guard<std::mutex> lock(nccl_mu_);

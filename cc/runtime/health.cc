@@ -80,7 +80,7 @@ void HealthMonitor::PerfCheckStep(const std::vector<double>& ms_by_rank) {
     std::lock_guard<std::mutex> lock(mu_);
     if (perf_sum_.size() != ms_by_rank.size()) perf_sum_.assign(ms_by_rank.size(), 0.0);
     for (size_t i = 0; i < ms_by_rank.size(); ++i) perf_sum_[i] += ms_by_rank[i];
-    if (++perf_steps_ < c_.options.perf_check_n_steps) return;
+    if (++perf_steps_ < c_.health.perf_check_n_steps) return;
     for (double v : perf_sum_) mean.push_back(v / perf_steps_);
     perf_sum_.assign(ms_by_rank.size(), 0.0);
     perf_steps_ = 0;
@@ -103,19 +103,19 @@ void HealthMonitor::PerfCheckStep(const std::vector<double>& ms_by_rank) {
     ++s.perf_reports;
     s.slow_ranks = slow;
   });
-  if (!slow.empty() && WorldRank(c_.options.rank) == 0) {
+  if (!slow.empty() && WorldRank(c_.ranks.rank) == 0) {
     std::fprintf(stderr,
                  "Perseus perf check (last %d steps): slow rank(s), time per step outside "
                  "communication against the median of %.1f ms: %s\n",
-                 c_.options.perf_check_n_steps, median, msg.str().c_str());
+                 c_.health.perf_check_n_steps, median, msg.str().c_str());
     std::fflush(stderr);
   }
 }
 
 void HealthMonitor::AnnounceLeaving(bool aborted) {
-  if (c_.options.process_set_id == 0 && c_.store) {
+  if (c_.ranks.process_set_id == 0 && c_.store) {
     try {
-      c_.store->set(LeftKey(c_.world_prefix, WorldRank(c_.options.rank)),
+      c_.store->set(LeftKey(c_.world_prefix, WorldRank(c_.ranks.rank)),
                     {aborted ? kLeftByAbort : '1'});
     } catch (const std::exception&) {
       // the store is gone: the others still see the closed connections
@@ -125,16 +125,16 @@ void HealthMonitor::AnnounceLeaving(bool aborted) {
 }
 
 void HealthMonitor::MarkDone() {
-  if (c_.options.process_set_id != 0 || !c_.store) return;
+  if (c_.ranks.process_set_id != 0 || !c_.store) return;
   try {
-    c_.store->set(DoneKey(c_.world_prefix, WorldRank(c_.options.rank)), {'1'});
+    c_.store->set(DoneKey(c_.world_prefix, WorldRank(c_.ranks.rank)), {'1'});
   } catch (const std::exception&) {
     // the store is gone: nobody is left to watch
   }
 }
 
 std::string HealthMonitor::HeartbeatKey(int world_rank) const {
-  return c_.options.job_id + "/heartbeat/" + std::to_string(world_rank);
+  return c_.ranks.job_id + "/heartbeat/" + std::to_string(world_rank);
 }
 
 namespace {
@@ -166,13 +166,13 @@ void HealthMonitor::StartHeartbeat() {
   // How long one beat may wait for the store, and how long the store may
   // stay silent before it is the failure (GLOO_TIMEOUT_SECONDS: a
   // collective waiting for a rank gives up as late).
-  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c_.options.timeout_seconds * 1000));
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(c_.timeout_seconds * 1000));
   const auto beat_limit = std::max(std::chrono::milliseconds(500),
                                    std::min<std::chrono::milliseconds>(timeout / 10,
                                                                        std::chrono::seconds(3)));
   auto connect = [this, beat_limit] {
-    auto client = std::make_shared<StoreClient>(c_.options.store_addr, c_.options.store_port,
-                                                c_.options.secret, beat_limit, beat_limit);
+    auto client = std::make_shared<StoreClient>(c_.ranks.store_addr, c_.ranks.store_port,
+                                                c_.ranks.secret, beat_limit, beat_limit);
     client->SetAnswerTimeout(beat_limit);
     return client;
   };
@@ -189,7 +189,7 @@ void HealthMonitor::StartHeartbeat() {
   }
   stop_ = false;
   last_answer_ms_ = NowMs();
-  const std::string key = HeartbeatKey(WorldRank(c_.options.rank));
+  const std::string key = HeartbeatKey(WorldRank(c_.ranks.rank));
   const std::string closed_key = ClosedCountKey(c_.world_prefix);
   thread_ = std::thread([this, key, closed_key, connect, timeout] {
     NameThisThread("perseus-health");
@@ -265,8 +265,8 @@ std::string HealthMonitor::StoreSilence(std::vector<int>* culprits) {
   const std::string who = served_by_.empty() ? std::string() : ", served by " + served_by_;
   // The store's host stopped: when it is a rank, that rank is the cause.
   if (served_by_.rfind("rank ", 0) == 0) culprits->assign(1, std::atoi(served_by_.c_str() + 5));
-  return "the rendezvous store (at " + c_.options.store_addr + ":" +
-         std::to_string(c_.options.store_port) + who + ") stopped answering " + Seconds(silent) +
+  return "the rendezvous store (at " + c_.ranks.store_addr + ":" +
+         std::to_string(c_.ranks.store_port) + who + ") stopped answering " + Seconds(silent) +
          " ago: its process is stopped or overloaded, or the network to its host is cut";
 }
 
@@ -280,9 +280,9 @@ std::string HealthMonitor::ThisProcessFroze(std::vector<int>* culprits) {
     until = now;
     length = now - asleep;
   }
-  const auto timeout = static_cast<int64_t>(c_.options.timeout_seconds * 1000);
+  const auto timeout = static_cast<int64_t>(c_.timeout_seconds * 1000);
   if (until == 0 || now - until > timeout + 10000) return "";
-  culprits->assign(1, WorldRank(c_.options.rank));
+  culprits->assign(1, WorldRank(c_.ranks.rank));
   return "this process did not run for " + Seconds(length) +
          " (stopped by a signal or a debugger, or starved of CPU), so the other ranks gave up "
          "on it";
@@ -301,9 +301,9 @@ void HealthMonitor::WatchClosedPeers(StoreClient* beats) {
     return beats->TryGet(k, std::chrono::milliseconds(0), &value);
   };
   std::vector<int> dead, failed;
-  for (int r = 0; r < c_.options.size; ++r) {
+  for (int r = 0; r < c_.ranks.size; ++r) {
     const int w = WorldRank(r);
-    if (r == c_.options.rank || !has(ClosedKey(round, w)) || has(DoneKey(round, w))) continue;
+    if (r == c_.ranks.rank || !has(ClosedKey(round, w)) || has(DoneKey(round, w))) continue;
     if (has(LeftKey(round, w))) {
       // Left between plan steps by shutdown: no failure (a collective still
       // pending with it fails on its closed connections). Left by abort():
@@ -340,15 +340,15 @@ std::string HealthMonitor::IdentifyFailedRanks(std::vector<int>* culprits) {
   if (!who.empty()) return who;
   try {
     const std::string census = c_.key_prefix + "/census/rank";
-    c_.store->set(census + std::to_string(c_.options.rank), {'1'});
+    c_.store->set(census + std::to_string(c_.ranks.rank), {'1'});
     // Every live process beats every 250 ms, even while blocked in a
     // collective; take a first reading now, a second after the dead check.
     auto beats = Beats();
-    std::vector<int64_t> first(c_.options.size, -1);
+    std::vector<int64_t> first(c_.ranks.size, -1);
     const auto first_at = Clock::now();
     if (beats) {
       try {
-        for (int r = 0; r < c_.options.size; ++r) first[r] = beats->Add(HeartbeatKey(WorldRank(r)), 0);
+        for (int r = 0; r < c_.ranks.size; ++r) first[r] = beats->Add(HeartbeatKey(WorldRank(r)), 0);
       } catch (const std::exception&) {
         beats.reset();
       }
@@ -370,8 +370,8 @@ std::string HealthMonitor::LeftRanks(std::vector<int>* culprits) {
   // Ranks that shut down between plan steps said so (AnnounceLeaving).
   std::vector<char> ignored;
   std::vector<int> left;
-  for (int r = 0; r < c_.options.size; ++r) {
-    if (r != c_.options.rank &&
+  for (int r = 0; r < c_.ranks.size; ++r) {
+    if (r != c_.ranks.rank &&
         c_.store->TryGet(LeftKey(c_.world_prefix, WorldRank(r)), std::chrono::milliseconds(0),
                          &ignored)) {
       left.push_back(WorldRank(r));
@@ -391,10 +391,10 @@ std::string HealthMonitor::DeadRanks(std::vector<int>* culprits) {
   auto deadline = Clock::now() + std::chrono::seconds(1);
   std::vector<int> dead;
   while (dead.empty()) {
-    for (int r = 0; r < c_.options.size; ++r) {
+    for (int r = 0; r < c_.ranks.size; ++r) {
       // A rank that noticed the failure itself (census key written) and
       // then exited is a survivor, not the cause.
-      if (r != c_.options.rank &&
+      if (r != c_.ranks.rank &&
           c_.store->TryGet(ClosedKey(c_.world_prefix, WorldRank(r)), std::chrono::milliseconds(0),
                            &ignored) &&
           !c_.store->TryGet(census + std::to_string(r), std::chrono::milliseconds(0), &ignored)) {
@@ -419,8 +419,8 @@ std::string HealthMonitor::SilentRanks(StoreClient* beats, const std::vector<int
     std::this_thread::sleep_until(first_at + std::chrono::milliseconds(1500));
     std::vector<int> stopped;
     try {
-      for (int r = 0; r < c_.options.size; ++r) {
-        if (r == c_.options.rank) continue;
+      for (int r = 0; r < c_.ranks.size; ++r) {
+        if (r == c_.ranks.rank) continue;
         if (beats->Add(HeartbeatKey(WorldRank(r)), 0) == first[r]) stopped.push_back(WorldRank(r));
       }
       *culprits = stopped;
@@ -436,8 +436,8 @@ std::string HealthMonitor::SilentRanks(StoreClient* beats, const std::vector<int
   std::vector<char> ignored;
   auto census_deadline = Clock::now() + std::chrono::seconds(10);
   std::vector<int> silent;
-  for (int r = 0; r < c_.options.size; ++r) {
-    if (r == c_.options.rank) continue;
+  for (int r = 0; r < c_.ranks.size; ++r) {
+    if (r == c_.ranks.rank) continue;
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(census_deadline - Clock::now());
     if (left.count() < 0) left = std::chrono::milliseconds(0);
     if (!c_.store->TryGet(census + std::to_string(r), left, &ignored)) {

@@ -42,7 +42,9 @@ void RecordFirstFailure(const std::vector<int>& culprits, const std::string& mes
 FirstFailure GetFirstFailure();
 
 struct HealthContext {
-  InitOptions options;
+  Topology ranks;                // this runtime's members, the store's address and secret
+  HealthSettings health;         // the slow-rank check
+  double timeout_seconds = 60;   // TransportSettings::timeout_seconds: how long silence may last
   // The round's store connection (null: a job of one rank). The monitor
   // opens its own for the heartbeat.
   StoreClient* store = nullptr;
@@ -104,7 +106,7 @@ class HealthMonitor {
   std::string StoreSilence(std::vector<int>* culprits);
   // Why this process did not run for a while lately; "" if it ran.
   std::string ThisProcessFroze(std::vector<int>* culprits);
-  int WorldRank(int r) const { return WorldRankOf(c_.options, r); }
+  int WorldRank(int r) const { return WorldRankOf(c_.ranks, r); }
   // From the heartbeat thread, when the store's count of closed ranks grows:
   // fails the round at once if one of them died or failed.
   void WatchClosedPeers(StoreClient* beats);

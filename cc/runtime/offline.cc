@@ -24,7 +24,7 @@ void Controller::EnterOffline() {
 std::chrono::milliseconds Controller::PlanDeadline() const {
   // Well inside GLOO_TIMEOUT_SECONDS: a rank that had its data entered the
   // bucket's collective and waits there for this rank's vote.
-  const double seconds = std::min(10.0, std::max(0.5, c_.options.timeout_seconds / 4));
+  const double seconds = std::min(10.0, std::max(0.5, c_.timeout_seconds / 4));
   return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
@@ -34,7 +34,7 @@ bool Controller::PlanBucketFinished(int64_t votes, const Requests& requests, int
   for (auto& q : twice) {
     q->done(Status::Error(StatusCode::kInvalidArgument,
                           "Perseus allreduce of tensor '" + q->meta.name + "': rank " +
-                              std::to_string(WorldRank(c_.options.rank)) +
+                              std::to_string(WorldRank(c_.ranks.rank)) +
                               " called it again before this call finished; concurrent "
                               "collectives need distinct names"));
   }
@@ -51,7 +51,8 @@ void Controller::Attach(RequestTable::PlanWork& work) {
     check.op = OpType::kAllreduce;
     check.names.push_back("perseus.plan_check");
     check.control = [this, digest = work.check](const BufferAllreduce& allreduce) {
-      CheckPlans(*digest, allreduce, c_.options, *c_.timeline);
+      CheckPlans(*digest, allreduce, c_.ranks, c_.negotiation.offline_neg_check_n_steps,
+                 *c_.timeline);
       c_.stats->Update([](Stats& s) { ++s.plan_checks; });
     };
     work.buckets.insert(work.buckets.begin(), {0, std::move(check)});
@@ -87,8 +88,8 @@ void Controller::RunOffline(bool* stop) {
     c_.stats->Update([](Stats& s) { ++s.plan_timeouts; });
   }
   RequestTable::PlanWork work =
-      table_.TakePlanWork(c_.options.offline_neg_check_n_steps,
-                          c_.options.perf_check_n_steps > 0 ? c_.options.size : 0,
+      table_.TakePlanWork(c_.negotiation.offline_neg_check_n_steps,
+                          c_.perf_check_n_steps > 0 ? c_.ranks.size : 0,
                           negotiator_->HasPending(), on_plan_step_);
   if (work.closed) return;
   if (work.leave_job) {
@@ -107,7 +108,7 @@ void Controller::RunOffline(bool* stop) {
   // Plan buckets always run on their streams' threads, never on this one: a
   // rank whose negotiation thread sat in a bucket's collective could not
   // join the online cycle another rank waits in before its own bucket.
-  const int plan_streams = c_.options.streams;
+  const int plan_streams = c_.streams;
   for (size_t i = 0; i < work.buckets.size(); ++i) {
     c_.executor->Submit(static_cast<int>(work.buckets[i].first % plan_streams),
                         std::move(work.buckets[i].second), std::move(work.work[i]));

@@ -59,7 +59,7 @@ struct InitOptions : Topology,
 
 // The world rank of member `r` of the runtime `o` configures (names in
 // error messages are world ranks).
-inline int WorldRankOf(const InitOptions& o, int r) {
+inline int WorldRankOf(const Topology& o, int r) {
   return o.global_ranks.empty() ? r : o.global_ranks[r];
 }
 

@@ -62,7 +62,7 @@ std::shared_ptr<PlanDigest> DigestPlan(const Plan& plan, int64_t step) {
 }
 
 void CheckPlans(const PlanDigest& plan, const BufferAllreduce& allreduce,
-                const InitOptions& options, Timeline& timeline) {
+                const Topology& ranks, int check_n_steps, Timeline& timeline) {
   TimelineSpan span(timeline, 1, "plan check", "negotiation");
   const int64_t step = plan.step;
   const std::vector<int64_t>& digests = plan.digests;
@@ -90,16 +90,16 @@ void CheckPlans(const PlanDigest& plan, const BufferAllreduce& allreduce,
   }
   // Each rank's description of its tensor at that position, in its own slot
   // (the others are zero, so the sum is the text).
-  std::vector<uint8_t> text(kPlanCheckText * options.size, 0);
+  std::vector<uint8_t> text(kPlanCheckText * ranks.size, 0);
   std::string mine = pos < 0 ? "a plan of " + std::to_string(count) + " tensors"
                      : pos < count ? described[pos]
                                    : "no tensor (its plan has " + std::to_string(count) + ")";
   mine.resize(std::min(mine.size(), kPlanCheckText - 1));
-  std::memcpy(text.data() + kPlanCheckText * options.rank, mine.data(), mine.size());
+  std::memcpy(text.data() + kPlanCheckText * ranks.rank, mine.data(), mine.size());
   allreduce(text.data(), text.size(), DataType::kUint8, ReduceOp::kSum);
   // Ranks grouped by what they hold, in order of first appearance.
   std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (int r = 0; r < options.size; ++r) {
+  for (int r = 0; r < ranks.size; ++r) {
     const char* t = reinterpret_cast<const char*>(text.data() + kPlanCheckText * r);
     std::string what(t, strnlen(t, kPlanCheckText));
     auto it = std::find_if(groups.begin(), groups.end(),
@@ -108,11 +108,11 @@ void CheckPlans(const PlanDigest& plan, const BufferAllreduce& allreduce,
       groups.push_back({what, {}});
       it = groups.end() - 1;
     }
-    it->second.push_back(WorldRankOf(options, r));
+    it->second.push_back(WorldRankOf(ranks, r));
   }
   std::ostringstream msg;
   msg << "offline plan check before plan step " << step
-      << " (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=" << options.offline_neg_check_n_steps
+      << " (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS=" << check_n_steps
       << "): the ranks hold different plans";
   if (pos >= 0) msg << "; at position " << pos << " (bucket order)";
   msg << ": ";

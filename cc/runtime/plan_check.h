@@ -19,6 +19,6 @@ std::shared_ptr<PlanDigest> DigestPlan(const Plan& plan, int64_t step);
 // rank calls it before the same step). Throws, naming the ranks and what
 // each holds at the first position where the plans differ.
 void CheckPlans(const PlanDigest& mine, const BufferAllreduce& allreduce,
-                const InitOptions& options, Timeline& timeline);
+                const Topology& ranks, int check_n_steps, Timeline& timeline);
 
 }  // namespace perseus

@@ -164,7 +164,9 @@ void Runtime::Connect(TransportOptions* bo) {
 void Runtime::StartRound() {
   const InitOptions& o = options_;
   HealthContext hc;
-  hc.options = o;
+  hc.ranks = o;
+  hc.health = o;
+  hc.timeout_seconds = o.timeout_seconds;
   hc.store = store_.get();
   hc.world_prefix = keys_.world_prefix;
   hc.key_prefix = keys_.key_prefix;
@@ -200,7 +202,11 @@ void Runtime::StartRound() {
 
 ExecutorContext Runtime::MakeExecutorContext(const TransportOptions& bo) {
   ExecutorContext ec;
-  ec.options = options_;
+  ec.ranks = options_;
+  ec.transport = options_;
+  ec.compression = options_;
+  ec.nccl = options_.nccl;
+  ec.nccl_dirs = options_.nccl_dirs;
   ec.world = transport_.get();
   ec.topology = transports_->topology();
   ec.groups = transports_->groups();
@@ -213,7 +219,7 @@ ExecutorContext Runtime::MakeExecutorContext(const TransportOptions& bo) {
   };
   // NCCL's unique ids travel through the store on connections of their own
   // (made only when a communicator is), under this round's keys.
-  const InitOptions options = options_;
+  const Topology options = options_;
   const std::string nccl_keys = bo.key_prefix + "/nccl/";
   const auto store_wait = StartupStoreWait(bo.timeout);
   ec.nccl_bootstrap = [options, nccl_keys, store_wait](const std::string& name) {
@@ -257,7 +263,11 @@ ExecutorContext Runtime::MakeExecutorContext(const TransportOptions& bo) {
 
 void Runtime::StartController() {
   ControllerContext cc;
-  cc.options = options_;
+  cc.ranks = options_;
+  cc.negotiation = options_;
+  cc.streams = options_.streams;
+  cc.timeout_seconds = options_.timeout_seconds;
+  cc.perf_check_n_steps = options_.perf_check_n_steps;
   cc.requests = &requests_;
   cc.executor = executor_.get();
   cc.control = transport_.get();

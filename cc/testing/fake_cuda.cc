@@ -2,8 +2,7 @@
 // for CI, which has no GPU: libperseus_cuda.so opens it through
 // PERSEUS_CUDA_DRIVER and PERSEUS_NVRTC_LIBRARY (tests/test_cuda.py builds
 // it). It runs Perseus's kernels on the CPU: the kernel source of
-// cc/cuda/kernel_source.cc, extracted by the test into kernels_src.inc and
-// compiled here as host C++ behind a small emulation of CUDA's built-ins
+// cc/cuda/kernels.cu, included and compiled here as host C++ behind a small emulation of CUDA's built-ins
 // (threadIdx and friends, __syncthreads, atomicAdd, shared memory).
 //
 // What it is: "device memory" is host memory the fake allocated and knows
@@ -129,7 +128,8 @@ float emulated_from_half(unsigned short h) {
 #define __forceinline__ inline
 #define __shared__ static
 
-#include "kernels_src.inc"
+#include "cc/cuda/kernels.cu"
+#include "cc/cuda/kernel_list.h"
 
 #undef __global__
 #undef __device__
@@ -165,21 +165,9 @@ struct KernelEntry {
   bool synchronising;  // calls __syncthreads: its blocks' threads run at once
 };
 
-#define K(name, sync) {#name, &Run<name>, sync}
-const KernelEntry kKernels[] = {
-    K(perseus_to_half, false), K(perseus_from_half, false), K(perseus_scale_f32, false),
-    K(perseus_scale_f64, false), K(perseus_scale_f16, false), K(perseus_scale_bf16, false),
-    K(perseus_scale_i32, false), K(perseus_scale_i64, false), K(perseus_scale_u8, false),
-    K(perseus_scale_i8, false), K(perseus_scale_u16, false), K(perseus_scale_i16, false),
-    K(perseus_sum_chunks, false), K(perseus_nonfinite_f32, false),
-    K(perseus_nonfinite_f64, false), K(perseus_nonfinite_16, false),
-    K(perseus_batched_copy, false), K(perseus_topk_keys, false),
-    K(perseus_topk_threshold, true), K(perseus_topk_equal_flags, false),
-    K(perseus_topk_chosen_flags, false), K(perseus_topk_write, false),
-    K(perseus_scan_block_sums, true), K(perseus_scan_offsets, false),
-    K(perseus_scan_apply, true), K(perseus_spin, false),
-};
-#undef K
+#define PTF_KERNEL_ENTRY(name, function, synchronising) {#function, &Run<function>, synchronising},
+const KernelEntry kKernels[] = {PERSEUS_CUDA_KERNELS(PTF_KERNEL_ENTRY)};
+#undef PTF_KERNEL_ENTRY
 
 std::mutex g_mu;
 std::map<uintptr_t, size_t> g_device;  // allocations: start -> bytes

@@ -9,6 +9,7 @@
 UNIT_LIBRARY_SOURCES = [
     "cc/core/common.cc",
     "cc/core/reduce.cc",
+    "cc/core/shared_library.cc",
     "cc/core/timeline.cc",
     "cc/runtime/message.cc",
     "cc/runtime/negotiation.cc",

@@ -1,5 +1,5 @@
 // Registration of the Perseus collective ops and their shape functions.
-// The kernels are in kernels.cc; Python wrappers and gradients in
+// The kernels are in op_kernels.cc; Python wrappers and gradients in
 // perseus_tf/ops.py.
 //
 // Every op is stateful: Grappler must neither fold a collective on constant

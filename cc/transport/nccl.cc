@@ -1,7 +1,5 @@
 #include "cc/transport/nccl.h"
 
-#include <dlfcn.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -10,56 +8,45 @@
 #include <stdexcept>
 #include <thread>
 
+#include "cc/core/shared_library.h"
+
 namespace perseus {
 namespace {
-
-template <typename F>
-bool Resolve(void* handle, const char* name, F* out, std::string* missing) {
-  void* sym = dlsym(handle, name);
-  if (sym == nullptr) {
-    *missing += (missing->empty() ? "" : ", ") + std::string(name);
-    return false;
-  }
-  *out = reinterpret_cast<F>(sym);
-  return true;
-}
 
 std::mutex load_mu;
 
 }  // namespace
 
 const NcclLibrary* NcclLibrary::LoadFrom(const std::string& path, std::string* why_not) {
-  void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* err = dlerror();
-    *why_not = "cannot open " + path + ": " + (err ? err : "unknown error");
+  SharedLibrary handle(path);
+  if (!handle.ok()) {
+    *why_not = "cannot open " + path + ": " + handle.error();
     return nullptr;
   }
   std::unique_ptr<NcclLibrary> lib(new NcclLibrary());
-  std::string missing;
-  Resolve(handle, "ncclGetVersion", &lib->GetVersion, &missing);
-  Resolve(handle, "ncclGetUniqueId", &lib->GetUniqueId, &missing);
-  Resolve(handle, "ncclCommInitRankConfig", &lib->CommInitRankConfig, &missing);
-  Resolve(handle, "ncclCommGetAsyncError", &lib->CommGetAsyncError, &missing);
-  Resolve(handle, "ncclCommAbort", &lib->CommAbort, &missing);
-  Resolve(handle, "ncclCommDestroy", &lib->CommDestroy, &missing);
-  Resolve(handle, "ncclCommCount", &lib->CommCount, &missing);
-  Resolve(handle, "ncclCommUserRank", &lib->CommUserRank, &missing);
-  Resolve(handle, "ncclAllReduce", &lib->AllReduce, &missing);
-  Resolve(handle, "ncclBroadcast", &lib->Broadcast, &missing);
-  Resolve(handle, "ncclReduce", &lib->Reduce, &missing);
-  Resolve(handle, "ncclGroupStart", &lib->GroupStart, &missing);
-  Resolve(handle, "ncclGroupEnd", &lib->GroupEnd, &missing);
-  Resolve(handle, "ncclGetErrorString", &lib->GetErrorString, &missing);
-  if (!missing.empty()) {
-    *why_not = path + " lacks " + missing + " (NCCL 2.14 or later is needed)";
-    dlclose(handle);
+  handle.Find("ncclGetVersion", &lib->GetVersion);
+  handle.Find("ncclGetUniqueId", &lib->GetUniqueId);
+  handle.Find("ncclCommInitRankConfig", &lib->CommInitRankConfig);
+  handle.Find("ncclCommGetAsyncError", &lib->CommGetAsyncError);
+  handle.Find("ncclCommAbort", &lib->CommAbort);
+  handle.Find("ncclCommDestroy", &lib->CommDestroy);
+  handle.Find("ncclCommCount", &lib->CommCount);
+  handle.Find("ncclCommUserRank", &lib->CommUserRank);
+  handle.Find("ncclAllReduce", &lib->AllReduce);
+  handle.Find("ncclBroadcast", &lib->Broadcast);
+  handle.Find("ncclReduce", &lib->Reduce);
+  handle.Find("ncclGroupStart", &lib->GroupStart);
+  handle.Find("ncclGroupEnd", &lib->GroupEnd);
+  handle.Find("ncclGetErrorString", &lib->GetErrorString);
+  if (!handle.missing().empty()) {
+    *why_not = path + " lacks " + handle.missing() + " (NCCL 2.14 or later is needed)";
+    handle.Close();
     return nullptr;
   }
   if (lib->GetVersion(&lib->version) != kSuccess || lib->version < 21400) {
     *why_not = path + " is NCCL version code " + std::to_string(lib->version) +
                "; 2.14 (21400) or later is needed for non-blocking communicators";
-    dlclose(handle);
+    handle.Close();
     return nullptr;
   }
   lib->path = path;

@@ -2,8 +2,6 @@
 // tests/test_cc_unit.py builds and names in PERSEUS_TEST_FAKE_NCCL.
 #include "cc/transport/nccl.h"
 
-#include <dlfcn.h>
-
 #include <condition_variable>
 #include <map>
 #include <cstdlib>
@@ -12,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "cc/core/shared_library.h"
 #include "cc/testing/check.h"
 
 namespace perseus {
@@ -25,10 +24,9 @@ std::string FakePath() {
 }
 
 int FakeCounter(const char* name) {
-  void* h = dlopen(FakePath().c_str(), RTLD_NOW | RTLD_NOLOAD);
-  if (h == nullptr) return -1;
-  auto fn = reinterpret_cast<int (*)()>(dlsym(h, name));
-  return fn ? fn() : -1;
+  SharedLibrary fake(FakePath(), /*no_load=*/true);
+  int (*fn)() = nullptr;
+  return fake.ok() && fake.Find(name, &fn) ? fn() : -1;
 }
 
 const NcclLibrary* Fake() {

@@ -25,7 +25,7 @@ import stat
 import sys
 import time
 
-from perseus_tf.config import elastic as _elastic
+from perseus_tf.config import elastic_rounds as _elastic
 from perseus_tf.config.contracts import find_contract
 from perseus_tf.config.netaddr import (
     can_bind, interface_address, is_loopback_ip, resolve, route_address)

@@ -8,7 +8,7 @@ restores its state to the last commit, resets (shutdown(), then init():
 the job's next round, with the rank and size read afresh) and calls func
 again after syncing. HostsUpdatedInterrupt does the same without restoring.
 
-Under ``perseusrun --min-np A --max-np B`` (runner/elastic.py) each init()
+Under ``perseusrun --min-np A --max-np B`` (runner/elastic_launcher.py) each init()
 takes the worker's place in the job's next round from perseusrun, so a reset
 continues at the size of the workers still alive, and workers perseusrun
 starts on new or returning hosts join there; check_host_updates (at every
@@ -71,7 +71,7 @@ class State:
         """Collective: rank 0's view of host updates decides for every rank;
         raises HostsUpdatedInterrupt when there is one."""
         if self._rank() == 0:
-            from perseus_tf.config import elastic as _elastic
+            from perseus_tf.config import elastic_rounds as _elastic
             update = _elastic.hosts_updated()  # under perseusrun --min-np/--max-np
             if update is not None:
                 self._host_updates.append((update[0], "removed" if update[1] else "added"))
@@ -144,7 +144,7 @@ def run_fn(func, reset):
                 if not skip_sync:
                     state.sync()
                 if resets and state._rank() == 0:
-                    from perseus_tf.config import elastic as _elastic
+                    from perseus_tf.config import elastic_rounds as _elastic
                     _elastic.record_resume(state)  # for perseusrun's reset line
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:

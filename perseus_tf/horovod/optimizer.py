@@ -4,7 +4,7 @@ here; Keras optimizers are handed to `perseus_tf.horovod.keras`."""
 import tensorflow as tf
 
 from perseus_tf.horovod._collectives import Adasum, Average
-from perseus_tf.horovod._gradients import (GradientReducer, LocalAccumulator, check_adasum,
+from perseus_tf.horovod._gradient_reducer import (GradientReducer, LocalAccumulator, check_adasum,
                                            check_predivide,
                                            resolve_groups)
 from perseus_tf.horovod._process_sets import global_process_set

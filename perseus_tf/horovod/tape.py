@@ -4,7 +4,7 @@ gradients reduced across ranks."""
 import tensorflow as tf
 
 from perseus_tf.horovod._collectives import Average
-from perseus_tf.horovod._gradients import GradientReducer, resolve_groups
+from perseus_tf.horovod._gradient_reducer import GradientReducer, resolve_groups
 from perseus_tf.horovod._process_sets import global_process_set
 from perseus_tf.horovod.compression import Compression
 

@@ -34,7 +34,7 @@ import signal
 import socket
 import sys
 
-from perseus_tf.config.elastic import EXIT_RESTART
+from perseus_tf.config.elastic_rounds import EXIT_RESTART
 from perseus_tf.runner import cli
 from perseus_tf.runner.cli import UsageError, build_parser, export_values
 from perseus_tf.runner.mpi import run_mpi
@@ -52,7 +52,7 @@ def _parse_args(parser, argv: list):
     (args.hosts: Host objects) and --network-interface found on this machine."""
     args = cli.parse_args(parser, argv)
     if args.host_discovery_script:
-        from perseus_tf.runner.elastic import discover_once
+        from perseus_tf.runner.elastic_launcher import discover_once
         args.host_slots = discover_once(args)  # the hosts to start on
         args.hosts_source = f"--host-discovery-script {args.host_discovery_script}"
     args.hosts = resolve_hosts(args.host_slots, args.hosts_source)
@@ -73,9 +73,9 @@ def resume_point(addr, port, secret, job_id) -> str:
 
 def run_elastic(args, group, start, rendezvous_addr, port, secret, job_id, placements,
                 interrupted):
-    """--min-np/--max-np/--host-discovery-script: runner/elastic.py's job."""
-    from perseus_tf.config import elastic as elastic_env
-    from perseus_tf.runner import elastic
+    """--min-np/--max-np/--host-discovery-script: runner/elastic_launcher.py's job."""
+    from perseus_tf.config import elastic_rounds as elastic_env
+    from perseus_tf.runner import elastic_launcher as elastic
     if args.verbose:
         log(elastic.describe(args))
     initial = {p.host.name: p.host for p in placements}

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from perseus_tf.config.elastic import EXIT_RESTART, RESTART_CODES
+from perseus_tf.config.elastic_rounds import EXIT_RESTART, RESTART_CODES
 from perseus_tf.runner.output import forward_lines, stream_lock, write_line
 # How often remote.py hears from perseusrun (a byte on its standard input).
 from perseus_tf.runner.remote import KEEPALIVE_S

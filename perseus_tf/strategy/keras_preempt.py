@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 
-from perseus_tf.config.elastic import EXIT_PREEMPTED, EXIT_RESTART, hosts_updated, \
+from perseus_tf.config.elastic_rounds import EXIT_PREEMPTED, EXIT_RESTART, hosts_updated, \
     is_elastic, record_preemption
 
 MARKER = "perseus_preemption.json"

@@ -64,7 +64,7 @@ def check_keras_patches_in_order_found_and_undone():
     them off leaves Keras as it was, and taking one from the middle and
     putting it back restores the order (the checks after this one train
     through the patches put back)."""
-    from perseus_tf import _gradients, _keras, patches
+    from perseus_tf import _gradient_marks, _keras, patches
     from perseus_tf import strategy as strategy_module
 
     assert patches.missing_targets() == [], patches.missing_targets()
@@ -109,7 +109,7 @@ def check_keras_patches_in_order_found_and_undone():
     inside, release = threading.Event(), threading.Event()
 
     def hold():
-        with _gradients.gradient_reduction():
+        with _gradient_marks.gradient_reduction():
             inside.set()
             release.wait(60)
 
@@ -117,16 +117,16 @@ def check_keras_patches_in_order_found_and_undone():
     other.start()
     try:
         assert inside.wait(60)
-        assert not _gradients.active(), "another thread's gradient mark is seen here"
+        assert not _gradient_marks.active(), "another thread's gradient mark is seen here"
     finally:
         release.set()
         other.join()
 
     def replica_fn():
         context = tf.distribute.get_replica_context()
-        with _gradients.gradient_reduction():
-            context.merge_call(lambda s: seen.append(("marked", _gradients.active())))
-        context.merge_call(lambda s: seen.append(("plain", _gradients.active())))
+        with _gradient_marks.gradient_reduction():
+            context.merge_call(lambda s: seen.append(("marked", _gradient_marks.active())))
+        context.merge_call(lambda s: seen.append(("plain", _gradient_marks.active())))
 
     STRATEGY.run(replica_fn)
     assert ("marked", True) in seen and ("plain", False) in seen, seen

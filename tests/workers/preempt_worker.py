@@ -28,7 +28,7 @@ import tensorflow as tf  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import perseus_tf  # noqa: E402
-import perseus_tf.config.elastic  # noqa: E402
+import perseus_tf.config.elastic_rounds  # noqa: E402
 
 keras = tf.keras
 out, backup_dir, save_freq = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -68,7 +68,7 @@ class Script(keras.callbacks.Callback):
             if rank == int(r):
                 open(os.path.join(out, "grow"), "w").close()
             deadline = time.monotonic() + 240
-            while perseus_tf.config.elastic.hosts_updated() is None:
+            while perseus_tf.config.elastic_rounds.hosts_updated() is None:
                 assert time.monotonic() < deadline, "no worker joined within 240 s"
                 time.sleep(0.05)
             perseus_tf.allreduce(tf.constant([1]), name="preempt_worker.grown")

@@ -15,7 +15,7 @@ from perseus_tf.horovod._basics import (
     nccl_built, ddl_built, ccl_built, cuda_built, rocm_built, start_timeline, stop_timeline)
 from perseus_tf.horovod._collectives import (Average, Sum, Adasum, Min, Max, Product, join,
                                              barrier)
-from perseus_tf.horovod._gradients import check_adasum, check_predivide, resolve_groups
+from perseus_tf.horovod._gradient_reducer import check_adasum, check_predivide, resolve_groups
 from perseus_tf.horovod._process_sets import (ProcessSet, global_process_set, add_process_set,
                                               remove_process_set)
 from perseus_tf.horovod.compression import Compression

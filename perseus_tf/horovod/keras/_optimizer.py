@@ -29,7 +29,7 @@ checked.
 import tensorflow as tf
 
 from perseus_tf import _keras
-from perseus_tf.horovod._gradients import GradientReducer, LocalAccumulator
+from perseus_tf.horovod._gradient_reducer import GradientReducer, LocalAccumulator
 
 
 def keras_optimizer_classes():

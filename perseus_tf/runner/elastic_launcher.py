@@ -3,7 +3,7 @@ when hosts come back (``--min-np``, ``--max-np``, ``--host-discovery-script``).
 
 perseusrun starts worker processes on host slots and serves the store; it
 does not fix their ranks. A worker takes its place in each round from the
-store (config/elastic.py): perseusrun answers once every live worker has
+store (config/elastic_rounds.py): perseusrun answers once every live worker has
 asked, numbering the ranks host by host in the order the hosts were listed.
 What happens when:
 
@@ -36,7 +36,7 @@ import shlex
 import subprocess
 import time
 
-from perseus_tf.config.elastic import EXIT_PREEMPTED, RESTART_CODES
+from perseus_tf.config.elastic_rounds import EXIT_PREEMPTED, RESTART_CODES
 from perseus_tf.runner.cli import UsageError, parse_hosts
 from perseus_tf.runner.placement import Host, Placement, resolve_host
 from perseus_tf.runner.supervise import describe_status, log
