@@ -110,6 +110,13 @@ def test_signals_and_deaths_cross_between_starter_and_rank(folder):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 7  # the rank's handler ran and chose the status
 
+    # The rank runs (and prints) before its starter has its pid: a signal
+    # then waits in the starter and reaches the rank once the pid is there.
+    proc = start(script, "term", env={"PERSEUS_TEST_ZYGOTE_REPLY_DELAY_S": "2"})
+    first_line(proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 7
+
     proc = start(script, "die")
     assert proc.wait(timeout=120) == -signal.SIGKILL
 

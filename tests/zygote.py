@@ -160,12 +160,17 @@ def client(argv):
     if sock is None:
         _exec_plain(argv)
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    # A signal that comes once the rank runs but before this process knows
+    # its pid (the rank may print before the reply arrives) waits, blocked,
+    # and is forwarded as soon as the handlers are in.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         socket.send_fds(sock, [struct.pack("!I", len(request)) + request], [0, 1, 2])
         line = _recv_line(sock)
     except OSError:
         line = None
     if line is None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         _exec_plain(argv)  # the server went away before it forked: nothing ran
     pid = int(line)
 
@@ -176,6 +181,7 @@ def client(argv):
             pass
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
     line = _recv_line(sock)
     if line is None:
         os._exit(255)
@@ -224,9 +230,12 @@ def _become_rank(request, fds):
     return script
 
 
-def _wait_for_rank(conn, pid):
+def _wait_for_rank(conn, pid, env):
     """In the per-rank waiter: reports the rank's end to the client; kills
-    the rank's group when the client is gone."""
+    the rank's group when the client is gone. (PERSEUS_TEST_ZYGOTE_REPLY_DELAY_S
+    in the rank's environment delays the pid's reply: test_zygote signals the
+    client while the rank runs and its pid is still unknown there.)"""
+    time.sleep(float(env.get("PERSEUS_TEST_ZYGOTE_REPLY_DELAY_S", 0)))
     conn.sendall(f"{pid}\n".encode())
     pidfd = os.pidfd_open(pid)
     while True:
@@ -331,7 +340,7 @@ def serve(path):
         for fd in fds:
             os.close(fd)
         try:
-            _wait_for_rank(conn, rank)
+            _wait_for_rank(conn, rank, request["env"])
         finally:
             os._exit(0)
 
