@@ -38,6 +38,8 @@ FEATURES = [
         "checks_compression.check_topk_residuals_deliver_everything_eventually",
         "tests/test_compression.py",
         "tests/test_core.py::test_plan_check_names_the_tensor_where_plans_differ",
+        "tests/test_cc_unit.py::test_cc_unit_tests_pass",
+        "tests/test_cc_unit.py::test_the_controller_negotiates_runs_stops_and_fails_over_fakes",
     ]),
     ("hierarchical allreduce, several streams", [
         "checks_compression.check_two_level_allreduce_equals_flat",

@@ -129,6 +129,20 @@ def test_gloo_waits_end_when_aborted(tmp_path):
     assert "3 tests, 0 failed checks" in proc.stdout, proc.stdout
 
 
+def test_the_controller_negotiates_runs_stops_and_fails_over_fakes(tmp_path):
+    """cc/runtime/controller_test.cc: the controller with a real request
+    table and executor over fakes_for_tests.h's world of two (the peer makes
+    the same calls): a grouped call fused and completed with the right sums,
+    an agreed shutdown stopping the thread, a failing control channel
+    failing the round and its requests with what it said."""
+    test = "cc/runtime/controller_test.cc"
+    binary = _build(tmp_path / "controller_test",
+                    GLOO_TESTS[test] + [test, LISTS["UNIT_MAIN"]], libs=["-lgloo"])
+    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert "3 tests, 0 failed checks" in proc.stdout, proc.stdout
+
+
 def test_a_failing_check_fails_the_run(tmp_path):
     failing = tmp_path / "failing_test.cc"
     failing.write_text('#include "cc/testing/check.h"\n'

@@ -123,7 +123,7 @@ def test_one_runtime_shared_by_op_library_and_pybind_module():
     assert "SHARED OK" in proc.stdout, proc.stderr[-3000:]
 
 
-BAZEL_TARGETS = ["cc_unit", "gloo_abortable_test", "libfake_nccl.so"]
+BAZEL_TARGETS = ["cc_unit", "gloo_abortable_test", "controller_test", "libfake_nccl.so"]
 
 
 def _bazel_inputs_hash():
@@ -195,7 +195,9 @@ def test_bazel_builds_and_passes_the_cc_unit_tests():
     out = pathlib.Path(bazel_build())
     env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_NCCL")}
     env["PERSEUS_TEST_FAKE_NCCL"] = str(out / "libfake_nccl.so")
-    for binary, want in (("cc_unit", " 0 failed checks"), ("gloo_abortable_test", "3 tests, 0 failed checks")):
+    for binary, want in (("cc_unit", " 0 failed checks"),
+                         ("gloo_abortable_test", "3 tests, 0 failed checks"),
+                         ("controller_test", "3 tests, 0 failed checks")):
         proc = subprocess.run([str(out / binary)], capture_output=True, text=True, timeout=120,
                               env=env)
         assert proc.returncode == 0 and want in proc.stdout, \

@@ -49,6 +49,14 @@ def _layer(path):
     return path.split("/")[1]
 
 
+def test_only_unit_tests_include_the_fakes():
+    """cc/runtime/fakes_for_tests.h is test code: no file of the product
+    includes it."""
+    wrong = [path for path, text in FILES.items()
+             if '#include "cc/runtime/fakes_for_tests.h"' in text and not path.endswith("_test.cc")]
+    assert not wrong, wrong
+
+
 def test_includes_go_down_the_layers():
     wrong = []
     for path, text in FILES.items():

@@ -22,14 +22,64 @@ UNIT_LIBRARY_SOURCES = [
     "cc/transport/allreduce_algorithms.cc",
     "cc/device/sim_device.cc",
     "cc/transport/nccl.cc",
+    # The executor and what it runs (cc/runtime/executor_test.cc).
+    "cc/runtime/executor.cc",
+    "cc/runtime/executor_nccl.cc",
+    "cc/runtime/collectives.cc",
+    "cc/runtime/staging.cc",
+    "cc/runtime/fused_allreduce.cc",
+    "cc/runtime/compression/compressors.cc",
+    "cc/runtime/compression/downsample.cc",
+    "cc/runtime/compression/fp16.cc",
+    "cc/runtime/compression/topk.cc",
+    "cc/device/host_plane.cc",
+    "cc/device/sim_plane.cc",
+    "cc/device/cuda_library.cc",
 ]
 
 UNIT_MAIN = "cc/testing/main.cc"
 
 # Unit tests that need Gloo (-lgloo): each a binary of its own, with the
-# library sources it tests.
+# library sources it tests. The controller's reaches Gloo through the health
+# monitor (it aborts Gloo's waits when a peer dies).
 GLOO_UNIT_TESTS = {
     "cc/transport/gloo_abortable_test.cc": ["cc/transport/gloo_abortable.cc"],
+    "cc/runtime/controller_test.cc": [
+        "cc/core/common.cc",
+        "cc/core/reduce.cc",
+        "cc/core/shared_library.cc",
+        "cc/core/timeline.cc",
+        "cc/rendezvous/hmac_sha256.cc",
+        "cc/rendezvous/store_client.cc",
+        "cc/transport/allreduce_algorithms.cc",
+        "cc/transport/gloo_abortable.cc",
+        "cc/transport/nccl.cc",
+        "cc/device/cuda_library.cc",
+        "cc/device/host_plane.cc",
+        "cc/device/sim_device.cc",
+        "cc/device/sim_plane.cc",
+        "cc/runtime/collectives.cc",
+        "cc/runtime/compression/compressors.cc",
+        "cc/runtime/compression/downsample.cc",
+        "cc/runtime/compression/fp16.cc",
+        "cc/runtime/compression/topk.cc",
+        "cc/runtime/controller.cc",
+        "cc/runtime/executor.cc",
+        "cc/runtime/executor_nccl.cc",
+        "cc/runtime/faults.cc",
+        "cc/runtime/fused_allreduce.cc",
+        "cc/runtime/fusion.cc",
+        "cc/runtime/health.cc",
+        "cc/runtime/message.cc",
+        "cc/runtime/negotiation.cc",
+        "cc/runtime/negotiation_plan.cc",
+        "cc/runtime/offline.cc",
+        "cc/runtime/plan.cc",
+        "cc/runtime/plan_check.cc",
+        "cc/runtime/request_table.cc",
+        "cc/runtime/request_table_plan.cc",
+        "cc/runtime/staging.cc",
+    ],
 }
 
 # The fake libnccl.so.2 the NCCL unit tests load (PERSEUS_TEST_FAKE_NCCL).
