@@ -75,11 +75,11 @@ PATCHES = (
     Patch("backports.metric_variables", "perseus_tf.strategy.keras_backports:mark_metric_variables",
           ("{keras}.src.metrics.metric.Metric.add_variable",
            "{keras}.src.backend.tensorflow.core.Variable._initialize"),
-          ((3, 0), (3, 7)), doc="metric variables sum or average over the ranks when read"),
+          ((3, 0), (3, 10)), doc="metric variables sum or average over the ranks when read"),
     Patch("backports.metric_variables_initializer",
           "perseus_tf.strategy.keras_backports:mark_metric_variables_initializer",
           ("{keras}.src.backend.tensorflow.core.Variable._initialize_with_initializer",),
-          ((3, 5), (3, 7)), after=("backports.metric_variables",),
+          ((3, 5), (3, 10)), after=("backports.metric_variables",),
           doc="the same where Keras initializes a variable from its initializer"),
     # -- mixed precision, XLA, batch-norm statistics -----------------------------------
     Patch("mixed.agree_on_skipped_steps", "perseus_tf.strategy.keras_mixed:agree_on_skipped_steps",
@@ -314,7 +314,9 @@ def _key(entry):
 
 def _relayer(add, remove=()):
     """Takes off the entries from the lowest place that changes, drops those
-    in `remove`, and puts the rest back with `add`, in the table's order."""
+    in `remove`, and puts the rest back with `add`, in the table's order. A
+    patch that fails to apply (a target its Keras lacks) is left out and its
+    error raised once the others are back."""
     keys = [_key(e) for e in add] + list(remove)
     if not keys:
         return
@@ -326,10 +328,16 @@ def _relayer(add, remove=()):
     del _stack[start:]
     pending = [e for e in above if _key(e) not in set(remove)] + list(add)
     flavours = {f.name: f for f in _keras.in_use(imported_only=True)}
+    failed = None
     for entry in sorted(pending, key=_key):
         patch = PATCHES[entry.index]
         flavour = flavours.get(entry.flavour_name)
-        _stack.append(entry._replace(patching=_apply(patch, flavour, entry.context)))
+        try:
+            _stack.append(entry._replace(patching=_apply(patch, flavour, entry.context)))
+        except Exception as e:  # noqa: BLE001 - the others go back on; the first error is raised
+            failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 def install(names, **context):

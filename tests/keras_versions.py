@@ -18,6 +18,9 @@ VERSIONS = {
     "keras-3.0.5": (["keras==3.0.5", "dm-tree==0.1.10", "numpy==1.26.4"], {}, "2.16"),
     "keras-3.2.1": (["keras==3.2.1", "numpy==1.26.4"], {}, "2.17"),
     "keras-3.5.0": (["keras==3.5.0", "numpy==2.0.2"], {}, "2.18 and 2.19"),
+    # Between the ends: the last Keras 3 whose metric variables are not
+    # on-read (keras_backports' metric patch ends at 3.10).
+    "keras-3.9.2": (["keras==3.9.2"], {}, "2.18 to 2.20"),
     "keras-3.10.0": (["keras==3.10.0"], {}, "2.20"),
     "keras-3.12.0": (["keras==3.12.0"], {}, "2.21"),
     # Keras 2 on TF >= 2.16: tf.keras is tf_keras under TF_USE_LEGACY_KERAS=1.

@@ -171,7 +171,7 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
         if getattr(_batch_norm_statistics, "on", False):
             kwargs["synchronization"] = tf.VariableSynchronization.ON_READ
             kwargs["aggregation"] = tf.VariableAggregation.MEAN
-        # Keras 3.0 to 3.6's metric variables, as 3.8 makes them (keras_backports).
+        # Keras 3.0 to 3.9's metric variables, as 3.10 makes them (keras_backports).
         aggregation = _METRIC_AGGREGATION.get(keras_backports.metric_variable())
         if aggregation is not None:
             kwargs["synchronization"] = tf.VariableSynchronization.ON_READ

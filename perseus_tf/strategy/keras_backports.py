@@ -1,4 +1,4 @@
-"""What Keras 3.8 does under a tf.distribute strategy, on Keras 3.0 to 3.7.
+"""What Keras 3.8 and 3.10 do under a tf.distribute strategy, on older Keras 3.
 
 Gradients: averaged over the replicas on every Keras 3 release.
 
@@ -25,12 +25,13 @@ train step hands it to the optimizer (`optimizer.scale_loss`, after the
 loss metric has recorded it). Keras 3.8 and later, and Keras 2 (which
 scales and sums in its own optimizer), are left alone.
 
-Metrics: Keras 3.0 to 3.6 create a metric's variables as plain variables
-(the TF backend drops their aggregation), so each rank would report its own
-rows' loss and metrics. Under a PerseusStrategy they are created as Keras
-3.8 creates them, on-read variables that sum (or average, as the metric
-asks) over the ranks when read: `metric_variable()` marks their creation
-for PerseusExtended._create_variable.
+Metrics: Keras 3.0 to 3.9 create a metric's variables as variables every
+replica writes (3.0 to 3.6 drop their aggregation; 3.7 to 3.9 keep it but
+not the on-read synchronization), so each rank would report its own rows'
+loss and metrics in evaluate. Under a PerseusStrategy they are created as
+Keras 3.10 creates them (`synchronization="on_read"`), on-read variables
+that sum (or average, as the metric asks) over the ranks when read:
+`metric_variable()` marks their creation for PerseusExtended._create_variable.
 """
 
 import threading
@@ -47,7 +48,7 @@ def _applies(strategy):
 # Set by Keras' train step for the optimizer's next scale_loss (the same
 # replica thread): the replica count to divide the loss by.
 _train_step = threading.local()
-# Set while Keras 3.0 to 3.6 create a metric's variable: its aggregation.
+# Set while Keras 3.0 to 3.9 create a metric's variable: its aggregation.
 _metric = threading.local()
 
 
