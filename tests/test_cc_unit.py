@@ -116,17 +116,22 @@ def test_cc_unit_tests_pass(unit_binary, fake_nccl):
     assert len(ran) >= 20, proc.stdout
 
 
+def _run_gloo_test(tmp_path, test, want):
+    """Builds a unit test of GLOO_UNIT_TESTS (its own binary, -lgloo) and runs it."""
+    name = os.path.basename(test)[:-len(".cc")]
+    binary = _build(tmp_path / name, GLOO_TESTS[test] + [test, LISTS["UNIT_MAIN"]],
+                    libs=["-lgloo"])
+    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert want in proc.stdout, proc.stdout
+
+
 def test_gloo_waits_end_when_aborted(tmp_path):
     """cc/transport/gloo_abortable.cc on real Gloo TCP contexts (loopback, two
     ranks as threads): wrapped contexts run Gloo's collectives; an abort ends
     a receive nobody would send to at once, with its reason, and later calls
     throw; a job-wide abort spares contexts made after it."""
-    test = "cc/transport/gloo_abortable_test.cc"
-    binary = _build(tmp_path / "gloo_abortable",
-                    GLOO_TESTS[test] + [test, LISTS["UNIT_MAIN"]], libs=["-lgloo"])
-    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    assert "3 tests, 0 failed checks" in proc.stdout, proc.stdout
+    _run_gloo_test(tmp_path, "cc/transport/gloo_abortable_test.cc", "3 tests, 0 failed checks")
 
 
 def test_the_controller_negotiates_runs_stops_and_fails_over_fakes(tmp_path):
@@ -135,12 +140,7 @@ def test_the_controller_negotiates_runs_stops_and_fails_over_fakes(tmp_path):
     the same calls): a grouped call fused and completed with the right sums,
     an agreed shutdown stopping the thread, a failing control channel
     failing the round and its requests with what it said."""
-    test = "cc/runtime/controller_test.cc"
-    binary = _build(tmp_path / "controller_test",
-                    GLOO_TESTS[test] + [test, LISTS["UNIT_MAIN"]], libs=["-lgloo"])
-    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    assert "3 tests, 0 failed checks" in proc.stdout, proc.stdout
+    _run_gloo_test(tmp_path, "cc/runtime/controller_test.cc", "3 tests, 0 failed checks")
 
 
 def test_a_failing_check_fails_the_run(tmp_path):

@@ -71,18 +71,6 @@ struct Round {
   }
 };
 
-std::shared_ptr<Request> Allreduce(const std::string& name, std::vector<float>* data,
-                                   Done& done) {
-  auto q = std::make_shared<Request>();
-  q->meta.name = name;
-  q->meta.op = OpType::kAllreduce;
-  q->meta.shape = {static_cast<int64_t>(data->size())};
-  q->input = data->data();
-  q->output = data->data();
-  q->done = done.Recorder();
-  return q;
-}
-
 }  // namespace
 
 TEST(RequestsAreNegotiatedFusedAndCompleted) {
@@ -90,8 +78,8 @@ TEST(RequestsAreNegotiatedFusedAndCompleted) {
   Done done;
   std::vector<float> a{1, 2}, b{3}, c{4, 5, 6};
   // One grouped call of two tensors, then a call of one.
-  CHECK(round.Submit({Allreduce("a", &a, done), Allreduce("b", &b, done)}));
-  CHECK(round.Submit({Allreduce("c", &c, done)}));
+  CHECK(round.Submit({Tensor("a", &a, done), Tensor("b", &b, done)}));
+  CHECK(round.Submit({Tensor("c", &c, done)}));
   CHECK(done.WaitFor(3));
   for (const Status& s : done.statuses) CHECK(s.ok());
   CHECK_EQ(a[1], 4.0f);
@@ -120,7 +108,7 @@ TEST(AFailingControlChannelFailsTheRoundAndItsRequests) {
   Done done;
   round.bench.world.fail = true;
   std::vector<float> x{1};
-  CHECK(round.Submit({Allreduce("x", &x, done)}));
+  CHECK(round.Submit({Tensor("x", &x, done)}));
   CHECK(done.WaitFor(1));
   CHECK(!done.statuses[0].ok());
   CHECK(round.bench.failed_with.find("the peer hung up") != std::string::npos);

@@ -20,19 +20,6 @@ using namespace perseus::testing;
 
 namespace {
 
-std::shared_ptr<Request> Tensor(const std::string& name, std::vector<float>* data, Done& done,
-                                OpType op = OpType::kAllreduce) {
-  auto q = std::make_shared<Request>();
-  q->meta.name = name;
-  q->meta.op = op;
-  q->meta.dtype = DataType::kFloat32;
-  q->meta.shape = {static_cast<int64_t>(data->size())};
-  q->input = data->data();
-  q->output = data->data();
-  q->done = done.Recorder();
-  return q;
-}
-
 Response ResponseOf(const Requests& requests, OpType op = OpType::kAllreduce) {
   Response r;
   r.op = op;

@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -134,6 +135,20 @@ struct Done {
     return cv.wait_for(lock, std::chrono::seconds(30), [&] { return count >= n; });
   }
 };
+
+// A float32 request of `op` over `data` (input and output), completing into `done`.
+inline std::shared_ptr<Request> Tensor(const std::string& name, std::vector<float>* data,
+                                       Done& done, OpType op = OpType::kAllreduce) {
+  auto q = std::make_shared<Request>();
+  q->meta.name = name;
+  q->meta.op = op;
+  q->meta.dtype = DataType::kFloat32;
+  q->meta.shape = {static_cast<int64_t>(data->size())};
+  q->input = data->data();
+  q->output = data->data();
+  q->done = done.Recorder();
+  return q;
+}
 
 }  // namespace testing
 }  // namespace perseus

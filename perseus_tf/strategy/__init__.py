@@ -342,8 +342,8 @@ def install_patches():
     keras_xla.holding_collectives(_trains_under_perseus)
     keras_backports.also_under(_is_perseus)
     names = patches.STRATEGY + (patches.STRATEGY_MULTI_RANK if perseus_ops.size() > 1 else ())
-    patches.install(names, is_perseus=_is_perseus, holds_collectives=_trains_under_perseus,
-                    allreduce_average=_average_on_read, rank=perseus_ops.rank())
+    patches.install(names, is_perseus=_is_perseus, allreduce_average=_average_on_read,
+                    rank=perseus_ops.rank())
 
 
 def _is_perseus(strategy):

@@ -66,18 +66,17 @@ def also_under(is_perseus):
         _predicates.append(is_perseus)
 
 
-def scale_fit_loss(patching, flavour, is_perseus):
-    also_under(is_perseus)
+# The patches act under the strategies registered with also_under (the
+# strategy registers PerseusStrategy before it installs them).
+def scale_fit_loss(patching, flavour):
     _scale_fit_loss(patching, _applies)
 
 
-def sum_gradients(patching, flavour, is_perseus):
-    also_under(is_perseus)
+def sum_gradients(patching, flavour):
     _sum_gradients(patching, _applies)
 
 
-def mark_metric_variables(patching, flavour, is_perseus):
-    also_under(is_perseus)
+def mark_metric_variables(patching, flavour):
     _mark_metric_variables(patching)
 
 

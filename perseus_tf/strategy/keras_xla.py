@@ -36,8 +36,9 @@ def holding_collectives(holds_collectives):
         _predicates.append(holds_collectives)
 
 
-def off_around_collectives(patching, flavour, holds_collectives):
-    holding_collectives(holds_collectives)
+def off_around_collectives(patching, flavour):
+    """For the models holding_collectives was told of (the strategy and the
+    shim register theirs before they install this)."""
     for method in ("make_train_function", "make_test_function", "make_predict_function"):
         patching.wrap("{keras}.Model." + method, _without_xla_around_collectives)
 

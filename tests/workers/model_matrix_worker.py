@@ -232,7 +232,7 @@ def reference(name, initial, size, entry):
         return isinstance(s, tf.distribute.MirroredStrategy)
 
     keras_backports.also_under(mirrored)
-    patches.install(patches.BACKPORTS, is_perseus=mirrored)
+    patches.install(patches.BACKPORTS)
     # Reduced on one device: no collective ops, whose keys a second
     # MirroredStrategy in one process would reuse.
     strategy = tf.distribute.MirroredStrategy(

@@ -214,7 +214,7 @@ def distributed_class(optimizer_class, settings):
     from perseus_tf import patches
     from perseus_tf.strategy import keras_xla
     keras_xla.holding_collectives(_holds_shim_collectives)
-    patches.install(patches.SHIM, holds_collectives=_holds_shim_collectives)
+    patches.install(patches.SHIM)
     if issubclass(optimizer_class, _DistributedMixin):
         raise ValueError(f"{optimizer_class.__name__} is already a DistributedOptimizer")
     if getattr(optimizer_class, "inner_optimizer", None) is not None or \
