@@ -103,19 +103,50 @@ def test_a_forked_rank_is_the_process_it_stands_for(folder, tmp_path):
     assert not [n for n in os.listdir(path) if n.endswith(".sock")]
 
 
+def _process_state(pid):
+    """What /proc says of a process: its state, where it sleeps, its signal
+    masks and threads (for a wait that ran out: which side kept the signal)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            lines = [x.strip() for x in f
+                     if x.split(":")[0] in ("State", "PPid", "Threads", "SigPnd", "ShdPnd",
+                                            "SigBlk", "SigIgn", "SigCgt")]
+        with open(f"/proc/{pid}/wchan") as f:
+            lines.append("wchan: " + f.read())
+        return f"pid {pid}: " + ", ".join(lines)
+    except OSError:
+        return f"pid {pid}: gone"
+
+
+def wait_status(proc, rank, path, timeout=60):
+    """The starter's status, or a failure that says what the starter, the
+    rank and the server were doing when the wait ran out."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        logs = ""
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".log"):
+                with open(os.path.join(path, name), errors="replace") as f:
+                    logs += f"{name}: {f.read()[-2000:]}\n"
+        proc.kill()
+        pytest.fail(f"the starter did not end in {timeout} s\n{_process_state(proc.pid)}\n"
+                    f"rank {_process_state(rank)}\n{logs}")
+
+
 def test_signals_and_deaths_cross_between_starter_and_rank(folder):
-    _, script = folder
+    path, script = folder
     proc = start(script, "term")
-    first_line(proc)
+    rank = first_line(proc)["pid"]
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 7  # the rank's handler ran and chose the status
+    assert wait_status(proc, rank, path) == 7  # the rank's handler ran and chose the status
 
     # The rank runs (and prints) before its starter has its pid: a signal
     # then waits in the starter and reaches the rank once the pid is there.
     proc = start(script, "term", env={"PERSEUS_TEST_ZYGOTE_REPLY_DELAY_S": "2"})
-    first_line(proc)
+    rank = first_line(proc)["pid"]
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 7
+    assert wait_status(proc, rank, path) == 7
 
     proc = start(script, "die")
     assert proc.wait(timeout=120) == -signal.SIGKILL
