@@ -101,15 +101,39 @@ def _includes_closure(path):
 def test_data_path_never_includes_the_plan(path):
     assert path in FILES
     reached = _includes_closure(path)
-    for header in ("cc/runtime/plan.h", "cc/runtime/runtime.h", "cc/runtime/controller.h",
-                   "cc/runtime/request_table.h"):
+    for header in ("cc/runtime/runtime.h", "cc/runtime/controller.h",
+                   "cc/runtime/request_table.h", "cc/runtime/negotiation.h"):
         assert header not in reached, f"{path} reaches {header}"
+    plan = sorted(h for h in reached if h.startswith(PLAN) and h != PLAN + "envelope.h")
+    assert not plan, f"{path} reaches {plan}: the data path sees a bucket's envelope only"
+
+
+# The offline plan lives in cc/runtime/plan/; the rest of the tree reaches it
+# through its interface (plan.h) and a bucket's envelope (envelope.h) only.
+PLAN = "cc/runtime/plan/"
+PLAN_INTERFACE = {PLAN + "plan.h", PLAN + "envelope.h"}
+
+
+def test_nothing_outside_plan_includes_the_plans_own_headers():
+    wrong = [f"{path} includes {target}" for path, text in FILES.items()
+             if not path.startswith(PLAN)
+             for target in INCLUDE.findall(text)
+             if target.startswith(PLAN) and target not in PLAN_INTERFACE]
+    assert not wrong, "\n".join(wrong)
+    # and the plan's code is there: its objects' methods are defined nowhere else
+    methods = re.compile(r"^\S.*\b(PlanLearner|OfflinePlan)::\w+\(|^\S.*\b(DigestPlan|CheckPlans)\(.*\{$"
+                         r"|^\S.*\bRequestTable::\w*Plan\w*\(|^\S.*\bController::\w*(Plan|Offline)\w*\(",
+                         re.M)
+    outside = [f"{path}: {m.group(0)}" for path, text in FILES.items()
+               if not path.startswith(PLAN) and not path.endswith("_test.cc")
+               for m in methods.finditer(text)]
+    assert not outside, "\n".join(outside)
 
 
 # The runtime's parts reach the rest of a round through their own interfaces
 # (a context of callbacks and the objects they are handed), never the facade.
-PARTS = ["cc/runtime/controller.cc", "cc/runtime/offline.cc", "cc/runtime/health.cc",
-         "cc/runtime/request_table.cc", "cc/runtime/request_table_plan.cc",
+PARTS = ["cc/runtime/controller.cc", "cc/runtime/plan/offline.cc", "cc/runtime/health.cc",
+         "cc/runtime/request_table.cc", "cc/runtime/plan/request_table_plan.cc",
          "cc/runtime/executor.cc"]
 
 

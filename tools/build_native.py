@@ -187,7 +187,8 @@ def build(out_dir=None, jobs=None, verbose=True):
 
     groups = {
         "core": (_sources("core") + _sources("rendezvous") + _sources("transport") +
-                 _sources("device") + _sources("runtime") + _sources("runtime/compression"), []),
+                 _sources("device") + _sources("runtime") + _sources("runtime/compression") +
+                 _sources("runtime/plan"), []),
         "tf": (_sources("tf"), [f for f in tf_cflags if not f.startswith("-std=")]),
         "py": (_sources("python"), ["-I" + pybind11.get_include(),
                                     "-I" + sysconfig.get_paths()["include"],

@@ -16,7 +16,7 @@
 #include "cc/core/reduce.h"
 #include "cc/runtime/executor.h"
 #include "cc/runtime/faults.h"
-#include "cc/runtime/fusion.h"
+#include "cc/runtime/plan/plan.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/transport.h"
 

@@ -9,7 +9,7 @@
 // requests from the request table (request_table.h), hands ready work to the
 // executor, and reports a failure through one callback.
 //   controller.cc  the loop, one negotiation cycle, dispatching responses
-//   offline.cc     running an offline plan's steps
+//   plan/offline.cc  running an offline plan's steps
 #pragma once
 
 #include <atomic>
@@ -107,7 +107,7 @@ class Controller {
   void Complete(const Response& response, const Requests& requests, const Requests& siblings);
   int WorldRank(int r) const { return WorldRankOf(c_.ranks, r); }
 
-  // Offline mode (offline.cc): runs the plan's buckets, negotiates the rest.
+  // Offline mode (plan/offline.cc): runs the plan's buckets, negotiates the rest.
   void RunOffline(bool* stop);
   // How long plannable requests wait for a plan bucket this rank cannot
   // complete before it votes to leave the plan.

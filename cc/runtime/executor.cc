@@ -109,7 +109,7 @@ std::string Running(const Response& r) {
   std::string out = std::string("running ") + OpTypeName(r.op) + " of '" +
                     (r.names.empty() ? std::string() : r.names[0]) + "'";
   if (r.names.size() > 1) out += " and " + std::to_string(r.names.size() - 1) + " more";
-  if (r.carrier_vote >= 0) out += " (an offline plan bucket)";
+  if (!r.envelope.empty()) out += " (an offline plan bucket)";
   return out;
 }
 
@@ -203,7 +203,7 @@ void Executor::Run(int index, Response& response, Requests& requests) {
                     .Int("tensors", static_cast<int64_t>(response.names.size()))
                     .Int("bytes", bytes)
                     .Text("first", response.names[0])
-                    .Bool("plan", response.carrier_vote >= 0)
+                    .Bool("plan", !response.envelope.empty())
                     .str();
   }
   Status status;
@@ -383,7 +383,7 @@ bool Executor::Allreduce(int stream, DataPlane& plane, const Response& r, Reques
   if (Compressor* compressor = compressors_->For(m0.compression)) {
     return compressor->Allreduce(stream, plane, streams_[stream]->scratch, r, requests);
   }
-  const bool carrier = r.carrier_vote >= 0;
+  const bool carrier = !r.envelope.empty();
   if (requests.size() == 1 && !carrier) {
     InPlaceAllreduce(stream, plane, m0, *requests[0]);
     return true;

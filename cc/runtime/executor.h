@@ -2,9 +2,9 @@
 // with the local requests it covers, in the order every rank dispatches them,
 // runs the collective on that stream (fused, compressed, or one of the other
 // collectives), and completes the requests. It knows nothing of negotiation
-// or plans: a plan bucket reports its outcome to the closure its plan
-// attached (Response::on_outcome), and the plan check is work the plan
-// attached (Response::control).
+// or plans: a plan bucket reduces through its envelope, which hands the
+// outcome to the plan (Response::envelope, plan/envelope.h), and the plan
+// check is work the plan attached (Response::control).
 //
 // Streams 0..streams-1 take online work in turn, and a plan's buckets; the
 // extra stream `streams` takes online work while any rank runs a plan.
@@ -26,7 +26,7 @@
 #include "cc/device/data_plane.h"
 #include "cc/runtime/activity.h"
 #include "cc/runtime/compression/compression.h"
-#include "cc/runtime/negotiation.h"
+#include "cc/runtime/response.h"
 #include "cc/runtime/options.h"
 #include "cc/runtime/request.h"
 #include "cc/runtime/stats.h"

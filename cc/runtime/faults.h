@@ -26,7 +26,7 @@
 #include <memory>
 #include <string>
 
-#include "cc/runtime/negotiation.h"
+#include "cc/runtime/plan/plan.h"
 
 namespace perseus {
 

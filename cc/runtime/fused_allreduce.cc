@@ -2,7 +2,6 @@
 #include "cc/runtime/fused_allreduce.h"
 
 #include "cc/runtime/compression/compression.h"
-#include "cc/runtime/fusion.h"
 
 namespace perseus {
 
@@ -23,12 +22,10 @@ bool RunFusedAllreduce(const FusedBucket& b, const Response& r, Requests& reques
   const size_t esize = DataTypeSize(dtype);
   const ReduceOp op = m0.reduce_op;
   const double post = PostScale(m0, b.size);
-  const bool carrier = r.carrier_vote >= 0;
   const bool mixed = m0.compression == kCompressMixed;
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
-  const size_t extras = ExtraSlots(r);
-  const size_t slots = total + extras;
+  const size_t slots = total + r.envelope.slots();
   char* buf = static_cast<char*>(plane.Buffer(stream, PlaneBuffer::kFusion, slots * esize));
   std::vector<CopySpan> spans;
   spans.reserve(requests.size());
@@ -43,17 +40,10 @@ bool RunFusedAllreduce(const FusedBucket& b, const Response& r, Requests& reques
     plane.Copy(stream, spans);
     plane.Scale(stream, buf, dtype, total, m0.prescale);
   }
-  std::vector<char> extra(extras * esize);
-  if (carrier) {
-    WriteExtras(extra.data(), dtype, r, b.rank);
-    plane.FromHost(stream, buf + total * esize, extra.data(), extra.size());
-  }
-  b.reduce(buf, slots, dtype, op, mixed ? total : 0);
-  if (carrier) {
-    plane.ToHost(stream, extra.data(), buf + total * esize, extra.size());
-    if (!Deliver(r, ReadOutcome(extra.data(), dtype, r))) {
-      return false;  // voted down: outputs untouched, the plan took the requests back
-    }
+  if (!r.envelope.Around(buf, total, dtype, b.rank, &plane, stream, [&](size_t count) {
+        b.reduce(buf, count, dtype, op, mixed ? total : 0);
+      })) {
+    return false;  // voted down: outputs untouched, the plan took the requests back
   }
   plane.Scale(stream, buf, dtype, total, post);
   offset = 0;  // the same spans back, from the bucket to each output

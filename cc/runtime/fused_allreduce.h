@@ -1,5 +1,5 @@
 // The fused allreduce of one bucket: its tensors packed into the stream's
-// fusion buffer (with a plan bucket's extras after them, fusion.h), reduced
+// fusion buffer (with a plan bucket's envelope after them, plan/envelope.h), reduced
 // once, and unpacked into each output; tensors too large to be worth the
 // copies are reduced where they are, after the packed rest.
 #pragma once
@@ -11,7 +11,7 @@
 
 #include "cc/core/timeline.h"
 #include "cc/device/data_plane.h"
-#include "cc/runtime/negotiation.h"
+#include "cc/runtime/response.h"
 #include "cc/runtime/request.h"
 
 namespace perseus {

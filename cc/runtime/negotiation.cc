@@ -430,7 +430,6 @@ std::vector<Response> Negotiator::TakeStalled(int64_t timeout_ms) {
 }
 
 std::vector<Response> Negotiator::TakeReady() {
-  ++ready_cycles_;
   std::vector<Response> ready;
   for (auto& kv : complete_) {
     auto it = table_.find(kv.second);
@@ -457,24 +456,42 @@ std::vector<Response> Negotiator::TakeReady() {
     ready.push_back(std::move(r));
   }
   complete_.clear();
-  // A plan is taken only at a cycle that ends exactly where the recorded
-  // step does. A recorded step whose end shares a cycle with the next
-  // step's first tensors did not start at a training step's boundary (no
-  // training step's tensor can complete in the cycle that ends the one
-  // before: its caller waits for those results): recording began at a
-  // quiet cycle inside a step. Learning starts again at the next quiet
-  // cycle, rather than waiting for a cycle to end at that point by chance.
-  for (const Response& r : ready) {
-    if (plan_state_ == PlanState::kReady && !seen_.empty()) ResetPlanning();
-    WatchForPlan(r);
-  }
-  if (plan_state_ == PlanState::kReady && !seen_.empty()) ResetPlanning();
-  if (any_in_plan_) {
-    ResetPlanning();  // learning starts again once every rank has left the plan
-  } else if (plan_state_ == PlanState::kWait && !PlannableInTable()) {
-    plan_state_ = PlanState::kRecord;
-  }
+  learner_.Watch(ready);
+  learner_.EndCycle(any_in_plan_, [this] { return PlannableInTable(); });
   return Fuse(std::move(ready), fusion_threshold_);
+}
+
+bool Negotiator::PlannableInTable() const {
+  for (const auto& kv : table_) {
+    for (int r = 0; r < size_; ++r) {
+      if (kv.second.have[r] && (kv.second.metas[r].flags & kMetaPlannable)) return true;
+    }
+  }
+  return false;
+}
+
+Plan Negotiator::TakePlan() {
+  Plan plan = learner_.Build(
+      [this](std::vector<Response> run, int64_t threshold) {
+        return Fuse(std::move(run), threshold < 0 ? fusion_threshold_ : threshold);
+      },
+      [this](int64_t step_bytes) {
+        return plan_bucket_bytes_ ? plan_bucket_bytes_(step_bytes) : -1;
+      });
+  // Plannable entries still being negotiated are dropped on every rank alike.
+  for (auto it = table_.begin(); it != table_.end();) {
+    bool plannable = false;
+    for (int r = 0; r < size_; ++r) {
+      plannable |= it->second.have[r] && (it->second.metas[r].flags & kMetaPlannable);
+    }
+    if (plannable) {
+      auto over = it++;
+      Forget(over);  // every rank runs this call from the plan
+    } else {
+      ++it;
+    }
+  }
+  return plan;
 }
 
 std::vector<Response> Negotiator::Fuse(std::vector<Response> ready, int64_t threshold) const {

@@ -21,84 +21,10 @@
 #include "cc/core/common.h"
 #include "cc/core/reduce.h"
 #include "cc/runtime/message.h"
+#include "cc/runtime/plan/plan.h"
+#include "cc/runtime/response.h"
 
 namespace perseus {
-
-// What the plan check compares (plan_check.h): one digest and one description
-// per position of a rank's copy of the plan, taken when the step starts.
-struct PlanDigest {
-  int64_t step = 0;
-  std::vector<int64_t> digests;
-  std::vector<std::string> described;
-};
-
-// What an offline plan bucket's collective reported, summed over the ranks:
-// the votes to leave the plan, and each rank's perf-check time (ms; empty
-// unless the bucket carried them).
-struct BucketOutcome {
-  int64_t votes = 0;
-  std::vector<double> perf_ms;
-};
-
-// A stream's allreduce of a buffer (its algorithm chosen as for any bucket).
-using BufferAllreduce = std::function<void(void* data, size_t count, DataType dtype, ReduceOp op)>;
-
-// One unit of work that every rank executes in the same order.
-struct Response {
-  OpType op = OpType::kAllreduce;
-  // Tensor names; more than one for a fused allreduce bucket.
-  std::vector<std::string> names;
-  // Meta of each tensor as rank 0 sent it (identical on all ranks once
-  // validated, except first dimensions and splits, kept below). For a join,
-  // metas[0].root is the rank that joined last.
-  std::vector<TensorMeta> metas;
-  // allgather: first dimension of each rank's tensor, per name.
-  std::vector<std::vector<int64_t>> first_dims;
-  // alltoall: splits[r][d] = rows rank r sends to rank d.
-  std::vector<std::vector<int64_t>> splits;
-  // Non-OK: every rank completes these names with this error.
-  Status error;
-  // A refused call's failure (kMetaRejected): per rank, whether this
-  // response fails its request of the name. The others ignore it: a rank
-  // that refused the call, or whose request of it failed already, may have
-  // its next call of the name pending. Empty: every rank.
-  std::vector<bool> real_request;
-  // An error response whose every rank sent the name in a grouped call of
-  // the same size (and none refused it or has joined): every rank holds the
-  // call's other tensors too, so they still run everywhere and fail with
-  // this error afterwards, instead of being given up on some ranks while
-  // the others run them.
-  bool siblings_run = false;
-  // Offline plan bucket: >= 0 is this rank's vote, carried as one extra
-  // summed element (1 = this rank's data does not fit: abort and leave).
-  int carrier_vote = -1;
-  // Offline plan bucket: its index in the plan, and (first bucket of a step,
-  // with PERSEUS_PERF_CHECK_N_STEPS) one more summed slot per rank carrying
-  // each rank's time outside communication (ms); this rank fills its own.
-  int plan_index = -1;
-  int perf_slots = 0;
-  double perf_value = 0;
-  // Set: not a collective of tensors but work the plan attached (its
-  // check), run in this stream's order on every rank, given the stream's
-  // allreduce of a buffer.
-  std::function<void(const BufferAllreduce&)> control;
-  // A plan bucket's verdict: what the plan does with the bucket's outcome,
-  // attached when the plan dispatches it (the executor only reports). False:
-  // do not deliver; the plan took the requests back.
-  std::function<bool(const BucketOutcome&)> on_outcome;
-};
-
-// A training step's communication, learned online and then replayed with no
-// control messages: allreduce buckets in a fixed order. Every rank builds the
-// same plan from the same negotiation results.
-struct Plan {
-  std::vector<Response> buckets;
-  std::unordered_map<std::string, TensorMeta> metas;  // every planned name
-  std::unordered_map<std::string, size_t> bucket_of;  // name -> bucket index
-};
-
-// True when a locally enqueued request can run as the planned `planned`.
-bool MatchesPlan(const TensorMeta& local, const TensorMeta& planned);
 
 class Negotiator {
  public:
@@ -139,17 +65,17 @@ class Negotiator {
   // check_ms while it waits. Oldest first.
   std::vector<std::string> StallReport(int64_t check_ms);
 
-  // Offline planning. Plannable allreduces (kMetaPlannable, every rank) are
-  // watched as they complete: the names between two repetitions form a step;
-  // once the next step has exactly the same names and metas, and a cycle ends
-  // exactly at a step boundary, PlanReady() turns true.
-  bool PlanReady() const { return plan_state_ == PlanState::kReady; }
+  // Offline planning (plan.h): every cycle's ready work is watched by the
+  // plan learner; PlanReady() once a step has repeated and a cycle ended at
+  // its boundary.
+  bool PlanReady() const { return learner_.Ready(); }
   // Builds the plan (buckets in the first step's order, fused up to the
-  // threshold) and forgets plannable requests still being negotiated: the
-  // ranks that sent them have them pending and will run them from the plan.
+  // plan's bucket size) and forgets plannable requests still being
+  // negotiated: the ranks that sent them have them pending and will run
+  // them from the plan.
   Plan TakePlan();
   // Starts learning again (after the ranks left a plan).
-  void ResetPlanning();
+  void ResetPlanning() { learner_.Reset(); }
 
  private:
   // A rank's calls of one name are numbered in the order the others receive
@@ -191,7 +117,6 @@ class Negotiator {
   // "ranks 0, 2 have submitted it; rank 1 has not".
   std::string WhoAsked(const Entry& e) const;
   Status Validate(const std::string& name, const Entry& e) const;
-  void WatchForPlan(const Response& r);
   bool PlannableInTable() const;
   Response MakeResponse(const std::string& name, Entry&& e) const;
   // The failure of a refused call for the ranks whose request of it has
@@ -216,16 +141,7 @@ class Negotiator {
   // numbers only pair calls, so they start again from 0 alike).
   std::unordered_map<std::string, std::vector<uint64_t>> next_call_;
 
-  // kWait: after a change, wait for a quiet moment (no plannable request
-  // half-negotiated) so that recording starts at a step boundary.
-  enum class PlanState { kWait, kRecord, kVerify, kReady };
-  PlanState plan_state_ = PlanState::kRecord;
-  std::vector<std::string> step_order_;               // first recorded step
-  std::unordered_map<std::string, TensorMeta> step_;  // its names
-  std::unordered_map<std::string, int64_t> step_cycle_;  // the cycle each completed in
-  int64_t ready_cycles_ = 0;  // TakeReady calls
-  std::unordered_map<std::string, bool> seen_;        // names of the step being checked
-  int verified_steps_ = 0;
+  PlanLearner learner_;
 };
 
 }  // namespace perseus

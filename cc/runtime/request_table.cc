@@ -6,7 +6,7 @@
 #include <sstream>
 #include <thread>
 
-#include "cc/runtime/plan_check.h"
+#include "cc/runtime/plan/plan.h"
 
 namespace perseus {
 

@@ -2,7 +2,7 @@
 // the queue of metas not yet sent in a negotiation cycle, the pending
 // requests by name, the names given up when their grouped call failed, the
 // rank's join, the shutdown request, and the request side of the offline
-// plan (OfflinePlan, plan.h), under one mutex with one condition variable.
+// plan (OfflinePlan, plan/plan.h), under one mutex with one condition variable.
 //
 // Callers submit (Runtime::Enqueue), the controller takes what a cycle made
 // ready or what a plan step can run, and the runtime closes the table when
@@ -26,7 +26,7 @@
 #include "cc/core/common.h"
 #include "cc/runtime/message.h"
 #include "cc/runtime/negotiation.h"
-#include "cc/runtime/plan.h"
+#include "cc/runtime/plan/plan.h"
 #include "cc/runtime/request.h"
 
 namespace perseus {

@@ -16,7 +16,7 @@
 #include "cc/runtime/controller.h"
 #include "cc/runtime/health.h"
 #include "cc/runtime/faults.h"
-#include "cc/runtime/fusion.h"
+#include "cc/runtime/plan/plan.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/allreduce_algorithms.h"
 #include "cc/transport/gloo_transport.h"

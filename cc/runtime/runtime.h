@@ -11,9 +11,9 @@
 // and the objects that do the work, each behind its own interface:
 //   request_table.{h,cc}  RequestTable: the queue, the pending requests, the
 //                    join, the offline plan's request side (one lock);
-//                    request_table_plan.cc its offline half
+//                    plan/request_table_plan.cc its offline half
 //   controller.{h,cc} Controller, a round's negotiation thread: the cycle,
-//                    the stall budget, dispatch; offline.cc its offline mode
+//                    the stall budget, dispatch; plan/offline.cc its offline mode
 //   executor.{h,cc}  Executor: the streams and the execute switch
 //   health.{h,cc}    HealthMonitor: heartbeats, naming failed ranks, the
 //                    marks of leaving, the slow-rank check
@@ -21,15 +21,18 @@
 //   process_sets.cc  the registry of runtimes by process-set id
 //   connect.cc       roll call and connecting the transport
 //   request.cc       local validation of a request
-//   plan.{h,cc}      OfflinePlan, the plan state machine;
-//                    plan_check.{h,cc} compares the ranks' plans
-//   fusion.{h,cc}    plan bucket sizing and bucket extras (free functions);
-//                    fused_allreduce.{h,cc} packs a bucket, reduces it once
+//   plan/            the offline plan, behind plan/plan.h: learning it
+//                    (PlanLearner, which the Negotiator owns), running it
+//                    (OfflinePlan, in the request table), the ranks' check,
+//                    bucket sizing, and a bucket's envelope (envelope.h)
+//   response.h       Response, the unit of work every rank runs in order
+//   fused_allreduce.{h,cc} packs a bucket, reduces it once
 //   staging.{h,cc}   device requests through host memory and back
 //   compression/     fp16, top-k and downsampling behind one interface
 //   collectives.cc   allgather, alltoall, reduce-scatter
 // The data path (executor, compression, collectives) never reads plan
-// state: a plan bucket reports its outcome to the closure the plan attached.
+// state: a plan bucket reduces through its envelope, which hands the sum of
+// its extras to the plan.
 #pragma once
 
 #include <atomic>

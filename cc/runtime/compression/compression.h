@@ -8,9 +8,9 @@
 // Mixed compression (fp16 between hosts only) is a flag of the two-level
 // allreduce (allreduce_algorithms.h), not a compressor.
 //
-// Compressors know nothing of plans: a plan bucket's extras (its vote, the
-// perf slots; fusion.h) travel with the data and the outcome goes to the
-// closure the plan attached (Deliver).
+// Compressors know nothing of plans: they leave a bucket's envelope room
+// after their buffer and reduce through it (plan/envelope.h), which carries
+// the plan's extras and hands their sum to the plan.
 #pragma once
 
 #include <cstddef>
@@ -26,7 +26,7 @@
 #include "cc/core/reduce.h"
 #include "cc/core/timeline.h"
 #include "cc/device/data_plane.h"
-#include "cc/runtime/negotiation.h"
+#include "cc/runtime/response.h"
 #include "cc/runtime/options.h"
 #include "cc/runtime/request.h"
 #include "cc/transport/transport.h"

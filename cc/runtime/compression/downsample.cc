@@ -1,7 +1,6 @@
 #include <cstring>
 
 #include "cc/runtime/compression/compression.h"
-#include "cc/runtime/fusion.h"
 
 namespace perseus {
 
@@ -51,7 +50,7 @@ class Downsample : public Compressor {
       total += sent_count(static_cast<size_t>(NumElements(q->meta.shape)), phases.back());
     }
     std::vector<char>& buf = scratch.fusion;
-    const size_t slots = total + ExtraSlots(r);
+    const size_t slots = total + r.envelope.slots();
     if (buf.size() < slots * esize) buf.resize(slots * esize);
     float* packed = reinterpret_cast<float*>(buf.data());
     {
@@ -64,11 +63,11 @@ class Downsample : public Compressor {
         for (size_t e = phases[i]; e < n; e += N) packed[at++] = in[e] * pre + momentum * res[e];
       }
     }
-    if (r.carrier_vote >= 0) WriteExtras(buf.data() + total * esize, DataType::kFloat32, r,
-                                         c_.rank);
-    c_.allreduce(stream, plane, buf.data(), slots, DataType::kFloat32, m0.reduce_op, 0);
-    if (r.carrier_vote >= 0 &&
-        !Deliver(r, ReadOutcome(buf.data() + total * esize, DataType::kFloat32, r))) {
+    if (!r.envelope.Around(buf.data(), total, DataType::kFloat32, c_.rank, nullptr, stream,
+                           [&](size_t count) {
+                             c_.allreduce(stream, plane, buf.data(), count, DataType::kFloat32,
+                                          m0.reduce_op, 0);
+                           })) {
       return false;  // voted down: outputs and residuals untouched
     }
     ScaleBuffer(buf.data(), DataType::kFloat32, total, PostScale(m0, c_.size));

@@ -2,7 +2,6 @@
 #include <vector>
 
 #include "cc/runtime/compression/compression.h"
-#include "cc/runtime/fusion.h"
 
 namespace perseus {
 namespace {
@@ -28,8 +27,7 @@ bool Fp16::Allreduce(int stream, DataPlane& plane, StreamScratch&, const Respons
   const TensorMeta& m0 = r.metas[0];
   size_t total = 0;
   for (auto& q : requests) total += static_cast<size_t>(NumElements(q->meta.shape));
-  const bool carrier = r.carrier_vote >= 0;
-  const size_t extras = ExtraSlots(r);
+  const size_t extras = r.envelope.slots();
   uint16_t* half =
       static_cast<uint16_t*>(plane.Buffer(stream, PlaneBuffer::kHalf, 2 * (total + extras)));
   const float in_scale = static_cast<float>(m0.prescale * options.gradient_scale);
@@ -42,18 +40,12 @@ bool Fp16::Allreduce(int stream, DataPlane& plane, StreamScratch&, const Respons
       offset += n;
     }
   }
-  std::vector<uint16_t> extra(extras);
-  if (carrier) {
-    WriteExtras(reinterpret_cast<char*>(extra.data()), DataType::kFloat16, r, c_.rank);
-    plane.FromHost(stream, half + total, extra.data(), 2 * extras);
-  }
-  c_.allreduce(stream, plane, half, total + extras, DataType::kFloat16, ReduceOp::kSum, 0);
-  if (carrier) {
-    plane.ToHost(stream, extra.data(), half + total, 2 * extras);
-    if (!Deliver(r, ReadOutcome(reinterpret_cast<const char*>(extra.data()), DataType::kFloat16,
-                                r))) {
-      return false;
-    }
+  if (!r.envelope.Around(half, total, DataType::kFloat16, c_.rank, &plane, stream,
+                         [&](size_t count) {
+                           c_.allreduce(stream, plane, half, count, DataType::kFloat16,
+                                        ReduceOp::kSum, 0);
+                         })) {
+    return false;  // voted down
   }
   const double post = PostScale(m0, c_.size);
   const float out_scale = static_cast<float>(post / options.gradient_scale);

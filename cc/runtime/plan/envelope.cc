@@ -1,4 +1,5 @@
-#include "cc/runtime/fusion.h"
+// The envelope of an offline plan bucket (envelope.h).
+#include "cc/runtime/plan/envelope.h"
 
 #include <algorithm>
 #include <cstring>
@@ -6,19 +7,6 @@
 #include "cc/core/reduce.h"
 
 namespace perseus {
-
-int64_t PlanBucketBytes(int64_t step_bytes, int g, int64_t fusion_threshold_bytes) {
-  if (g == 0) return 0;
-  if (g > 0) return std::max<int64_t>(1, (step_bytes + g - 1) / g);
-  // Automatic: the step in two buckets (two streams reduce at once;
-  // on the 2-vCPU machine ResNet-50's step took 1.14x a raw allreduce this
-  // way, against 1.24x with 64 MiB + rest and 1.2-1.34x with 4 or more
-  // buckets), none under 4 MiB and none over the fusion threshold.
-  // A little over half: buckets are filled tensor by tensor, in order.
-  const int64_t half = step_bytes / 20 * 11 + 1;
-  return std::min<int64_t>(fusion_threshold_bytes,
-                           std::max<int64_t>(half, int64_t{4} << 20));
-}
 
 void WriteValue(void* p, DataType dtype, double v) {
   switch (dtype) {
@@ -65,21 +53,36 @@ double ReadValue(const void* p, DataType dtype) {
     default: return *static_cast<const uint8_t*>(p);
   }
 }
-void WriteExtras(char* at, DataType dtype, const Response& r, int rank) {
-  const size_t esize = DataTypeSize(dtype);
-  WriteValue(at, dtype, r.carrier_vote);
-  for (int i = 0; i < r.perf_slots; ++i) {
-    WriteValue(at + (1 + i) * esize, dtype, i == rank ? r.perf_value : 0.0);
+bool Envelope::Around(void* data, size_t count, DataType dtype, int rank, DataPlane* plane,
+                      int stream, const std::function<void(size_t total)>& reduce) const {
+  if (empty()) {
+    reduce(count);
+    return true;
   }
-}
-BucketOutcome ReadOutcome(const char* at, DataType dtype, const Response& r) {
   const size_t esize = DataTypeSize(dtype);
-  BucketOutcome out;
-  out.votes = static_cast<int64_t>(ReadValue(at, dtype) + 0.5);
-  for (int i = 0; i < r.perf_slots; ++i) {
-    out.perf_ms.push_back(ReadValue(at + (1 + i) * esize, dtype));
+  std::vector<char> extras(slots() * esize);
+  WriteValue(extras.data(), dtype, vote);
+  for (int i = 0; i < perf_slots; ++i) {
+    WriteValue(extras.data() + (1 + i) * esize, dtype, i == rank ? perf_value : 0.0);
   }
-  return out;
+  char* at = static_cast<char*>(data) + count * esize;
+  if (plane) {
+    plane->FromHost(stream, at, extras.data(), extras.size());
+  } else {
+    std::memcpy(at, extras.data(), extras.size());
+  }
+  reduce(count + slots());
+  if (plane) {
+    plane->ToHost(stream, extras.data(), at, extras.size());
+  } else {
+    std::memcpy(extras.data(), at, extras.size());
+  }
+  BucketOutcome outcome;
+  outcome.votes = static_cast<int64_t>(ReadValue(extras.data(), dtype) + 0.5);
+  for (int i = 0; i < perf_slots; ++i) {
+    outcome.perf_ms.push_back(ReadValue(extras.data() + (1 + i) * esize, dtype));
+  }
+  return !on_outcome || on_outcome(outcome);
 }
 
 }  // namespace perseus

@@ -1,4 +1,5 @@
-#include "cc/runtime/plan.h"
+// Running a plan, for one rank (OfflinePlan, plan.h).
+#include "cc/runtime/plan/plan.h"
 
 #include <utility>
 

@@ -1,5 +1,5 @@
 // The plan check (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS).
-#include "cc/runtime/plan_check.h"
+#include "cc/runtime/plan/plan.h"
 
 #include <algorithm>
 #include <cstring>

@@ -26,7 +26,7 @@
 #include <algorithm>
 #include <sstream>
 
-#include "cc/runtime/plan_check.h"
+#include "cc/runtime/plan/plan.h"
 #include "cc/runtime/request_table.h"
 
 namespace perseus {
@@ -167,13 +167,13 @@ RequestTable::PlanWork RequestTable::TakePlanWork(
       }
     }
     const bool vote = plan_.Vote(stand_in, shutdown_requested_);
-    r.carrier_vote = vote ? 1 : 0;
-    r.plan_index = static_cast<int>(index);
+    r.envelope.vote = vote ? 1 : 0;
+    r.envelope.plan_index = static_cast<int>(index);
     if (index == 0 && perf_slots > 0) {
       // This rank's time outside communication since its last step ended.
-      r.perf_slots = perf_slots;
+      r.envelope.perf_slots = perf_slots;
       if (last_step_done_ != Clock::time_point{}) {
-        r.perf_value =
+        r.envelope.perf_value =
             std::chrono::duration<double, std::milli>(Clock::now() - last_step_done_).count();
       }
     }

@@ -1,6 +1,5 @@
-#include "cc/runtime/plan.h"
+#include "cc/runtime/plan/plan.h"
 
-#include "cc/runtime/fusion.h"
 #include "cc/testing/check.h"
 
 using namespace perseus;
@@ -146,34 +145,52 @@ TEST(PlanBucketBytes) {
   CHECK_EQ(PlanBucketBytes(100 << 20, -1, 64 << 20), (int64_t{100} << 20) / 20 * 11 + 1);
 }
 
-TEST(BucketExtrasRoundTripInEachDtype) {
-  Response r;
-  r.carrier_vote = 1;
-  r.perf_slots = 3;
-  r.perf_value = 12.0;
-  CHECK_EQ(ExtraSlots(r), 4u);
+TEST(EnvelopeCarriesItsExtrasThroughTheReduceInEachDtype) {
+  Envelope e;
+  e.vote = 1;
+  e.perf_slots = 3;
+  e.perf_value = 12.0;
+  CHECK_EQ(e.slots(), 4u);
   for (DataType dtype : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,
                          DataType::kFloat64, DataType::kInt32, DataType::kInt64}) {
-    std::vector<char> buf(4 * 8, 0);
-    WriteExtras(buf.data(), dtype, r, 1);  // rank 1 fills slot 1
-    BucketOutcome o = ReadOutcome(buf.data(), dtype, r);
-    CHECK_EQ(o.votes, 1);
-    CHECK_EQ(o.perf_ms.size(), 3u);
-    if (o.perf_ms.size() == 3) {
-      CHECK_EQ(o.perf_ms[0], 0.0);
-      CHECK_EQ(o.perf_ms[1], 12.0);
-      CHECK_EQ(o.perf_ms[2], 0.0);
+    const size_t esize = DataTypeSize(dtype);
+    std::vector<char> buf((2 + e.slots()) * esize, 0);
+    BucketOutcome seen;
+    e.on_outcome = [&](const BucketOutcome& o) {
+      seen = o;
+      return o.votes == 0;
+    };
+    size_t reduced = 0;
+    // Host memory (no plane); the "reduce" adds a second rank that votes to
+    // stay and reports 5 ms in slot 0, after the bucket's two elements.
+    const bool deliver = e.Around(buf.data(), 2, dtype, 1, nullptr, 0, [&](size_t count) {
+      reduced = count;
+      const double slot0 = ReadValue(buf.data() + 3 * esize, dtype);
+      WriteValue(buf.data() + 3 * esize, dtype, slot0 + 5.0);
+    });
+    CHECK_EQ(reduced, 2u + 4u);
+    CHECK(!deliver);  // one vote to leave: not delivered
+    CHECK_EQ(seen.votes, 1);
+    CHECK_EQ(seen.perf_ms.size(), 3u);
+    if (seen.perf_ms.size() == 3) {
+      CHECK_EQ(seen.perf_ms[0], 5.0);   // the other rank's
+      CHECK_EQ(seen.perf_ms[1], 12.0);  // rank 1 fills slot 1
+      CHECK_EQ(seen.perf_ms[2], 0.0);
     }
   }
-  Response plain;
-  CHECK_EQ(ExtraSlots(plain), 0u);
-  CHECK(Deliver(plain, BucketOutcome()));
+  Envelope none;  // outside a plan: the reduce sees the data alone, delivered
+  CHECK(none.empty() && none.slots() == 0u);
+  size_t reduced = 0;
+  float x[2] = {1, 2};
+  CHECK(none.Around(x, 2, DataType::kFloat32, 0, nullptr, 0, [&](size_t n) { reduced = n; }));
+  CHECK_EQ(reduced, 2u);
+  Envelope stay;
+  stay.vote = 0;
+  std::vector<float> y(3, 0);
   bool asked = false;
-  plain.on_outcome = [&](const BucketOutcome& o) {
+  stay.on_outcome = [&](const BucketOutcome& o) {
     asked = true;
     return o.votes == 0;
   };
-  BucketOutcome down;
-  down.votes = 2;
-  CHECK(!Deliver(plain, down) && asked);
+  CHECK(stay.Around(y.data(), 2, DataType::kFloat32, 0, nullptr, 0, [](size_t) {}) && asked);
 }

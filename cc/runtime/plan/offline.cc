@@ -11,7 +11,7 @@
 #include "cc/runtime/executor.h"
 #include "cc/runtime/faults.h"
 #include "cc/runtime/health.h"
-#include "cc/runtime/plan_check.h"
+#include "cc/runtime/plan/plan.h"
 #include "cc/runtime/runtime_internal.h"
 
 namespace perseus {
@@ -62,7 +62,8 @@ void Controller::Attach(RequestTable::PlanWork& work) {
     Response& r = work.buckets[i].second;
     if (r.control) continue;
     // The bucket reports its outcome; the plan decides here what it means.
-    r.on_outcome = [this, held = work.work[i], index = r.plan_index](const BucketOutcome& o) {
+    r.envelope.on_outcome = [this, held = work.work[i],
+                             index = r.envelope.plan_index](const BucketOutcome& o) {
       if (!o.perf_ms.empty()) c_.health->PerfCheckStep(o.perf_ms);
       return PlanBucketFinished(o.votes, held, index);
     };
