@@ -288,7 +288,8 @@ def test_kernels_run_in_the_current_device_and_the_stand_in_tells_devices_apart(
 
 OUT_OF_MEMORY_SCRIPT = """
 import numpy as np
-from perseus_tf import _core, _native
+from perseus_tf import _core, _native, _testing
+_testing.use_test_device()  # PERSEUS_TEST_DEVICE=cuda: the arrays go on the GPU
 _native.init()
 arrays = [np.ones(1 << 18, np.float32) for _ in range(4)]  # 1 MiB each: one 4 MiB bucket
 try:
@@ -402,9 +403,9 @@ def test_tf_kernels_are_registered_for_gpus_with_host_memory_where_needed():
 
 NO_GPU_SCRIPT = """
 import os
-from perseus_tf import _core, _native
+from perseus_tf import _native, _testing
 _native.init()
-h = _core.submit_device(_native.OP_ALLREDUCE, 4096, 4096, [4], "on.gpu",
+h = _testing.submit_device(_native.OP_ALLREDUCE, 4096, 4096, [4], "on.gpu",
                         _native.DTYPE_CODES["float32"])
 try:
     h.wait()

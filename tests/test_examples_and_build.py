@@ -171,11 +171,14 @@ def test_bazel_build_produces_working_libraries(tmp_path):
     pkg = tmp_path / "pkg" / "perseus_tf"
     shutil.copytree(os.path.join(ROOT, "perseus_tf"), pkg,
                     ignore=shutil.ignore_patterns("*.so", "__pycache__"))
-    for name in ("libperseus_core.so", "_perseus_ops.so", "_core.so", "libperseus_cuda.so"):
+    for name in ("libperseus_core.so", "_perseus_ops.so", "_core.so", "_testing.so",
+                 "libperseus_cuda.so"):
         shutil.copy(out / name, pkg / name)
-    code = ("import tensorflow as tf, perseus_tf as ptf, os\n"
+    code = ("import tensorflow as tf, perseus_tf as ptf, os, hmac\n"
             f"assert ptf.__file__.startswith({str(tmp_path)!r}), ptf.__file__\n"
             "v = ptf.allreduce(tf.ones([3]) * (ptf.rank() + 1), op=ptf.Sum).numpy()\n"
+            "from perseus_tf import _testing\n"  # the test hooks' module, built by Bazel too
+            "assert _testing.hmac_sha256(b'k', b'd') == hmac.digest(b'k', b'd', 'sha256')\n"
             "from perseus_tf import gpu\n"
             "assert gpu.cuda_info()['library'].startswith(os.path.dirname(ptf.__file__))\n"
             "assert list(v) == [3.0, 3.0, 3.0], v\n"

@@ -114,6 +114,36 @@ PLAN = "cc/runtime/plan/"
 PLAN_INTERFACE = {PLAN + "plan.h", PLAN + "envelope.h"}
 
 
+# What only tests, benchmarks and GPU tools use lives in perseus_tf._testing
+# (cc/python/testing/): the product module binds none of it, includes none of
+# it, and no module of the package imports it.
+TEST_HOOKS = ("sim_device_launches", "submit_device", "nccl_lone_communicator",
+              "raw_allreduce", "hmac_sha256", "use_test_device", "PERSEUS_TEST_DEVICE",
+              "PlaceOnTestDevice", "SimDevice")
+
+
+def test_no_test_hook_in_the_product_module():
+    product = {p: t for p, t in FILES.items()
+               if p.startswith("cc/python/") and not p.startswith("cc/python/testing/")}
+    assert "cc/python/core_module.cc" in product
+    wrong = [f"{path} names {hook}" for path, text in product.items()
+             for hook in TEST_HOOKS if hook in text]
+    wrong += [f"{path} includes {t}" for path, text in product.items()
+              for t in INCLUDE.findall(text) if t.startswith("cc/python/testing/")]
+    assert not wrong, "\n".join(wrong)
+    binds = re.findall(r'PYBIND11_MODULE\((\w+)', FILES["cc/python/testing/testing_module.cc"])
+    assert binds == ["_testing"]
+    package = os.path.join(ROOT, "perseus_tf")
+    importers = []
+    for folder, _, names in os.walk(package):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                if re.search(r"\b_testing\b", open(path).read()):
+                    importers.append(os.path.relpath(path, ROOT))
+    assert not importers, f"the package reaches perseus_tf._testing: {importers}"
+
+
 def test_nothing_outside_plan_includes_the_plans_own_headers():
     wrong = [f"{path} includes {target}" for path, text in FILES.items()
              if not path.startswith(PLAN)

@@ -4,8 +4,8 @@
 #
 #   tools/bazel_build.sh OUT_DIR [extra `bazel build` flags...]
 #
-# Produces OUT_DIR/libperseus_core.so, OUT_DIR/_perseus_ops.so and
-# OUT_DIR/_core.so.
+# Produces OUT_DIR/libperseus_core.so, OUT_DIR/_perseus_ops.so,
+# OUT_DIR/_core.so, OUT_DIR/_testing.so (the test hooks) and OUT_DIR/libperseus_cuda.so.
 #
 # Environment:
 #   PYTHON   interpreter whose TensorFlow/pybind11 to build against
@@ -72,7 +72,7 @@ echo "==> $BAZEL build //:native ${extra[*]/#/\/\/:}"
 # bazel-bin for the same flags (-c opt from .bazelrc changes the path).
 bin_dir=$("$BAZEL" "${startup[@]}" info "$@" bazel-bin 2>/dev/null)
 
-for lib in libperseus_core.so _perseus_ops.so _core.so libperseus_cuda.so "${extra[@]}"; do
+for lib in libperseus_core.so _perseus_ops.so _core.so _testing.so libperseus_cuda.so "${extra[@]}"; do
   # Bazel outputs are read-only; replace rather than overwrite.
   rm -f "$out_dir/$lib"
   cp "$bin_dir/$lib" "$out_dir/$lib"

@@ -1,12 +1,14 @@
 """Compiles Perseus-TF's native code against the TensorFlow that is installed.
 
-Four shared objects land in one directory (the `perseus_tf` package):
+Five shared objects land in one directory (the `perseus_tf` package):
   libperseus_core.so   cc/core, cc/rendezvous, cc/transport, cc/device, cc/runtime; no TensorFlow
   libperseus_cuda.so   cc/cuda: the CUDA data plane and its kernels' source, built by the host
                        compiler (no CUDA toolkit, no GPU); it opens CUDA's driver and NVRTC
                        at run time and compiles the kernels for the GPU in use
   _perseus_ops_tfX_Y.so  TensorFlow ops and kernels for TF X.Y, linked to libperseus_core.so
   _core<EXT_SUFFIX>    pybind11 module, linked to libperseus_core.so
+  _testing<EXT_SUFFIX> pybind11 module of test hooks (cc/python/testing), which only the
+                       tests, benchmarks and GPU tools import; linked to libperseus_core.so
 Both front ends load the same libperseus_core.so (found through
 rpath=$ORIGIN), so a process has exactly one runtime.
 
@@ -193,6 +195,9 @@ def build(out_dir=None, jobs=None, verbose=True):
         "py": (_sources("python"), ["-I" + pybind11.get_include(),
                                     "-I" + sysconfig.get_paths()["include"],
                                     "-fvisibility=hidden"]),
+        "testing": (_sources("python/testing"), ["-I" + pybind11.get_include(),
+                                                 "-I" + sysconfig.get_paths()["include"],
+                                                 "-fvisibility=hidden"]),
         "cuda": (_sources("cuda") + [os.path.join(ROOT, "cc", "core", "shared_library.cc")], []),
     }
     compile_jobs, objects = [], {}
@@ -225,11 +230,13 @@ def build(out_dir=None, jobs=None, verbose=True):
     ext = sysconfig.get_config_var("EXT_SUFFIX")
     pymod = os.path.join(out_dir, "_core" + ext)
     _link(cxx, pymod, objects["py"] + link_core)
+    testing = os.path.join(out_dir, "_testing" + ext)
+    _link(cxx, testing, objects["testing"] + link_core)
     cuda = os.path.join(out_dir, "libperseus_cuda.so")
     _link(cxx, cuda, objects["cuda"] + ["-ldl", "-lpthread", "-Wl,-soname,libperseus_cuda.so"])
     if verbose:
-        print("built", core, ops, pymod, cuda, sep="\n  ", flush=True)
-    return [core, ops, pymod, cuda]
+        print("built", core, ops, pymod, testing, cuda, sep="\n  ", flush=True)
+    return [core, ops, pymod, testing, cuda]
 
 
 if __name__ == "__main__":

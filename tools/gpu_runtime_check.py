@@ -1,5 +1,5 @@
 """The runtime on a GPU, without TensorFlow: collectives of CuPy device arrays
-through perseus_tf._core (submit_device), checked against numpy, and timed.
+through perseus_tf._testing (submit_device), checked against numpy, and timed.
 
     python tools/gpu_runtime_check.py nccl            # one process: NCCL at world size 1
     python tools/gpu_runtime_check.py lone            # NCCL communicators nobody joins
@@ -61,7 +61,7 @@ def main():
     if mode == "nccl":
         os.environ["PERSEUS_TIMELINE"] = timeline
     import cupy as cp
-    from perseus_tf import _core, _native
+    from perseus_tf import _core, _native, _testing
     _native.init()
     topo = _native.topology()
     rank, size = topo["rank"], topo["size"]
@@ -74,7 +74,7 @@ def main():
         out = cp.empty_like(x) if out is None else out
         event = cp.cuda.Event(disable_timing=True)
         event.record(stream)
-        h = _core.submit_device(op, x.data.ptr, out.data.ptr, list(x.shape), name,
+        h = _testing.submit_device(op, x.data.ptr, out.data.ptr, list(x.shape), name,
                                 codes[x.dtype.name], device=x.device.id, stream=stream.ptr,
                                 ready=event.ptr, **kw)
         return h, out, event
@@ -208,14 +208,14 @@ def lone():
     """NCCL communicators made with the real library outside the runtime:
     one of two ranks that nobody else joins (aborted at the deadline), and
     one of one rank."""
-    from perseus_tf import _core, _native
+    from perseus_tf import _core, _native, _testing
     dirs = list(_native._nccl_wheel_dirs())
     t0 = time.monotonic()
-    message = _core.nccl_lone_communicator(dirs, 2, 3000)
+    message = _testing.nccl_lone_communicator(dirs, 2, 3000)
     took = time.monotonic() - t0
     report("a communicator nobody joins is aborted at its deadline",
            "aborted" in message and took < 30, f"{took:.1f} s: {message}")
-    one = _core.nccl_lone_communicator(dirs, 1, 10000)
+    one = _testing.nccl_lone_communicator(dirs, 1, 10000)
     report("a communicator of one rank comes up", one.startswith("created"), one)
     return 1 if FAILED else 0
 
@@ -252,7 +252,7 @@ def bandwidth_nccl(cp, submit, stream):
 def versus_nccl(cp, submit, stream, rank, size):
     """Perseus's allreduce against NCCL called directly (CuPy's binding, a
     communicator of its own) on the same buffers, 1 to 256 MiB of float32."""
-    from perseus_tf import _core, _native
+    from perseus_tf import _core, _native, _testing
     try:
         from cupy.cuda import nccl
     except Exception as e:  # a CuPy built without NCCL

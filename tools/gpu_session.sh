@@ -1,7 +1,8 @@
 #!/bin/bash
 # Everything that needs a GPU, as one run on a lent GPU machine (no
 # TensorFlow there, CuPy and nvidia-nccl-cu13 are): the CUDA kernels against
-# numpy, the runtime's CUDA data plane and NCCL through perseus_tf._core, and
+# numpy, the runtime's CUDA data plane and NCCL through perseus_tf._core and
+# perseus_tf._testing (its test hooks: submit_device, the test device), and
 # the _core test suite with every array on the GPU.
 #
 # It expects libperseus_core.so and libperseus_cuda.so built on the
@@ -9,7 +10,7 @@
 # CUDA to build; it compiles its kernels here with the machine's NVRTC,
 # found below unless PERSEUS_NVRTC_LIBRARY names one) and, in .gpu/, Gloo's
 # headers (include/gloo) and the shared libraries libperseus_core.so needs
-# (lib/: libgloo.so.0 and what it links). It builds _core for the machine's
+# (lib/: libgloo.so.0 and what it links). It builds _core and _testing for the machine's
 # own Python, then runs each step with a time limit. Logs go to $OUT.
 #
 #   bash tools/gpu_session.sh [steps...]
@@ -139,17 +140,24 @@ for s in $steps; do
       ;;
     build)
       export PY ext=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-      build_core() {
-        local objs="" f pids=""
+      build_core() {  # perseus_tf._core and perseus_tf._testing (the test hooks)
+        local objs="" f pids="" module
         mkdir -p /tmp/perseus-core-obj
-        for f in cc/python/*.cc; do
+        for f in cc/python/*.cc cc/python/testing/*.cc; do
           g++ -std=c++17 -O2 -fPIC -fvisibility=hidden -D_GLIBCXX_USE_CXX11_ABI=1 -I. \
             -I.gpu/include $($PY -m pybind11 --includes) -c $f \
             -o /tmp/perseus-core-obj/$(basename $f .cc).o & pids="$pids $!"
-          objs="$objs /tmp/perseus-core-obj/$(basename $f .cc).o"
         done
         for p in $pids; do wait $p || return 1; done
-        g++ -shared $objs -Lperseus_tf -lperseus_core -Wl,-rpath,'$ORIGIN' -o "perseus_tf/_core$ext"
+        for module in _core _testing; do
+          if [ $module = _core ]; then
+            objs=$(for f in cc/python/*.cc; do echo /tmp/perseus-core-obj/$(basename $f .cc).o; done)
+          else
+            objs=$(for f in cc/python/testing/*.cc; do echo /tmp/perseus-core-obj/$(basename $f .cc).o; done)
+          fi
+          g++ -shared $objs -Lperseus_tf -lperseus_core -Wl,-rpath,'$ORIGIN' \
+            -o "perseus_tf/$module$ext" || return 1
+        done
       }
       export -f build_core
       step build 240 build_core || { echo "build failed: nothing else runs"; exit 1; }

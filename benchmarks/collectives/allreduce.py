@@ -45,7 +45,7 @@ def bench_allreduce_size(coll: Collectives, nbytes: int, dtype: str, warmup: int
         native._core.submit(native.OP_ALLREDUCE, x, name, code, reduce_op=0, output=out).wait()
 
     def raw_gloo():
-        native._core.raw_allreduce(raw, code)
+        coll.testing.raw_allreduce(raw, code)
 
     # Warmup (untimed for the results, but it also sizes the iteration count).
     estimate = 0.0
@@ -127,7 +127,7 @@ def run_allreduce(args) -> int:
     if lead:
         output = "in place" if args.in_place else "separate output"
         print(f"# Perseus-TF allreduce benchmark: ours = _core.submit(OP_ALLREDUCE, sum, {output}) "
-              f"+ wait(), one tensor per call; raw = _core.raw_allreduce, contiguous in-place "
+              f"+ wait(), one tensor per call; raw = _testing.raw_allreduce, contiguous in-place "
               f"Gloo allreduce on a dedicated context (no negotiation)")
         print(f"# ranks {coll.size}, dtype {args.dtype}, iterations up to {args.iters} per size "
               f"(at least {min(MIN_ITERS, args.iters)}, ~{args.size_budget:g} s per size), "

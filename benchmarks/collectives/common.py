@@ -134,9 +134,10 @@ class Collectives:
 
     def __init__(self):
         import numpy as np
-        from perseus_tf import _native
+        from perseus_tf import _native, _testing
         self.np = np
         self.native = _native
+        self.testing = _testing  # raw_allreduce: the baseline with no negotiation
         _native.init()
         topo = _native.topology()
         self.rank, self.size = topo["rank"], topo["size"]
@@ -146,19 +147,19 @@ class Collectives:
     def sync(self) -> None:
         """A tiny raw allreduce: every rank leaves it at about the same time."""
         self._sync_buf[0] = 0.0
-        self.native._core.raw_allreduce(self._sync_buf, self._f64)
+        self.testing.raw_allreduce(self._sync_buf, self._f64)
 
     def from_rank0(self, value: float) -> float:
         """Rank 0's value on every rank (a sum of it and zeros, so exact)."""
         buf = self.np.array([value if self.rank == 0 else 0.0], dtype=self.np.float64)
-        self.native._core.raw_allreduce(buf, self._f64)
+        self.testing.raw_allreduce(buf, self._f64)
         return float(buf[0])
 
     def gather(self, value: float) -> list:
         """Every rank's value, on every rank (a sum of one-hot vectors, so exact)."""
         buf = self.np.zeros(self.size, dtype=self.np.float64)
         buf[self.rank] = value
-        self.native._core.raw_allreduce(buf, self._f64)
+        self.testing.raw_allreduce(buf, self._f64)
         return buf.tolist()
 
     def shutdown(self) -> None:

@@ -205,7 +205,7 @@ def bench_gradients(coll: Collectives, tensors: list, warmup: int, max_iters: in
                           plannable=plannable).wait()
 
     def raw_gloo():
-        core.raw_allreduce(raw, code)
+        coll.testing.raw_allreduce(raw, code)
 
     online_names = [f"online.{name}" for name in names]
 
@@ -360,7 +360,7 @@ def run_gradients(args) -> int:
               f"{source}")
         print(f"# {len(tensors)} float32 tensors, {nbytes} bytes ({nbytes / 1e6:.3f} MB) per "
               f"rank per step; ours = every tensor through _core.submit_group (one grouped "
-              f"call enqueued from C++, like the TF grouped op; average, in place) in backprop (reverse) order, then wait on all; raw = _core.raw_allreduce "
+              f"call enqueued from C++, like the TF grouped op; average, in place) in backprop (reverse) order, then wait on all; raw = _testing.raw_allreduce "
               f"of one contiguous float32 buffer of as many elements (no negotiation, no fusion, "
               f"no per-tensor overhead)")
         print(f"# ranks {coll.size}, streams {cfg.streams}, fusion threshold "

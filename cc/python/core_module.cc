@@ -4,7 +4,9 @@
 // reports rank and statistics, and runs collectives on numpy arrays, which is
 // how the runtime is tested where TensorFlow is not installed. Collectives
 // are submitted asynchronously and return a Handle, so tests can enqueue many
-// tensors in a chosen order before waiting on any.
+// tensors in a chosen order before waiting on any. What only tests, the
+// benchmarks and the GPU tools use is in perseus_tf._testing
+// (cc/python/testing/), which the product never imports.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -15,10 +17,7 @@
 #include <mutex>
 
 #include "cc/core/common.h"
-#include "cc/rendezvous/hmac_sha256.h"
 #include "cc/core/reduce.h"
-#include "cc/device/sim_device.h"
-#include "cc/python/sim_requests.h"
 #include "cc/python/stats_dict.h"
 #include "cc/runtime/runtime.h"
 #include "cc/transport/nccl.h"
@@ -118,6 +117,12 @@ class Handle {
   py::object output_;
   py::object dtype_;
 };
+
+// Where a submitted array is placed before it runs: in host memory as given,
+// unless a placement was installed (_set_placement: perseus_tf._testing puts
+// arrays on the simulated device or a GPU first).
+using ArrayPlacement = void (*)(Request& request, void* host_out);
+ArrayPlacement placement = nullptr;
 
 Runtime& RuntimeOf(int process_set) {
   Runtime* rt = Runtime::Find(process_set);
@@ -241,49 +246,10 @@ Handle Submit(int op, py::array input, const std::string& name, int dtype, int r
     };
   }
   req->done = FinishInto(state);
-  PlaceOnTestDevice(*req, req->output);
+  if (placement) placement(*req, req->output);
   Status s = EnqueueReleasingGil(rt, {req});
   if (!s.ok()) Raise(s);
   return Handle(state, req, input, output, input.attr("dtype"));
-}
-
-// An allreduce or broadcast of CUDA device memory the caller owns (CuPy
-// arrays on a GPU machine): `ready` is a cudaEvent_t recorded after the
-// producer's writes on `stream` (0: already written). The caller keeps the
-// memory and the event alive until the handle completes; wait() returns
-// (output pointer, None).
-Handle SubmitDevice(int op, uintptr_t input, uintptr_t output, std::vector<int64_t> shape,
-                    const std::string& name, int dtype, int device, uintptr_t stream,
-                    uintptr_t ready, int reduce_op, int root, double prescale, double postscale,
-                    int compression, bool plannable, int process_set) {
-  Runtime& rt = RuntimeOf(process_set);
-  CheckCodes(name, op, dtype, reduce_op);
-  const OpType kind = static_cast<OpType>(op);
-  if (kind != OpType::kAllreduce && kind != OpType::kBroadcast) {
-    throw InvalidError("'" + name + "': submit_device takes allreduce and broadcast only");
-  }
-  auto state = std::make_shared<HandleState>();
-  auto req = std::make_shared<Request>();
-  req->meta.name = name;
-  req->meta.op = kind;
-  req->meta.dtype = static_cast<DataType>(dtype);
-  req->meta.reduce_op = static_cast<ReduceOp>(reduce_op);
-  req->meta.shape = std::move(shape);
-  req->meta.root = root;
-  req->meta.prescale = prescale;
-  req->meta.postscale = postscale;
-  req->meta.compression = compression;
-  if (plannable) req->meta.flags |= kMetaPlannable;
-  req->input = reinterpret_cast<const void*>(input);
-  req->output = reinterpret_cast<void*>(output);
-  req->where.kind = MemoryKind::kCuda;
-  req->where.device = device;
-  req->where.stream = reinterpret_cast<void*>(stream);
-  if (ready) req->where.ready = std::shared_ptr<void>(reinterpret_cast<void*>(ready), [](void*) {});
-  req->done = FinishInto(state);
-  Status s = EnqueueReleasingGil(rt, {req});
-  if (!s.ok()) Raise(s);
-  return Handle(state, req, py::none(), py::int_(output), py::none());
 }
 
 // What the TF grouped-allreduce kernel does, from numpy: every array reduced
@@ -347,7 +313,7 @@ GroupHandle SubmitGroup(py::list arrays, std::vector<std::string> names, int dty
       if (!st.ok() && state->status.ok()) state->status = st;
       if (--state->remaining == 0) state->cv.notify_all();
     };
-    PlaceOnTestDevice(*req, req->output);
+    if (placement) placement(*req, req->output);
     requests.push_back(std::move(req));
   }
   // One call, queued all together or not at all.
@@ -510,7 +476,6 @@ PYBIND11_MODULE(_core, m) {
     d["ranks"] = ranks;
     return d;
   });
-  // The store handshake's MAC, exposed so tests can check it against hmac.
   // NCCL, loaded at run time (cc/transport/nccl.h): from PERSEUS_NCCL_LIBRARY,
   // else the wheels' lib folders given, else the loader's path.
   m.def("nccl_library", [](std::vector<std::string> wheel_dirs) {
@@ -523,13 +488,6 @@ PYBIND11_MODULE(_core, m) {
     d["why_not"] = why_not;
     return d;
   });
-  // Work queued on the simulated device so far (PERSEUS_TEST_DEVICE=sim).
-  m.def("sim_device_launches", [] { return SimDevice::Get().launches(); });
-  m.def("hmac_sha256", [](py::bytes key, py::bytes data) {
-    const Sha256Digest mac = HmacSha256(std::string(key), std::string(data));
-    return py::bytes(reinterpret_cast<const char*>(mac.data()), mac.size());
-  }, py::arg("key"), py::arg("data"));
-
   py::class_<Handle>(m, "Handle")
       .def("wait", &Handle::Wait)
       .def("done", &Handle::Done);
@@ -538,29 +496,17 @@ PYBIND11_MODULE(_core, m) {
         py::arg("postscale") = 1.0, py::arg("splits") = std::vector<int64_t>(),
         py::arg("output") = py::none(), py::arg("process_set") = 0,
         py::arg("compression") = 0, py::arg("plannable") = false);
-  m.def("submit_device", &SubmitDevice, py::arg("op"), py::arg("input"), py::arg("output"),
-        py::arg("shape"), py::arg("name"), py::arg("dtype"), py::arg("device") = 0,
-        py::arg("stream") = 0, py::arg("ready") = 0, py::arg("reduce_op") = 0,
-        py::arg("root") = 0, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
-        py::arg("compression") = 0, py::arg("plannable") = false, py::arg("process_set") = 0);
-  // A NCCL communicator of `size` ranks that only this process joins, as
-  // rank 0: creation cannot finish, so it shows the deadline and the abort
-  // with the real library (tools/gpu_runtime_check.py). Returns the error,
-  // or what NCCL said of a communicator that did come up (size 1).
-  // A NCCL communicator nobody else joins (sim_requests.h).
-  m.def("nccl_lone_communicator", [](std::vector<std::string> wheel_dirs, int size,
-                                     int timeout_ms) {
-    py::gil_scoped_release release;
-    return NcclLoneCommunicator(wheel_dirs, size, timeout_ms);
-  });
-  m.def("raw_allreduce", [](py::array data, int dtype) {
-    Status s;
-    void* p = data.mutable_data();
-    size_t n = static_cast<size_t>(data.size());
-    {
-      py::gil_scoped_release release;
-      s = Runtime::Get().RawAllreduce(p, n, static_cast<DataType>(dtype));
+  // Installs the placement of submitted arrays (a capsule named
+  // "perseus.placement" holding an ArrayPlacement), or removes it (None).
+  m.def("_set_placement", [](py::object capsule) {
+    if (capsule.is_none()) {
+      placement = nullptr;
+      return;
     }
-    if (!s.ok()) Raise(s);
+    py::capsule c = capsule.cast<py::capsule>();
+    if (std::string(c.name() ? c.name() : "") != "perseus.placement") {
+      throw InvalidError("_set_placement takes a capsule named perseus.placement");
+    }
+    placement = reinterpret_cast<ArrayPlacement>(c.get_pointer());
   });
 }

@@ -19,6 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 def run_module(name, out_dir):
     """Runs the module's checks on this rank, writing its results into out_dir
     (tests/workers/keras_version_worker.py runs them beside other work)."""
+    if os.environ.get("PERSEUS_TEST_DEVICE"):
+        # Every array submitted through _core goes on that device first.
+        from perseus_tf import _testing
+        _testing.use_test_device()
     module = importlib.import_module(name)
     rank = module.setup()
     results, seconds = {}, {}

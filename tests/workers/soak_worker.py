@@ -42,7 +42,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from perseus_tf import _core, _native  # noqa: E402
+from perseus_tf import _core, _native, _testing  # noqa: E402
+
+_testing.use_test_device()  # PERSEUS_TEST_DEVICE: every array on that device first
 
 DT = _native.DTYPE_CODES
 # Relative to the sum of magnitudes: fp16 carries 11 significant bits and

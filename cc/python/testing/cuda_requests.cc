@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cc/device/cuda_library.h"
-#include "cc/python/sim_requests.h"
+#include "cc/python/testing/sim_requests.h"
 #include "cc/transport/nccl.h"
 
 namespace perseus {

@@ -1,4 +1,4 @@
-#include "cc/python/sim_requests.h"
+#include "cc/python/testing/sim_requests.h"
 
 #include <cstdlib>
 #include <cstring>
