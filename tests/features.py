@@ -46,6 +46,8 @@ FEATURES = [
         "checks_multihost.check_c_hierarchical_allreduce_is_used",
         "checks_core.check_shared_memory_allreduce_when_one_host",
         "checks_core.check_many_tensors_enqueued_in_different_orders",
+        "checks_core.check_small_buckets_cross_hosts_by_recursive_doubling",
+        "tests/test_cc_unit.py::test_recursive_doubling_reduces_alike_on_every_world_size",
     ]),
     ("local gradient accumulation", [
         "checks_strategy.check_accumulation_equals_a_larger_batch",

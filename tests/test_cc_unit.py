@@ -134,6 +134,15 @@ def test_gloo_waits_end_when_aborted(tmp_path):
     _run_gloo_test(tmp_path, "cc/transport/gloo_abortable_test.cc", "3 tests, 0 failed checks")
 
 
+def test_recursive_doubling_reduces_alike_on_every_world_size(tmp_path):
+    """cc/transport/gloo_transport_test.cc: GlooTransport::AllreduceDoubling on
+    real Gloo TCP contexts, every world size from 2 to 7 as threads (the
+    non-powers of two fold pairs first): sums, min with a NaN, int64 and an
+    order-dependent float sum, the same bits on every rank; tiny and empty
+    buffers, twenty calls back to back."""
+    _run_gloo_test(tmp_path, "cc/transport/gloo_transport_test.cc", "2 tests, 0 failed checks")
+
+
 def test_the_controller_negotiates_runs_stops_and_fails_over_fakes(tmp_path):
     """cc/runtime/controller_test.cc: the controller with a real request
     table and executor over fakes_for_tests.h's world of two (the peer makes

@@ -200,7 +200,8 @@ def test_bazel_builds_and_passes_the_cc_unit_tests():
     env["PERSEUS_TEST_FAKE_NCCL"] = str(out / "libfake_nccl.so")
     for binary, want in (("cc_unit", " 0 failed checks"),
                          ("gloo_abortable_test", "3 tests, 0 failed checks"),
-                         ("controller_test", "3 tests, 0 failed checks")):
+                         ("controller_test", "3 tests, 0 failed checks"),
+                         ("gloo_transport_test", "2 tests, 0 failed checks")):
         proc = subprocess.run([str(out / binary)], capture_output=True, text=True, timeout=120,
                               env=env)
         assert proc.returncode == 0 and want in proc.stdout, \

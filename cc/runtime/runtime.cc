@@ -154,6 +154,7 @@ void Runtime::Connect(TransportOptions* bo) {
   topo.world_group = o.process_set_id == 0;
   topo.shm_allowed = o.shm_allreduce;
   topo.allreduce_mode = o.allreduce_mode;
+  topo.allreduce_doubling_bytes = static_cast<size_t>(o.allreduce_doubling_bytes);
   topo.key_prefix = bo->key_prefix;
   topo.timeout = bo->timeout;
   transports_ = BuildTransports(*transport_, topo, [this] {
@@ -454,14 +455,18 @@ Stats Runtime::GetStats() {
   return out;
 }
 
-Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype) {
+Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype, bool doubling) {
   if (state_.load() != State::kRunning) {
     return Status::Error(StatusCode::kFailedPrecondition, "Perseus is not initialized");
   }
   std::lock_guard<std::mutex> lock(raw_mu_);
   try {
     if (store_) transport_->CreateRawChannel(*store_);
-    transport_->Allreduce(GlooTransport::kRawChannel, data, count, dtype, ReduceOp::kSum);
+    if (doubling) {
+      transport_->AllreduceDoubling(GlooTransport::kRawChannel, data, count, dtype, ReduceOp::kSum);
+    } else {
+      transport_->Allreduce(GlooTransport::kRawChannel, data, count, dtype, ReduceOp::kSum);
+    }
   } catch (const std::exception& e) {
     return Status::Error(StatusCode::kUnavailable, std::string("raw allreduce failed: ") + e.what());
   }

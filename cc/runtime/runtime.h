@@ -128,8 +128,9 @@ class Runtime {
   bool StopTimeline(std::string* error);
 
   // Benchmark baseline: a raw contiguous Gloo allreduce on a dedicated
-  // context, bypassing negotiation and fusion. Collective.
-  Status RawAllreduce(void* data, size_t count, DataType dtype);
+  // context, bypassing negotiation and fusion: Gloo's ring, or (doubling)
+  // the transport's recursive doubling. Collective.
+  Status RawAllreduce(void* data, size_t count, DataType dtype, bool doubling = false);
 
  private:
   // The world's runtime, and what a child forked after init() does with it

@@ -23,6 +23,11 @@ struct TransportSettings {
   // reduce within each host, allreduce among hosts, broadcast within each host.
   // Unset: -1 (auto).
   int allreduce_mode = -1;
+  // PERSEUS_ALLREDUCE_DOUBLING_BYTES: Buckets of at most this many bytes that
+  // cross hosts over one flat group reduce by recursive doubling (about log2 N
+  // exchanges with one peer each) instead of the ring (2(N-1) steps in
+  // sequence): small buckets wait on latency, not bandwidth. 0: always the ring.
+  int allreduce_doubling_bytes = 65536;
   // GLOO_TIMEOUT_SECONDS: How long a rank waits on its peers, or on a store that
   // stopped answering, before it reports the rank or store as gone.
   double timeout_seconds = 60.0;
@@ -97,6 +102,7 @@ struct HealthSettings {
   X(TransportSettings, streams) \
   X(TransportSettings, shm_allreduce) \
   X(TransportSettings, allreduce_mode) \
+  X(TransportSettings, allreduce_doubling_bytes) \
   X(TransportSettings, timeout_seconds) \
   X(NegotiationSettings, stall_check_seconds) \
   X(NegotiationSettings, stall_timeout_seconds) \

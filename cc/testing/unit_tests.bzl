@@ -44,6 +44,14 @@ UNIT_MAIN = "cc/testing/main.cc"
 # monitor (it aborts Gloo's waits when a peer dies).
 GLOO_UNIT_TESTS = {
     "cc/transport/gloo_abortable_test.cc": ["cc/transport/gloo_abortable.cc"],
+    # GlooTransport's own algorithms (recursive doubling, the reduce-scatter ring).
+    "cc/transport/gloo_transport_test.cc": [
+        "cc/core/common.cc",
+        "cc/core/reduce.cc",
+        "cc/transport/gloo_abort.cc",
+        "cc/transport/gloo_abortable.cc",
+        "cc/transport/gloo_transport.cc",
+    ],
     "cc/runtime/controller_test.cc": [
         "cc/core/common.cc",
         "cc/core/reduce.cc",

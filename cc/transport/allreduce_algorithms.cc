@@ -23,7 +23,12 @@ AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopo
   // three phases, decides; always for mixed compression and mode 1.
   const bool two_level =
       t.two_level && (mixed || t.mode == 1 || (t.mode < 0 && bytes >= (256u << 10)));
-  return two_level ? AllreduceAlgorithm::kTwoLevel : AllreduceAlgorithm::kFlatRing;
+  if (two_level) return AllreduceAlgorithm::kTwoLevel;
+  // Small flat buckets wait on the network's latency more than on its
+  // bandwidth: recursive doubling's log2(N) exchanges beat the ring's
+  // 2(N - 1) steps there.
+  return t.doubling_bytes > 0 && bytes <= t.doubling_bytes ? AllreduceAlgorithm::kFlatDoubling
+                                                          : AllreduceAlgorithm::kFlatRing;
 }
 
 namespace {
@@ -150,6 +155,13 @@ void RunAllreduce(AllreduceAlgorithm algorithm, const AllreduceGroups& g,
       TimelineSpan ring(timeline, 1 + call.channel,
                         half ? "gloo allreduce (fp16)" : "gloo allreduce", "communication");
       g.world->Allreduce(call.channel, call.data, call.count, call.dtype, call.op);
+      return;
+    }
+    case AllreduceAlgorithm::kFlatDoubling: {
+      TimelineSpan doubling(timeline, 1 + call.channel,
+                            half ? "gloo allreduce, doubling (fp16)" : "gloo allreduce, doubling",
+                            "communication");
+      g.world->AllreduceDoubling(call.channel, call.data, call.count, call.dtype, call.op);
       return;
     }
     case AllreduceAlgorithm::kTwoLevel:

@@ -2,6 +2,10 @@
 // apart from the transports that carry it:
 //   kShm       every rank is on this host: shared memory only;
 //   kFlatRing  Gloo's ring among all ranks;
+//   kFlatDoubling  recursive doubling among all ranks (Transport::
+//              AllreduceDoubling), for buckets up to
+//              PERSEUS_ALLREDUCE_DOUBLING_BYTES: about log2(N) waits on the
+//              network where a ring has 2(N - 1);
 //   kTwoLevel  reduce inside each host (shared memory or TCP), allreduce
 //              among the hosts' leaders, broadcast inside each host,
 //              pipelined in 4 MiB chunks.
@@ -23,7 +27,7 @@
 
 namespace perseus {
 
-enum class AllreduceAlgorithm { kShm, kFlatRing, kTwoLevel, kNccl, kNcclTwoLevel };
+enum class AllreduceAlgorithm { kShm, kFlatRing, kFlatDoubling, kTwoLevel, kNccl, kNcclTwoLevel };
 
 // Where the buffer lives, as far as the choice goes: host memory (device
 // memory staged through the host counts as host), or device memory that NCCL
@@ -35,6 +39,8 @@ struct AllreduceTopology {
   bool one_host_shm = false;  // every rank is on this host and shares memory
   bool two_level = false;     // host and leader groups are connected
   int mode = -1;              // PERSEUS_ALLREDUCE_MODE: 0 flat, 1 two levels, -1 choose
+  size_t doubling_bytes = 0;  // PERSEUS_ALLREDUCE_DOUBLING_BYTES: flat buckets up to this
+                              // size double instead of taking the ring (0: never)
 };
 
 // mixed: part of the buffer crosses hosts as float16 (needs two levels).
@@ -43,7 +49,7 @@ AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopo
 
 // The groups an algorithm may use; null where absent.
 struct AllreduceGroups {
-  Transport* world = nullptr;          // kFlatRing
+  Transport* world = nullptr;          // kFlatRing, kFlatDoubling
   GroupCollectives* host = nullptr;    // kShm (all ranks), kTwoLevel's host phases
   GroupCollectives* leaders = nullptr; // kTwoLevel, on a host's leader only
 };

@@ -48,6 +48,28 @@ TEST(ChooseAllreduce) {
   CHECK(ChooseAllreduce(1, false, hosts) == AllreduceAlgorithm::kTwoLevel);
 }
 
+TEST(ChooseAllreduceDoublesSmallFlatBuckets) {
+  AllreduceTopology flat;
+  flat.doubling_bytes = 64 << 10;
+  CHECK(ChooseAllreduce(4 << 10, false, flat) == AllreduceAlgorithm::kFlatDoubling);
+  CHECK(ChooseAllreduce(64 << 10, false, flat) == AllreduceAlgorithm::kFlatDoubling);
+  CHECK(ChooseAllreduce((64 << 10) + 1, false, flat) == AllreduceAlgorithm::kFlatRing);
+  flat.doubling_bytes = 0;  // off
+  CHECK(ChooseAllreduce(4, false, flat) == AllreduceAlgorithm::kFlatRing);
+  AllreduceTopology one_host;  // shared memory wins on one host
+  one_host.one_host_shm = true;
+  one_host.doubling_bytes = 64 << 10;
+  CHECK(ChooseAllreduce(4, false, one_host) == AllreduceAlgorithm::kShm);
+  AllreduceTopology hosts;  // two levels where asked for (mixed, mode 1) or large
+  hosts.two_level = true;
+  hosts.doubling_bytes = 64 << 10;
+  CHECK(ChooseAllreduce(4 << 10, false, hosts) == AllreduceAlgorithm::kFlatDoubling);
+  CHECK(ChooseAllreduce(4 << 10, true, hosts) == AllreduceAlgorithm::kTwoLevel);
+  CHECK(ChooseAllreduce(1 << 20, false, hosts) == AllreduceAlgorithm::kTwoLevel);
+  hosts.mode = 1;
+  CHECK(ChooseAllreduce(4 << 10, false, hosts) == AllreduceAlgorithm::kTwoLevel);
+}
+
 TEST(ChooseAllreduceForDeviceMemoryThatNcclReduces) {
   const AllreduceMemory device = AllreduceMemory::kNcclDevice;
   AllreduceTopology one_host;

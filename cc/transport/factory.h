@@ -34,6 +34,7 @@ struct TransportTopology {
   bool world_group = true;    // false for a process set (no host groups)
   bool shm_allowed = true;    // PERSEUS_SHM_ALLREDUCE
   int allreduce_mode = -1;    // PERSEUS_ALLREDUCE_MODE
+  size_t allreduce_doubling_bytes = 0;  // PERSEUS_ALLREDUCE_DOUBLING_BYTES
   std::string key_prefix;     // unique per job, process set and generation
   std::chrono::milliseconds timeout{60000};
 };

@@ -282,4 +282,81 @@ void GlooTransport::ReduceScatter(int channel, void* data, const std::vector<siz
   }
 }
 
+void GlooTransport::AllreduceDoubling(int channel, void* data, size_t count, DataType dtype,
+                                      ReduceOp op) {
+  const int size = options_.size, rank = options_.rank;
+  if (size <= 1 || count == 0) return;
+  const ReduceFn fn = HostReduceFn(dtype, op);
+  const size_t bytes = count * DataTypeSize(dtype);
+  const auto& ctx = Channel(channel);
+  const auto timeout = ctx->getTimeout();
+  std::vector<char> incoming(bytes);
+  auto mine = ctx->createUnboundBuffer(data, bytes);
+  auto theirs = ctx->createUnboundBuffer(incoming.data(), bytes);
+  int p = 1;
+  while (p * 2 <= size) p *= 2;
+  const int paired = 2 * (size - p);  // ranks below this fold into pairs
+  // A doubling rank's place among the p (-1: it handed its data on), and back.
+  const int place = rank < paired ? (rank % 2 ? rank / 2 : -1) : rank - (size - p);
+  auto rank_of = [&](int at) { return at < size - p ? 2 * at + 1 : at + (size - p); };
+  auto wait_recv = [&](int from) {
+    if (!theirs->waitRecv(timeout)) {
+      throw std::runtime_error("allreduce (recursive doubling): no data from rank " +
+                               std::to_string(from) + " within GLOO_TIMEOUT_SECONDS");
+    }
+  };
+  auto wait_send = [&](int to) {
+    if (!mine->waitSend(timeout)) {
+      throw std::runtime_error("allreduce (recursive doubling): rank " + std::to_string(to) +
+                               " took no data within GLOO_TIMEOUT_SECONDS");
+    }
+  };
+  // data = first op second, whichever buffer holds which.
+  auto combine = [&](bool incoming_first) {
+    if (incoming_first) {
+      fn(incoming.data(), incoming.data(), data, count);
+      std::memcpy(data, incoming.data(), bytes);
+    } else {
+      fn(data, data, incoming.data(), count);
+    }
+  };
+  uint32_t step = 0;
+  const auto slot = [&] { return gloo::Slot::build(0x21, step); };
+  if (rank < paired) {  // fold: the even rank's buffer comes first
+    if (rank % 2 == 0) {
+      mine->send(rank + 1, slot());
+      wait_send(rank + 1);
+    } else {
+      theirs->recv(rank - 1, slot());
+      wait_recv(rank - 1);
+      combine(true);
+    }
+  }
+  ++step;
+  if (place >= 0) {
+    for (int mask = 1; mask < p; mask <<= 1, ++step) {
+      const int peer = rank_of(place ^ mask);
+      theirs->recv(peer, slot());
+      mine->send(peer, slot());
+      wait_recv(peer);
+      wait_send(peer);
+      combine((place ^ mask) < place);
+    }
+  } else {
+    for (int mask = 1; mask < p; mask <<= 1) ++step;
+  }
+  if (rank < paired) {  // unfold: the odd rank hands the result back
+    if (rank % 2) {
+      mine->send(rank - 1, slot());
+      wait_send(rank - 1);
+    } else {
+      mine->recv(rank + 1, slot());
+      if (!mine->waitRecv(timeout)) {
+        throw std::runtime_error("allreduce (recursive doubling): no result from rank " +
+                                 std::to_string(rank + 1) + " within GLOO_TIMEOUT_SECONDS");
+      }
+    }
+  }
+}
+
 }  // namespace perseus

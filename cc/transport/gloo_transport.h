@@ -54,6 +54,14 @@ class GlooTransport : public Transport {
 
   // All collectives throw gloo::Exception (or std::exception) on failure.
   void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) override;
+  // Recursive doubling (transport.h). With size not a power of two, the
+  // first 2 * (size - p) ranks (p the largest power of two below size) pair
+  // up: each even one hands its buffer to the odd one above it and gets the
+  // result back at the end, while p ranks double. At each step both
+  // partners combine the lower-placed rank's buffer first, so every rank
+  // computes the same expression (NaN under min and max included).
+  void AllreduceDoubling(int channel, void* data, size_t count, DataType dtype,
+                         ReduceOp op) override;
   void Broadcast(int channel, void* data, size_t bytes, int root) override;
   void Allgatherv(int channel, const void* in, void* out,
                   const std::vector<size_t>& bytes_per_rank) override;

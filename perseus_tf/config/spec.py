@@ -132,6 +132,13 @@ SETTINGS = (
        "0: one flat ring over all ranks. 1: hierarchical: reduce within each host, "
        "allreduce among hosts, broadcast within each host.", none_as=-1),
 
+    _s("allreduce_doubling_bytes", "PERSEUS_ALLREDUCE_DOUBLING_BYTES", "int", 65536,
+       ("range", 0, 2**30), "transport", False, STREAMS, "65536", "0 to 2^30",
+       "Buckets of at most this many bytes that cross hosts over one flat group reduce by "
+       "recursive doubling (about log2 N exchanges with one peer each) instead of the ring "
+       "(2(N-1) steps in sequence): small buckets wait on latency, not bandwidth. 0: always "
+       "the ring."),
+
     _s("timeout_seconds", "GLOO_TIMEOUT_SECONDS", "float", 60.0, ("range", 1, 86400),
        "transport", True, TIMEOUTS, "60", "1 to 86400",
        "How long a rank waits on its peers, or on a store that stopped answering, before "

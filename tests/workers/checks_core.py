@@ -124,6 +124,40 @@ def check_shared_memory_allreduce_when_one_host():
                                   np.full(33, 2.0 ** N))
 
 
+def check_small_buckets_cross_hosts_by_recursive_doubling():
+    """Across hosts (or with shared memory off), a bucket up to
+    PERSEUS_ALLREDUCE_DOUBLING_BYTES reduces by recursive doubling, a larger
+    one by the ring (the timeline names each); either way the sums match
+    numpy's and every rank holds the same bits (NaN under min included)."""
+    import json
+    import tempfile
+    doubling = _native.config().allreduce_doubling_bytes
+    flat = not _native.stats()["shm"] and N > 1
+    path = os.path.join(tempfile.mkdtemp(), f"doubling.rank{R}.json")
+    _core.start_timeline(path, False)
+    for n, name in ((3, "tiny"), (1000, "small"), (300_000, "large")):
+        parts = [np.random.default_rng(7 * r + n).normal(size=n) for r in range(N)]
+        got = allreduce_async(parts[R].copy(), f"doubling.{name}").wait()[0]
+        np.testing.assert_allclose(got, np.sum(parts, axis=0), rtol=1e-12, atol=1e-12)
+        low = parts[R].astype(np.float32)
+        low[0] = np.nan if R == N - 1 else low[0]
+        lo = allreduce_async(low, f"doubling.min.{name}", reduce_op=2).wait()[0]
+        every = _core.submit(OP_ALLGATHER, lo.view(np.int32).copy(), f"doubling.bits.{name}",
+                             DTYPE_CODES["int32"]).wait()[0].reshape(N, -1)
+        assert (every == every[0]).all(), f"{name}: the ranks' minima differ in their bits"
+    _core.stop_timeline()
+    with open(path) as f:
+        spans = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    doubled = [e for e in spans if e["name"].startswith("gloo allreduce, doubling")]
+    ringed = [e for e in spans if e["name"] == "gloo allreduce"]
+    if flat and doubling >= 8000 and not _native.stats()["hierarchical"]:
+        # tiny, small and their minima double (float64 1000 = 8000 bytes);
+        # the large sum (2.4 MB) and its minimum take the ring.
+        assert len(doubled) == 4 and len(ringed) == 2, [e["name"] for e in spans]
+    elif doubling == 0:
+        assert not doubled, [e["name"] for e in spans]
+
+
 def check_raw_gloo_allreduce():
     x = np.full(1000, R + 1, np.float32)
     _testing.raw_allreduce(x, DTYPE_CODES["float32"])

@@ -7,8 +7,9 @@
 //                           device or a GPU first (sim_requests.h)
 //   submit_device(...)      an allreduce or broadcast of device memory the
 //                           caller owns (CuPy arrays on the GPU machine)
-//   raw_allreduce(a, dtype) one buffer through the transport, no negotiation
-//                           (the benchmarks' baseline)
+//   raw_allreduce(a, dtype, doubling=False)  one buffer through the
+//                           transport, no negotiation: Gloo's ring or recursive
+//                           doubling (the benchmarks' baselines)
 //   sim_device_launches()   work queued on the simulated device so far
 //   nccl_lone_communicator  a NCCL communicator nobody else joins
 //   hmac_sha256(key, data)  the store handshake's MAC, against hashlib's
@@ -168,16 +169,16 @@ PYBIND11_MODULE(_testing, m) {
     py::gil_scoped_release release;
     return NcclLoneCommunicator(wheel_dirs, size, timeout_ms);
   });
-  m.def("raw_allreduce", [](py::array data, int dtype) {
+  m.def("raw_allreduce", [](py::array data, int dtype, bool doubling) {
     Status s;
     void* p = data.mutable_data();
     size_t n = static_cast<size_t>(data.size());
     {
       py::gil_scoped_release release;
-      s = Runtime::Get().RawAllreduce(p, n, static_cast<DataType>(dtype));
+      s = Runtime::Get().RawAllreduce(p, n, static_cast<DataType>(dtype), doubling);
     }
     if (!s.ok()) Raise(s);
-  });
+  }, py::arg("data"), py::arg("dtype"), py::arg("doubling") = false);
   py::class_<DeviceHandle>(m, "DeviceHandle")
       .def("wait", &DeviceHandle::Wait)
       .def("done", &DeviceHandle::Done);
