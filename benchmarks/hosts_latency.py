@@ -35,8 +35,10 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 SIZES = [4, 64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20]
 
 
-def worker(out, iters, warmup):
-    """One rank: times both algorithms at every size; rank 0 writes medians."""
+def worker(out, iters, warmup, sizes):
+    """One rank: times both algorithms at every size (no sizes: none), then a
+    4 KiB allreduce through the runtime (submit + wait, online negotiation)
+    at the job's settings; rank 0 writes medians."""
     sys.path.insert(0, ROOT)
     import numpy as np
     from perseus_tf import _native, _testing
@@ -46,7 +48,7 @@ def worker(out, iters, warmup):
     f32 = _native.DTYPE_CODES["float32"]
     line_up = np.zeros(1, np.float32)
     rows = []
-    for nbytes in SIZES:
+    for nbytes in sizes:
         count = max(1, nbytes // 4)
         for doubling in (False, True):  # the sum is right either way
             check = np.ones(count, np.float32)
@@ -64,32 +66,54 @@ def worker(out, iters, warmup):
                     times[doubling].append(time.perf_counter() - start)
         rows.append({"bytes": nbytes, "ring_us": 1e6 * statistics.median(times[False]),
                      "doubling_us": 1e6 * statistics.median(times[True])})
+    x = np.zeros(1024, np.float32)
+    through = []
+    for i in range(warmup + iters):
+        _testing.raw_allreduce(line_up, f32)
+        start = time.perf_counter()
+        _native._core.submit(_native.OP_ALLREDUCE, x, "bench.4k", f32, output=x).wait()
+        if i >= warmup:
+            through.append(time.perf_counter() - start)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"size": size, "rows": rows}, f)
+            json.dump({"size": size, "rows": rows,
+                       "runtime_4k_us": 1e6 * statistics.median(through)}, f)
     _native.shutdown()
 
 
-def run(n, iters, warmup, timeout):
-    from netns_hosts import NetnsHosts, communicate_all
+def run(n, iters, warmup, timeout, sizes):
+    """Two jobs on n hosts: the raw table and the runtime at the default
+    settings, then the runtime alone with PERSEUS_ALLREDUCE_DOUBLING_BYTES=0."""
+    from netns_hosts import NetnsHosts
     hosts = NetnsHosts(n, subnet=200 + n)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "rows.json")
-            env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(n),
-                   "-H", ",".join(f"{a}:1" for a in hosts.addrs), "-i", hosts.key, "--",
-                   sys.executable, os.path.abspath(__file__), "--worker", out,
-                   "--iters", str(iters), "--warmup", str(warmup)]
-            proc = hosts.popen(0, cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-            output = communicate_all([proc], timeout, f"{n} hosts")[0]
-            if proc.returncode or not os.path.exists(out):
-                raise RuntimeError(f"{n} hosts failed:\n{output[-3000:]}")
-            with open(out) as f:
-                return json.load(f)
+        result = job(hosts, n, iters, warmup, timeout, sizes, {})
+        ring = job(hosts, n, iters, warmup, timeout, [], {"PERSEUS_ALLREDUCE_DOUBLING_BYTES": "0"})
+        result["runtime_4k_ring_us"] = ring["runtime_4k_us"]
+        return result
     finally:
         hosts.close()
+
+
+def job(hosts, n, iters, warmup, timeout, sizes, settings):
+    """One job of one rank per host; rank 0's medians."""
+    from netns_hosts import communicate_all
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   **settings)
+        cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(n),
+               "-H", ",".join(f"{a}:1" for a in hosts.addrs), "-i", hosts.key, "--",
+               sys.executable, os.path.abspath(__file__), "--worker", out,
+               "--iters", str(iters), "--warmup", str(warmup),
+               "--sizes", ",".join(map(str, sizes)) or "none"]
+        proc = hosts.popen(0, cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        output = communicate_all([proc], timeout, f"{n} hosts")[0]
+        if proc.returncode or not os.path.exists(out):
+            raise RuntimeError(f"{n} hosts failed:\n{output[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
 
 
 def model_ratio(n):
@@ -104,10 +128,13 @@ def main():
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timeout", type=int, default=600, help="seconds per job")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                        help="buffer sizes in bytes, comma-separated")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    sizes = [] if args.sizes == "none" else [int(x) for x in args.sizes.split(",")]
     if args.worker:
-        return worker(args.worker, args.iters, args.warmup)
+        return worker(args.worker, args.iters, args.warmup, sizes)
     from netns_hosts import missing_requirements
     why = missing_requirements()
     if why:
@@ -120,8 +147,10 @@ def main():
     print(f"{'hosts':>5} {'bytes':>8} {'ring us':>10} {'doubling us':>12} {'ratio':>7} "
           f"{'model':>7}")
     alpha = None
+    through = []
     for n in counts:
-        result = run(n, args.iters, args.warmup, args.timeout)
+        result = run(n, args.iters, args.warmup, args.timeout, sizes)
+        through.append((n, result["runtime_4k_ring_us"], result["runtime_4k_us"]))
         for row in result["rows"]:
             ratio = row["ring_us"] / row["doubling_us"]
             if n == 2 and row["bytes"] == 4:
@@ -130,6 +159,11 @@ def main():
                   f"{row['doubling_us']:>12.1f} {ratio:>7.2f} {model_ratio(n):>7.2f}", flush=True)
     if alpha is not None:
         print(f"# alpha (2 hosts, 4 bytes, one exchange): {alpha:.1f} us")
+    print("# a 4 KiB allreduce through the runtime (submit + wait, online negotiation): "
+          "PERSEUS_ALLREDUCE_DOUBLING_BYTES=0 (ring) against the default (doubling)")
+    print(f"{'hosts':>5} {'ring us':>10} {'doubling us':>12} {'ratio':>7}")
+    for n, ring, doubling in through:
+        print(f"{n:>5} {ring:>10.1f} {doubling:>12.1f} {ring / doubling:>7.2f}")
 
 
 if __name__ == "__main__":

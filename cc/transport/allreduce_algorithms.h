@@ -41,6 +41,7 @@ struct AllreduceTopology {
   int mode = -1;              // PERSEUS_ALLREDUCE_MODE: 0 flat, 1 two levels, -1 choose
   size_t doubling_bytes = 0;  // PERSEUS_ALLREDUCE_DOUBLING_BYTES: flat buckets up to this
                               // size double instead of taking the ring (0: never)
+  int ranks = 0;              // the flat group's size (world or process set)
 };
 
 // mixed: part of the buffer crosses hosts as float16 (needs two levels).

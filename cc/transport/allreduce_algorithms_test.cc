@@ -51,7 +51,10 @@ TEST(ChooseAllreduce) {
 TEST(ChooseAllreduceDoublesSmallFlatBuckets) {
   AllreduceTopology flat;
   flat.doubling_bytes = 64 << 10;
+  flat.ranks = 8;
   CHECK(ChooseAllreduce(4 << 10, false, flat) == AllreduceAlgorithm::kFlatDoubling);
+  CHECK(ChooseAllreduce(32, false, flat) == AllreduceAlgorithm::kFlatDoubling);
+  CHECK(ChooseAllreduce(31, false, flat) == AllreduceAlgorithm::kFlatRing);  // under 4 B a rank
   CHECK(ChooseAllreduce(64 << 10, false, flat) == AllreduceAlgorithm::kFlatDoubling);
   CHECK(ChooseAllreduce((64 << 10) + 1, false, flat) == AllreduceAlgorithm::kFlatRing);
   flat.doubling_bytes = 0;  // off
@@ -63,6 +66,7 @@ TEST(ChooseAllreduceDoublesSmallFlatBuckets) {
   AllreduceTopology hosts;  // two levels where asked for (mixed, mode 1) or large
   hosts.two_level = true;
   hosts.doubling_bytes = 64 << 10;
+  hosts.ranks = 4;
   CHECK(ChooseAllreduce(4 << 10, false, hosts) == AllreduceAlgorithm::kFlatDoubling);
   CHECK(ChooseAllreduce(4 << 10, true, hosts) == AllreduceAlgorithm::kTwoLevel);
   CHECK(ChooseAllreduce(1 << 20, false, hosts) == AllreduceAlgorithm::kTwoLevel);

@@ -43,6 +43,7 @@ std::unique_ptr<TransportSet> BuildTransports(GlooTransport& world, const Transp
   set->topology_.two_level = world.hierarchical();
   set->topology_.mode = t.allreduce_mode;
   set->topology_.doubling_bytes = t.allreduce_doubling_bytes;
+  set->topology_.ranks = t.size;
   set->groups_.world = &world;
   set->groups_.host =
       set->shm_ ? static_cast<GroupCollectives*>(set->shm_.get()) : world.host();

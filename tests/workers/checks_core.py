@@ -125,9 +125,9 @@ def check_shared_memory_allreduce_when_one_host():
 
 
 def check_small_buckets_cross_hosts_by_recursive_doubling():
-    """Across hosts (or with shared memory off), a bucket up to
-    PERSEUS_ALLREDUCE_DOUBLING_BYTES reduces by recursive doubling, a larger
-    one by the ring (the timeline names each); either way the sums match
+    """Across hosts (or with shared memory off), a bucket from 4 bytes a rank
+    up to PERSEUS_ALLREDUCE_DOUBLING_BYTES reduces by recursive doubling,
+    others by the ring (the timeline names each); either way the sums match
     numpy's and every rank holds the same bits (NaN under min included)."""
     import json
     import tempfile
@@ -150,10 +150,14 @@ def check_small_buckets_cross_hosts_by_recursive_doubling():
         spans = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
     doubled = [e for e in spans if e["name"].startswith("gloo allreduce, doubling")]
     ringed = [e for e in spans if e["name"] == "gloo allreduce"]
-    if flat and doubling >= 8000 and not _native.stats()["hierarchical"]:
-        # tiny, small and their minima double (float64 1000 = 8000 bytes);
-        # the large sum (2.4 MB) and its minimum take the ring.
-        assert len(doubled) == 4 and len(ringed) == 2, [e["name"] for e in spans]
+    if flat and not _native.stats()["hierarchical"]:
+        # In order: the float64 sum, then the float32 minimum, of 3, 1000 and
+        # 300000 elements. Doubling from 4 bytes a rank up to the setting.
+        sizes = [b for n in (3, 1000, 300_000) for b in (8 * n, 4 * n)]
+        want = ["doubling" if 4 * N <= b <= doubling else "ring" for b in sizes]
+        got = ["doubling" if "doubling" in e["name"] else "ring"
+               for e in sorted(doubled + ringed, key=lambda e: e["ts"])]
+        assert got == want, (want, [e["name"] for e in spans])
     elif doubling == 0:
         assert not doubled, [e["name"] for e in spans]
 
