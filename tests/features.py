@@ -75,6 +75,7 @@ FEATURES = [
         "tests/test_multihost.py::test_killed_remote_rank_ends_the_job_naming_rank_and_host",
         "checks_faults.check_c_grouped_calls_of_different_sizes_fail_on_every_rank",
         "checks_bounded.check_a_stall_timeout_fails_on_time_naming_the_ranks",
+        "tests/test_cc_unit.py::test_the_health_monitor_names_ranks_and_fails_rounds_over_a_fake_store",
     ]),
     ("timeline traces and the slow-rank check", [
         "tests/test_operability.py",

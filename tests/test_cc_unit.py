@@ -143,6 +143,15 @@ def test_recursive_doubling_reduces_alike_on_every_world_size(tmp_path):
     _run_gloo_test(tmp_path, "cc/transport/gloo_transport_test.cc", "2 tests, 0 failed checks")
 
 
+def test_the_health_monitor_names_ranks_and_fails_rounds_over_a_fake_store(tmp_path):
+    """cc/runtime/health_test.cc: the health monitor over a store in memory
+    (health.h's HealthStore): a dead, a departed and a stopped rank named, a
+    survivor not; the heartbeat failing the round when a peer's connection
+    closes and when the store falls silent (within its timeout), and ending
+    every wait with the report; the marks of leaving; the slow-rank check."""
+    _run_gloo_test(tmp_path, "cc/runtime/health_test.cc", "4 tests, 0 failed checks")
+
+
 def test_the_controller_negotiates_runs_stops_and_fails_over_fakes(tmp_path):
     """cc/runtime/controller_test.cc: the controller with a real request
     table and executor over fakes_for_tests.h's world of two (the peer makes

@@ -12,7 +12,6 @@
 #include "cc/rendezvous/store_client.h"
 #include "cc/rendezvous/store_protocol.h"
 #include "cc/runtime/runtime_internal.h"
-#include "cc/transport/gloo_abortable.h"
 
 namespace perseus {
 namespace {
@@ -66,6 +65,41 @@ FirstFailure GetFirstFailure() {
   return first_failure;
 }
 
+namespace {
+
+class StoreClientHealth : public HealthStore {
+ public:
+  StoreClientHealth(StoreClient* store, std::shared_ptr<StoreClient> owned)
+      : store_(store), owned_(std::move(owned)) {}
+  void Set(const std::string& key, const std::vector<char>& value) override {
+    store_->set(key, value);
+  }
+  bool TryGet(const std::string& key, std::chrono::milliseconds timeout,
+              std::vector<char>* value) override {
+    return store_->TryGet(key, timeout, value);
+  }
+  int64_t Add(const std::string& key, int64_t delta) override { return store_->Add(key, delta); }
+
+ private:
+  StoreClient* store_;
+  std::shared_ptr<StoreClient> owned_;  // a connection of its own (null: borrowed)
+};
+
+}  // namespace
+
+std::shared_ptr<HealthStore> StoreForHealth(StoreClient* store) {
+  if (store == nullptr) return nullptr;
+  return std::make_shared<StoreClientHealth>(store, nullptr);
+}
+
+std::shared_ptr<HealthStore> ConnectStoreForHealth(const Topology& ranks,
+                                                   std::chrono::milliseconds limit) {
+  auto client = std::make_shared<StoreClient>(ranks.store_addr, ranks.store_port, ranks.secret,
+                                              limit, limit);
+  client->SetAnswerTimeout(limit);
+  return std::make_shared<StoreClientHealth>(client.get(), client);
+}
+
 HealthMonitor::HealthMonitor(HealthContext context) : c_(std::move(context)) {}
 
 HealthMonitor::~HealthMonitor() { StopHeartbeat(); }
@@ -115,7 +149,7 @@ void HealthMonitor::PerfCheckStep(const std::vector<double>& ms_by_rank) {
 void HealthMonitor::AnnounceLeaving(bool aborted) {
   if (c_.ranks.process_set_id == 0 && c_.store) {
     try {
-      c_.store->set(LeftKey(c_.world_prefix, WorldRank(c_.ranks.rank)),
+      c_.store->Set(LeftKey(c_.world_prefix, WorldRank(c_.ranks.rank)),
                     {aborted ? kLeftByAbort : '1'});
     } catch (const std::exception&) {
       // the store is gone: the others still see the closed connections
@@ -127,7 +161,7 @@ void HealthMonitor::AnnounceLeaving(bool aborted) {
 void HealthMonitor::MarkDone() {
   if (c_.ranks.process_set_id != 0 || !c_.store) return;
   try {
-    c_.store->set(DoneKey(c_.world_prefix, WorldRank(c_.ranks.rank)), {'1'});
+    c_.store->Set(DoneKey(c_.world_prefix, WorldRank(c_.ranks.rank)), {'1'});
   } catch (const std::exception&) {
     // the store is gone: nobody is left to watch
   }
@@ -156,7 +190,7 @@ std::string Seconds(int64_t ms) {
 
 }  // namespace
 
-std::shared_ptr<StoreClient> HealthMonitor::Beats() {
+std::shared_ptr<HealthStore> HealthMonitor::Beats() {
   std::lock_guard<std::mutex> lock(beats_mu_);
   return beats_;
 }
@@ -170,12 +204,7 @@ void HealthMonitor::StartHeartbeat() {
   const auto beat_limit = std::max(std::chrono::milliseconds(500),
                                    std::min<std::chrono::milliseconds>(timeout / 10,
                                                                        std::chrono::seconds(3)));
-  auto connect = [this, beat_limit] {
-    auto client = std::make_shared<StoreClient>(c_.ranks.store_addr, c_.ranks.store_port,
-                                                c_.ranks.secret, beat_limit, beat_limit);
-    client->SetAnswerTimeout(beat_limit);
-    return client;
-  };
+  auto connect = [this, beat_limit] { return c_.connect(beat_limit); };
   try {
     auto first = connect();
     std::vector<char> who;
@@ -219,7 +248,7 @@ void HealthMonitor::StartHeartbeat() {
         const int64_t silent = NowMs() - last_answer_ms_.load();
         if (silent >= timeout.count() && !c_.ending()) {
           store_lost_ = true;
-          AbortGlooWaits(c_.report("this rank stopped waiting for it"));
+          c_.abort_waits(c_.report("this rank stopped waiting for it"));
           return;
         }
       } catch (const std::exception&) {
@@ -288,7 +317,7 @@ std::string HealthMonitor::ThisProcessFroze(std::vector<int>* culprits) {
          "on it";
 }
 
-void HealthMonitor::WatchClosedPeers(StoreClient* beats) {
+void HealthMonitor::WatchClosedPeers(HealthStore* beats) {
   if (c_.ending()) return;
   // Over the heartbeat's own connection, the ranks that closed it, but for
   // those done (a normal shutdown) or left between plan steps by shutdown:
@@ -327,7 +356,7 @@ void HealthMonitor::WatchClosedPeers(StoreClient* beats) {
                          (failed.size() == 1 ? "its" : "their") + " connection"
                    : std::string("the store saw ") + (dead.size() == 1 ? "its" : "their") +
                          " connection close while this rank ran collectives";
-  AbortGlooWaits(c_.report(what));
+  c_.abort_waits(c_.report(what));
 }
 
 std::string HealthMonitor::IdentifyFailedRanks(std::vector<int>* culprits) {
@@ -340,7 +369,7 @@ std::string HealthMonitor::IdentifyFailedRanks(std::vector<int>* culprits) {
   if (!who.empty()) return who;
   try {
     const std::string census = c_.key_prefix + "/census/rank";
-    c_.store->set(census + std::to_string(c_.ranks.rank), {'1'});
+    c_.store->Set(census + std::to_string(c_.ranks.rank), {'1'});
     // Every live process beats every 250 ms, even while blocked in a
     // collective; take a first reading now, a second after the dead check.
     auto beats = Beats();
@@ -410,7 +439,7 @@ std::string HealthMonitor::DeadRanks(std::vector<int>* culprits) {
                                             : " exited or lost their connection");
 }
 
-std::string HealthMonitor::SilentRanks(StoreClient* beats, const std::vector<int64_t>& first,
+std::string HealthMonitor::SilentRanks(HealthStore* beats, const std::vector<int64_t>& first,
                                        Clock::time_point first_at,
                                        std::vector<int>* culprits) {
   // Nobody died. A rank whose heartbeat did not move in 1.5 s (six beats)

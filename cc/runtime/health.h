@@ -28,6 +28,27 @@ namespace perseus {
 
 class StoreClient;
 
+// What the monitor needs of the rendezvous store: StoreClient over TCP in a
+// job (StoreForHealth below), a map in memory in the unit tests
+// (health_test.cc). Each call throws StoreUnanswered (store_client.h) when
+// the store does not answer in time, another std::exception when it is gone.
+class HealthStore {
+ public:
+  virtual ~HealthStore() = default;
+  virtual void Set(const std::string& key, const std::vector<char>& value) = 0;
+  // False when `key` is not there by `timeout` (0: look once).
+  virtual bool TryGet(const std::string& key, std::chrono::milliseconds timeout,
+                      std::vector<char>* value) = 0;
+  virtual int64_t Add(const std::string& key, int64_t delta) = 0;
+};
+
+// The round's own connection as a HealthStore (not owned).
+std::shared_ptr<HealthStore> StoreForHealth(StoreClient* store);
+// A new connection to the store of `ranks` for the heartbeat, each request
+// answered within `limit` or StoreUnanswered.
+std::shared_ptr<HealthStore> ConnectStoreForHealth(const Topology& ranks,
+                                                   std::chrono::milliseconds limit);
+
 // The first failure of any runtime in this process (world or process set):
 // when it was seen, and which world ranks it was blamed on (empty: none
 // named). perseusrun uses it to tell the rank that failed first from the
@@ -45,9 +66,11 @@ struct HealthContext {
   Topology ranks;                // this runtime's members, the store's address and secret
   HealthSettings health;         // the slow-rank check
   double timeout_seconds = 60;   // TransportSettings::timeout_seconds: how long silence may last
-  // The round's store connection (null: a job of one rank). The monitor
-  // opens its own for the heartbeat.
-  StoreClient* store = nullptr;
+  // The round's store connection (null: a job of one rank), and how the
+  // monitor opens its own for the heartbeat (each request answered within
+  // the limit given, or StoreUnanswered).
+  std::shared_ptr<HealthStore> store;
+  std::function<std::shared_ptr<HealthStore>(std::chrono::milliseconds limit)> connect;
   std::string world_prefix;  // the world's round: job_id + "/round<N>"
   std::string key_prefix;    // this runtime's keys in the round
   StatsBook* stats = nullptr;
@@ -56,6 +79,9 @@ struct HealthContext {
   // Fails the round with what the heartbeat found; returns the failure's
   // whole message.
   std::function<std::string(const std::string& what)> report;
+  // Ends the waits of every collective of this process at once (Gloo's may
+  // not wake on a dead peer until its timeout), with `why`.
+  std::function<void(const std::string& why)> abort_waits;
   // True while a closed peer is no failure: the round is not running, or
   // it ends by an agreed shutdown (ranks that finish first close).
   std::function<bool()> ending;
@@ -101,7 +127,7 @@ class HealthMonitor {
   std::string HeartbeatKey(int world_rank) const;
   // The heartbeat's connection (null while it has none): shared with the
   // census, which reads counters over it from other threads.
-  std::shared_ptr<StoreClient> Beats();
+  std::shared_ptr<HealthStore> Beats();
   // Why the store is not answering, and since when; "" while it answers.
   std::string StoreSilence(std::vector<int>* culprits);
   // Why this process did not run for a while lately; "" if it ran.
@@ -109,17 +135,17 @@ class HealthMonitor {
   int WorldRank(int r) const { return WorldRankOf(c_.ranks, r); }
   // From the heartbeat thread, when the store's count of closed ranks grows:
   // fails the round at once if one of them died or failed.
-  void WatchClosedPeers(StoreClient* beats);
+  void WatchClosedPeers(HealthStore* beats);
   // The census, heartbeats and left marks, read for IdentifyFailedRanks.
   std::string LeftRanks(std::vector<int>* culprits);
   std::string DeadRanks(std::vector<int>* culprits);
-  std::string SilentRanks(StoreClient* beats, const std::vector<int64_t>& first_beats,
+  std::string SilentRanks(HealthStore* beats, const std::vector<int64_t>& first_beats,
                           std::chrono::steady_clock::time_point first_at,
                           std::vector<int>* culprits);
 
   HealthContext c_;
   std::mutex beats_mu_;                 // guards beats_
-  std::shared_ptr<StoreClient> beats_;  // the heartbeat's own connection
+  std::shared_ptr<HealthStore> beats_;  // the heartbeat's own connection
   std::string served_by_;               // who serves the store (its SERVED_BY key)
   // Steady-clock milliseconds: the store's last answer to the heartbeat
   // (0: no heartbeat), and the end and length of this process's last

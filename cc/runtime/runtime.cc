@@ -19,6 +19,7 @@
 #include "cc/runtime/plan/plan.h"
 #include "cc/runtime/runtime_internal.h"
 #include "cc/transport/allreduce_algorithms.h"
+#include "cc/transport/gloo_abortable.h"
 #include "cc/transport/gloo_transport.h"
 #include "cc/transport/factory.h"
 
@@ -168,7 +169,11 @@ void Runtime::StartRound() {
   hc.ranks = o;
   hc.health = o;
   hc.timeout_seconds = o.timeout_seconds;
-  hc.store = store_.get();
+  hc.store = StoreForHealth(store_.get());
+  hc.connect = [ranks = static_cast<const Topology&>(o)](std::chrono::milliseconds limit) {
+    return ConnectStoreForHealth(ranks, limit);
+  };
+  hc.abort_waits = [](const std::string& why) { AbortGlooWaits(why); };
   hc.world_prefix = keys_.world_prefix;
   hc.key_prefix = keys_.key_prefix;
   hc.stats = &stats_;

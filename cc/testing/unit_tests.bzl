@@ -40,8 +40,8 @@ UNIT_LIBRARY_SOURCES = [
 UNIT_MAIN = "cc/testing/main.cc"
 
 # Unit tests that need Gloo (-lgloo): each a binary of its own, with the
-# library sources it tests. The controller's reaches Gloo through the health
-# monitor (it aborts Gloo's waits when a peer dies).
+# library sources it tests. The controller's and the health monitor's reach
+# Gloo through the store client (gloo::rendezvous::Store is its base).
 GLOO_UNIT_TESTS = {
     "cc/transport/gloo_abortable_test.cc": ["cc/transport/gloo_abortable.cc"],
     # GlooTransport's own algorithms (recursive doubling, the reduce-scatter ring).
@@ -51,6 +51,14 @@ GLOO_UNIT_TESTS = {
         "cc/transport/gloo_abort.cc",
         "cc/transport/gloo_abortable.cc",
         "cc/transport/gloo_transport.cc",
+    ],
+    # The health monitor over a store in memory (its StoreClient adapter
+    # reaches Gloo's Store base class).
+    "cc/runtime/health_test.cc": [
+        "cc/core/common.cc",
+        "cc/rendezvous/hmac_sha256.cc",
+        "cc/rendezvous/store_client.cc",
+        "cc/runtime/health.cc",
     ],
     "cc/runtime/controller_test.cc": [
         "cc/core/common.cc",
