@@ -1,7 +1,7 @@
 """A short soak of the runtime (tests/workers/soak_worker.py): random grouped
 plannable allreduces whose sets change, mixed with every other collective
 and a process set, random dtypes and shapes (empty included), each result
-checked against numpy. 2 and 4 ranks, shared memory and TCP. The long run is
+checked against numpy. 2, 3 and 4 ranks, shared memory and TCP. The long run is
 `python tools/soak.py --np 4 --steps 10000` (docs/testing.md)."""
 
 import os
@@ -16,7 +16,10 @@ from harness import WORKERS, launch
 # ordering a GPU relies on (producer events, staging, completion after the
 # device work) is checked by the device on every access.
 CONFIGS = [(2, "shm", 400, 11), (2, "tcp", 400, 12), (4, "shm", 250, 13), (4, "tcp", 250, 14),
-           (2, "shm-sim", 250, 15), (4, "tcp-sim", 150, 16)]
+           (2, "shm-sim", 250, 15), (4, "tcp-sim", 150, 16),
+           # A world that is not a power of two: recursive doubling's fold,
+           # and averages whose 1/size is inexact.
+           (3, "tcp", 150, 5)]
 
 
 @pytest.mark.parametrize("np_,transport,steps,seed", CONFIGS,

@@ -71,6 +71,15 @@ def to_bf16(x):
     return (x.reshape(-1).view(np.uint32) >> 16).astype(np.uint16).reshape(x.shape)
 
 
+def round_bf16(x):
+    """float32 array -> the nearest bfloat16 bit patterns (ties to even), as
+    the runtime rounds (cc/core/reduce.cc)."""
+    x = np.asarray(x, np.float32)
+    bits = x.reshape(-1).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return bits.astype(np.uint16).reshape(x.shape)
+
+
 def from_bf16(bits):
     bits = np.asarray(bits)
     return (bits.reshape(-1).astype(np.uint32) << 16).view(np.float32).reshape(bits.shape)
@@ -124,13 +133,21 @@ def reduce_ref(inputs, dtype, op, size, pre=1.0, post=1.0):
         for x in xs[1:]:
             out = out + x * pre
         out = out.astype(xs[0].dtype)
-        if op == "average":
-            # Integers: scaled in double and truncated, as the runtime does.
-            out = (out / size if out.dtype.kind == "f"
-                   else np.trunc(out.astype(np.float64) * (1.0 / size)).astype(out.dtype))
-        out = (out * post).astype(xs[0].dtype)
+        # Scaled after the sum by post (times 1/size for an average), as the
+        # runtime does (ScaleBuffer): integers in double and truncated,
+        # float32 and float64 by the factor in their own type, 16-bit floats
+        # through float32 times the factor in double. (Dividing instead
+        # rounds differently where 1/size is inexact: 3 ranks.)
+        factor = post * (1.0 / size) if op == "average" else post
+        if out.dtype.kind != "f":
+            out = np.trunc(out.astype(np.float64) * factor).astype(out.dtype)
+        elif dtype in ("bfloat16", "float16"):
+            out = (out.astype(np.float32).astype(np.float64) * factor).astype(np.float32)
+            out = out.astype(xs[0].dtype)
+        else:
+            out = (out * out.dtype.type(factor)).astype(xs[0].dtype)
     if dtype == "bfloat16":
-        return np.array(to_bf16(out))
+        return np.array(round_bf16(out))
     return np.array(out.astype(inputs[0].dtype))
 
 
