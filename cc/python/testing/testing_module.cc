@@ -17,6 +17,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -62,10 +63,14 @@ struct DeviceDone {
 
 // A submitted collective of device memory. The caller owns the memory and
 // the ready event; dropping the handle waits for the collective to end.
+// The runtime completes every request, with an error at the latest when
+// its stall or transport timeout runs out; `limit` (both timeouts and a
+// minute more) bounds the wait should it not.
 class DeviceHandle {
  public:
-  DeviceHandle(std::shared_ptr<DeviceDone> done, uintptr_t output)
-      : done_(std::move(done)), output_(output) {}
+  DeviceHandle(std::shared_ptr<DeviceDone> done, uintptr_t output, std::string name,
+               std::chrono::milliseconds limit)
+      : done_(std::move(done)), output_(output), name_(std::move(name)), limit_(limit) {}
   DeviceHandle(DeviceHandle&&) = default;
   DeviceHandle(const DeviceHandle&) = delete;
   ~DeviceHandle() {
@@ -75,9 +80,16 @@ class DeviceHandle {
   }
   // Returns (output pointer, None), as _core's Handle returns (array, None).
   py::tuple Wait() {
+    bool finished;
     {
       py::gil_scoped_release release;
-      Block();
+      finished = Block();
+    }
+    if (!finished) {
+      Raise(Status::Error(StatusCode::kUnavailable,
+                          "submit_device '" + name_ + "': not completed within " +
+                              std::to_string(limit_.count() / 1000) +
+                              " s; the runtime neither finished nor failed it"));
     }
     if (!done_->status.ok()) Raise(done_->status);
     return py::make_tuple(py::int_(output_), py::none());
@@ -88,12 +100,15 @@ class DeviceHandle {
   }
 
  private:
-  void Block() {
+  // False when `limit_` ran out first.
+  bool Block() {
     std::unique_lock<std::mutex> lock(done_->mu);
-    done_->cv.wait(lock, [&] { return done_->finished; });
+    return done_->cv.wait_for(lock, limit_, [&] { return done_->finished; });
   }
   std::shared_ptr<DeviceDone> done_;
   uintptr_t output_;
+  std::string name_;
+  std::chrono::milliseconds limit_;
 };
 
 // `ready` is a cudaEvent_t recorded after the producer's writes on `stream`
@@ -137,7 +152,10 @@ DeviceHandle SubmitDevice(int op, uintptr_t input, uintptr_t output, std::vector
     s = rt.EnqueueGroup({req});
   }
   if (!s.ok()) Raise(s);
-  return DeviceHandle(done, output);
+  const InitOptions& o = rt.options();
+  const auto limit = std::chrono::milliseconds(
+      static_cast<int64_t>((o.stall_timeout_seconds + 2 * o.timeout_seconds + 60) * 1000));
+  return DeviceHandle(done, output, name, limit);
 }
 
 }  // namespace
