@@ -66,6 +66,18 @@ def worker(out, iters, warmup, sizes):
                     times[doubling].append(time.perf_counter() - start)
         rows.append({"bytes": nbytes, "ring_us": 1e6 * statistics.median(times[False]),
                      "doubling_us": 1e6 * statistics.median(times[True])})
+    # The negotiation cycle's allgather: a 512-byte slot from every rank.
+    slot = bytes(512)
+    gathers = {False: [], True: []}
+    for i in range(warmup + iters):
+        for bruck in (False, True):
+            _testing.raw_allreduce(line_up, f32)
+            start = time.perf_counter()
+            got = _testing.raw_allgather(slot, bruck=bruck)
+            if i >= warmup:
+                gathers[bruck].append(time.perf_counter() - start)
+            if len(got) != 512 * size:
+                raise RuntimeError(f"allgather (bruck={bruck}) gave {len(got)} bytes")
     x = np.zeros(1024, np.float32)
     through = []
     for i in range(warmup + iters):
@@ -77,6 +89,8 @@ def worker(out, iters, warmup, sizes):
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"size": size, "rows": rows,
+                   "allgather_ring_us": 1e6 * statistics.median(gathers[False]),
+                   "allgather_bruck_us": 1e6 * statistics.median(gathers[True]),
                        "runtime_4k_us": 1e6 * statistics.median(through)}, f)
     _native.shutdown()
 
@@ -147,10 +161,11 @@ def main():
     print(f"{'hosts':>5} {'bytes':>8} {'ring us':>10} {'doubling us':>12} {'ratio':>7} "
           f"{'model':>7}")
     alpha = None
-    through = []
+    through, gathers = [], []
     for n in counts:
         result = run(n, args.iters, args.warmup, args.timeout, sizes)
         through.append((n, result["runtime_4k_ring_us"], result["runtime_4k_us"]))
+        gathers.append((n, result["allgather_ring_us"], result["allgather_bruck_us"]))
         for row in result["rows"]:
             ratio = row["ring_us"] / row["doubling_us"]
             if n == 2 and row["bytes"] == 4:
@@ -164,6 +179,12 @@ def main():
     print(f"{'hosts':>5} {'ring us':>10} {'doubling us':>12} {'ratio':>7}")
     for n, ring, doubling in through:
         print(f"{n:>5} {ring:>10.1f} {doubling:>12.1f} {ring / doubling:>7.2f}")
+    print("# the negotiation cycle's allgather, 512 bytes a rank (raw): Gloo's ring against "
+          "Bruck's rounds (what the runtime runs); model = (N-1) / ceil(log2 N)")
+    print(f"{'hosts':>5} {'ring us':>10} {'bruck us':>12} {'ratio':>7} {'model':>7}")
+    for n, ring, bruck in gathers:
+        print(f"{n:>5} {ring:>10.1f} {bruck:>12.1f} {ring / bruck:>7.2f} "
+              f"{(n - 1) / math.ceil(math.log2(n)):>7.2f}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ FEATURES = [
         "checks_core.check_shared_memory_allreduce_when_one_host",
         "checks_core.check_many_tensors_enqueued_in_different_orders",
         "checks_core.check_small_buckets_cross_hosts_by_recursive_doubling",
-        "tests/test_cc_unit.py::test_recursive_doubling_reduces_alike_on_every_world_size",
+        "tests/test_cc_unit.py::test_recursive_doubling_and_bruck_allgather_on_every_world_size",
+        "checks_core.check_raw_allgather_by_bruck_equals_the_ring",
+        "checks_core.check_the_cost_model_draws_one_line_on_every_rank",
     ]),
     ("local gradient accumulation", [
         "checks_strategy.check_accumulation_equals_a_larger_batch",

@@ -8,6 +8,12 @@ pybind11::dict StatsToDict(const Stats& st) {
   pybind11::dict d;
   d["cycles"] = st.cycles;
   d["control_bytes_sent"] = st.control_bytes_sent;
+  d["startup_store_seconds"] = st.startup_store_seconds;
+  d["startup_connect_seconds"] = st.startup_connect_seconds;
+  d["allreduce_doubling_bytes"] = st.allreduce_doubling_bytes;
+  d["link_latency_us"] = st.link_latency_us;
+  d["link_bandwidth_mbytes"] = st.link_bandwidth_mbytes;
+  d["reduce_mbytes"] = st.reduce_mbytes;
   d["requests"] = st.requests;
   d["responses"] = st.responses;
   d["fused_responses"] = st.fused_responses;

@@ -7,6 +7,7 @@
 // Slot 0 is the negotiation thread; slot 1 + i is stream i. Writers set a
 // slot when a wait or a collective starts and clear it when it ends.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <mutex>
@@ -30,6 +31,17 @@ class Activity {
     slots_[slot].since = Clock::now();
   }
   void Clear(int slot) { Set(slot, std::string()); }
+
+  // How long the slot busy the longest has been (zero: none is).
+  Clock::duration Longest() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto now = Clock::now();
+    Clock::duration out{0};
+    for (const Slot& s : slots_) {
+      if (!s.what.empty()) out = std::max(out, now - s.since);
+    }
+    return out;
+  }
 
   // The slots busy for at least `at_least`, as one clause each:
   // "the negotiation thread had been waiting in ... for 61.0 s; stream 2

@@ -216,8 +216,7 @@ Controller::Exchanged Controller::ExchangeControl(CycleMessage mine, int64_t my_
     const size_t head = std::min(encoded.size(), kInline);
     if (head) std::memcpy(slot.data() + kHeader, encoded.data(), head);
     std::vector<char> slots(kControlSlot * size);
-    c_.control->Allgatherv(Transport::kControl, slot.data(), slots.data(),
-                         std::vector<size_t>(size, kControlSlot));
+    c_.control->AllgatherBlocks(Transport::kControl, slot.data(), slots.data(), kControlSlot);
     sent += kControlSlot;
     std::vector<int64_t> lens(size);
     std::vector<size_t> rest(size, 0);

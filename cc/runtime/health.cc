@@ -182,6 +182,13 @@ int64_t NowMs() {
 // was not running.
 constexpr int64_t kFrozeMs = 5000;
 
+// A rank whose beat did not move in this long (six beats) is stopped.
+constexpr std::chrono::milliseconds kSilentWindow(1500);
+// The heartbeat reads every rank's beat once a wait has lasted to within
+// this of the timeout (and half of it): the reading is then older than
+// kSilentWindow when the wait times out.
+constexpr std::chrono::milliseconds kEarlyReadLead(2000);
+
 std::string Seconds(int64_t ms) {
   std::ostringstream out;
   out << (ms / 100) / 10.0 << " s";
@@ -240,6 +247,7 @@ void HealthMonitor::StartHeartbeat() {
           closed_seen = closed;
           WatchClosedPeers(beats.get());
         }
+        ReadBeatsBeforeTimeout(beats.get(), timeout);
       } catch (const StoreUnanswered&) {
         {
           std::lock_guard<std::mutex> guard(beats_mu_);
@@ -273,6 +281,23 @@ void HealthMonitor::StartHeartbeat() {
       }
     }
   });
+}
+
+void HealthMonitor::ReadBeatsBeforeTimeout(HealthStore* beats,
+                                           std::chrono::milliseconds timeout) {
+  if (!c_.longest_wait) return;
+  const auto waited = c_.longest_wait();
+  if (waited < timeout / 2 || waited < timeout - kEarlyReadLead) return;
+  const auto now = Clock::now();
+  {
+    std::lock_guard<std::mutex> lock(early_mu_);
+    if (!early_beats_.empty() && early_at_ >= now - waited) return;  // read in this wait
+  }
+  std::vector<int64_t> read(c_.ranks.size);
+  for (int r = 0; r < c_.ranks.size; ++r) read[r] = beats->Add(HeartbeatKey(WorldRank(r)), 0);
+  std::lock_guard<std::mutex> lock(early_mu_);
+  early_beats_ = std::move(read);
+  early_at_ = now;
 }
 
 void HealthMonitor::StopHeartbeat() {
@@ -383,7 +408,25 @@ std::string HealthMonitor::IdentifyFailedRanks(std::vector<int>* culprits) {
       }
     }
     who = LeftRanks(culprits);
-    if (who.empty()) who = DeadRanks(culprits);
+    if (!who.empty()) return who;
+    // A reading the heartbeat took as the wait neared its timeout names a
+    // stopped rank now, without a window's sleep; a dead rank's closed
+    // connection has long been seen by then. Else (no such reading, or it
+    // names nobody) the readings above and the full checks.
+    std::vector<int64_t> early;
+    Clock::time_point early_at;
+    {
+      std::lock_guard<std::mutex> lock(early_mu_);
+      early = early_beats_;
+      early_at = early_at_;
+    }
+    if (beats && !early.empty() && Clock::now() - early_at >= kSilentWindow &&
+        Clock::now() - early_at <= 4 * kEarlyReadLead) {
+      who = DeadRanks(culprits, std::chrono::milliseconds(0));
+      if (who.empty()) who = SilentRanks(beats.get(), early, early_at, culprits);
+      if (!who.empty()) return who;
+    }
+    who = DeadRanks(culprits, std::chrono::milliseconds(1000));
     if (who.empty()) who = SilentRanks(beats.get(), first, first_at, culprits);
     return who;
   } catch (const StoreUnanswered& e) {
@@ -412,12 +455,13 @@ std::string HealthMonitor::LeftRanks(std::vector<int>* culprits) {
          " called shutdown and left the job while this rank still ran collectives with it";
 }
 
-std::string HealthMonitor::DeadRanks(std::vector<int>* culprits) {
+std::string HealthMonitor::DeadRanks(std::vector<int>* culprits,
+                                    std::chrono::milliseconds look) {
   // A rank that died closed its store connection; the store may take a
-  // moment to notice, so look for up to a second.
+  // moment to notice, so look for up to `look`.
   const std::string census = c_.key_prefix + "/census/rank";
   std::vector<char> ignored;
-  auto deadline = Clock::now() + std::chrono::seconds(1);
+  auto deadline = Clock::now() + look;
   std::vector<int> dead;
   while (dead.empty()) {
     for (int r = 0; r < c_.ranks.size; ++r) {
@@ -445,7 +489,7 @@ std::string HealthMonitor::SilentRanks(HealthStore* beats, const std::vector<int
   // Nobody died. A rank whose heartbeat did not move in 1.5 s (six beats)
   // is stopped: this names it about 1.5 s after the timeout.
   if (beats) {
-    std::this_thread::sleep_until(first_at + std::chrono::milliseconds(1500));
+    std::this_thread::sleep_until(first_at + kSilentWindow);
     std::vector<int> stopped;
     try {
       for (int r = 0; r < c_.ranks.size; ++r) {

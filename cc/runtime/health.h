@@ -85,6 +85,11 @@ struct HealthContext {
   // True while a closed peer is no failure: the round is not running, or
   // it ends by an agreed shutdown (ranks that finish first close).
   std::function<bool()> ending;
+  // How long this runtime's longest current wait (a negotiation exchange, a
+  // collective) has lasted (null: not watched). The heartbeat reads the
+  // peers' beats while such a wait nears GLOO_TIMEOUT_SECONDS, so that a
+  // stopped rank is named when the wait times out, not a window later.
+  std::function<std::chrono::steady_clock::duration()> longest_wait;
 };
 
 class HealthMonitor {
@@ -136,9 +141,13 @@ class HealthMonitor {
   // From the heartbeat thread, when the store's count of closed ranks grows:
   // fails the round at once if one of them died or failed.
   void WatchClosedPeers(HealthStore* beats);
+  // From the heartbeat thread: every rank's beat counter, read once per
+  // wait that has lasted half the timeout and to within 2 s of it.
+  void ReadBeatsBeforeTimeout(HealthStore* beats, std::chrono::milliseconds timeout);
   // The census, heartbeats and left marks, read for IdentifyFailedRanks.
+  // DeadRanks looks for a closed connection for up to `look`.
   std::string LeftRanks(std::vector<int>* culprits);
-  std::string DeadRanks(std::vector<int>* culprits);
+  std::string DeadRanks(std::vector<int>* culprits, std::chrono::milliseconds look);
   std::string SilentRanks(HealthStore* beats, const std::vector<int64_t>& first_beats,
                           std::chrono::steady_clock::time_point first_at,
                           std::vector<int>* culprits);
@@ -161,6 +170,10 @@ class HealthMonitor {
   bool stop_ = false;
   std::vector<double> perf_sum_;
   int perf_steps_ = 0;
+  // ReadBeatsBeforeTimeout's reading (empty: none) and when it was taken.
+  std::mutex early_mu_;
+  std::vector<int64_t> early_beats_;
+  std::chrono::steady_clock::time_point early_at_;
 };
 
 }  // namespace perseus

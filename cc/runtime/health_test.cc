@@ -6,6 +6,7 @@
 // other ranks and the store's server would have written.
 #include "cc/runtime/health.h"
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -79,6 +80,26 @@ std::string ClosedCount() {
 }
 std::string Census(int rank) { return std::string(kRound) + "/census/rank" + std::to_string(rank); }
 std::string Beat(int rank) { return "job/heartbeat/" + std::to_string(rank); }
+
+// A live peer's heartbeat: `rank` beats every 50 ms until this is destroyed.
+class PeerBeating {
+ public:
+  PeerBeating(FakeStore& store, int rank)
+      : thread_([this, &store, rank] {
+          while (!stop_) {
+            store.Add(Beat(rank), 1);
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          }
+        }) {}
+  ~PeerBeating() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 // Rank 0 of three, the fake store for both connections, and what the
 // monitor reported and aborted with.
@@ -167,18 +188,10 @@ TEST(TheHeartbeatNamesAStoppedRankAndFailsTheRoundOnAClosedPeer) {
   HealthMonitor health(w.Context());
   health.StartHeartbeat();
   // Rank 2 beats, rank 1 does not: rank 1 is stopped.
-  bool stop = false;
-  std::thread beater([&] {
-    while (!stop) {
-      w.store->Add(Beat(2), 1);
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-  });
+  PeerBeating beating(*w.store, 2);
   std::vector<int> culprits;
   const auto start = Clock::now();
   const std::string why = health.IdentifyFailedRanks(&culprits);
-  stop = true;
-  beater.join();
   CHECK(why.find("rank 1 stopped responding") != std::string::npos);
   CHECK(culprits == std::vector<int>({1}));
   CHECK(Clock::now() - start < std::chrono::seconds(5));
@@ -191,6 +204,30 @@ TEST(TheHeartbeatNamesAStoppedRankAndFailsTheRoundOnAClosedPeer) {
   std::lock_guard<std::mutex> lock(w.mu);
   CHECK(!w.reports.empty() && w.reports[0].find("connection close") != std::string::npos);
   CHECK(!w.aborts.empty() && w.aborts[0].rfind("Perseus: ", 0) == 0);
+}
+
+// A wait that reaches its timeout: the heartbeat read every rank's beat as
+// the wait neared it, so the stopped rank is named at once, not after the
+// 1.5 s the readings take otherwise (the previous test's path).
+TEST(AStoppedRankIsNamedWhenTheWaitTimesOutNotAWindowLater) {
+  World w;
+  const auto wait_began = Clock::now();
+  HealthContext c = w.Context(/*timeout_seconds=*/3);
+  c.longest_wait = [wait_began] { return Clock::now() - wait_began; };
+  HealthMonitor health(std::move(c));
+  health.StartHeartbeat();
+  PeerBeating beating(*w.store, 2);
+  // The read comes once the wait has lasted 1.5 s (half the timeout): by
+  // 3.5 s it is more than the 1.5 s window old unless the beat ran late.
+  std::this_thread::sleep_until(wait_began + std::chrono::milliseconds(3500));
+  std::vector<int> culprits;
+  const auto start = Clock::now();
+  const std::string why = health.IdentifyFailedRanks(&culprits);
+  const auto took = Clock::now() - start;
+  CHECK(why.find("rank 1 stopped responding") != std::string::npos);
+  CHECK(culprits == std::vector<int>({1}));
+  CHECK(took < std::chrono::milliseconds(1200));
+  health.StopHeartbeat();
 }
 
 TEST(AStoreThatFallsSilentFailsTheRoundWithinItsTimeout) {

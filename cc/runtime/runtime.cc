@@ -47,13 +47,18 @@ Status Runtime::Init(const InitOptions& options) {
   options_ = options;
   faults_ = FaultInjector::FromEnv(WorldRank(options.rank), options.process_set_id);
   TransportOptions bo = TransportOptionsFor(options);
+  using Seconds = std::chrono::duration<double>;
+  const auto started = std::chrono::steady_clock::now();
+  auto joined_at = started, connected_at = started;
   try {
     Status joined = JoinRound(&bo);
     if (!joined.ok()) {
       store_.reset();
       return joined;
     }
+    joined_at = std::chrono::steady_clock::now();
     Connect(&bo);
+    connected_at = std::chrono::steady_clock::now();
   } catch (const std::exception& e) {
     transports_.reset();
     transport_.reset();
@@ -63,6 +68,10 @@ Status Runtime::Init(const InitOptions& options) {
                              " of " + std::to_string(options.size) + ": " + e.what());
   }
   StartRound();
+  stats_.Update([&](Stats& st) {
+    st.startup_store_seconds = Seconds(joined_at - started).count();
+    st.startup_connect_seconds = Seconds(connected_at - joined_at).count();
+  });
   executor_.reset(new Executor(MakeExecutorContext(bo)));
   StartController();
   return Status::OK();
@@ -155,7 +164,9 @@ void Runtime::Connect(TransportOptions* bo) {
   topo.world_group = o.process_set_id == 0;
   topo.shm_allowed = o.shm_allreduce;
   topo.allreduce_mode = o.allreduce_mode;
-  topo.allreduce_doubling_bytes = static_cast<size_t>(o.allreduce_doubling_bytes);
+  topo.allreduce_doubling_bytes = o.allreduce_doubling_bytes;
+  topo.link_cost.alpha = o.link_latency_us * 1e-6;
+  topo.link_cost.beta = o.link_bandwidth_mbytes * 1e6;
   topo.key_prefix = bo->key_prefix;
   topo.timeout = bo->timeout;
   transports_ = BuildTransports(*transport_, topo, [this] {
@@ -165,6 +176,7 @@ void Runtime::Connect(TransportOptions* bo) {
 
 void Runtime::StartRound() {
   const InitOptions& o = options_;
+  auto activity = std::make_shared<Activity>(o.streams);
   HealthContext hc;
   hc.ranks = o;
   hc.health = o;
@@ -182,6 +194,7 @@ void Runtime::StartRound() {
   };
   hc.report = [this](const std::string& what) { return Fail(what); };
   hc.ending = [this] { return state_.load() != State::kRunning || requests_.ShuttingDown(); };
+  hc.longest_wait = [activity] { return activity->Longest(); };
   health_.reset(new HealthMonitor(std::move(hc)));
   if (o.process_set_id == 0 && o.size > 1) health_->StartHeartbeat();
   requests_.Open(WorldRank(o.rank));
@@ -195,10 +208,14 @@ void Runtime::StartRound() {
     s.hierarchical = transport_->hierarchical() && o.allreduce_mode != 0;
     s.shm = transports_->shm();
     s.round = keys_.round;
+    s.allreduce_doubling_bytes = static_cast<int64_t>(transports_->topology().doubling_bytes);
+    s.link_latency_us = transports_->cost().alpha * 1e6;
+    s.link_bandwidth_mbytes = transports_->cost().beta * 1e-6;
+    s.reduce_mbytes = transports_->cost().gamma > 0 ? 1e-6 / transports_->cost().gamma : 0;
   });
   {
     std::lock_guard<std::mutex> lock(mu_);
-    activity_ = std::make_shared<Activity>(o.streams);
+    activity_ = activity;
   }
   state_ = State::kRunning;
   mark_cycles_ = true;
@@ -474,6 +491,26 @@ Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype, bool doub
     }
   } catch (const std::exception& e) {
     return Status::Error(StatusCode::kUnavailable, std::string("raw allreduce failed: ") + e.what());
+  }
+  return Status::OK();
+}
+
+Status Runtime::RawAllgather(const std::string& in, std::string* out, bool bruck) {
+  if (state_.load() != State::kRunning) {
+    return Status::Error(StatusCode::kFailedPrecondition, "Perseus is not initialized");
+  }
+  std::lock_guard<std::mutex> lock(raw_mu_);
+  try {
+    if (store_) transport_->CreateRawChannel(*store_);
+    out->assign(in.size() * static_cast<size_t>(transport_->size()), '\0');
+    if (bruck) {
+      transport_->AllgatherBlocks(GlooTransport::kRawChannel, in.data(), &(*out)[0], in.size());
+    } else {
+      transport_->Allgatherv(GlooTransport::kRawChannel, in.data(), &(*out)[0],
+                             std::vector<size_t>(transport_->size(), in.size()));
+    }
+  } catch (const std::exception& e) {
+    return Status::Error(StatusCode::kUnavailable, std::string("raw allgather failed: ") + e.what());
   }
   return Status::OK();
 }

@@ -131,6 +131,10 @@ class Runtime {
   // context, bypassing negotiation and fusion: Gloo's ring, or (doubling)
   // the transport's recursive doubling. Collective.
   Status RawAllreduce(void* data, size_t count, DataType dtype, bool doubling = false);
+  // The same for an allgather of `in` (the same length on every rank):
+  // *out gets every rank's, in rank order, by Gloo's ring (allgatherv) or
+  // (bruck) Bruck's rounds, the negotiation cycle's algorithm.
+  Status RawAllgather(const std::string& in, std::string* out, bool bruck);
 
  private:
   // The world's runtime, and what a child forked after init() does with it

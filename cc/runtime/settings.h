@@ -27,7 +27,17 @@ struct TransportSettings {
   // cross hosts over one flat group reduce by recursive doubling (about log2 N
   // exchanges with one peer each) instead of the ring (2(N-1) steps in
   // sequence): small buckets wait on latency, not bandwidth. 0: always the ring.
-  int allreduce_doubling_bytes = 65536;
+  // Unset: the line the cost model draws at init from the links' latency and
+  // bandwidth ([Communication](communication.md#the-cost-model)). Unset: -1
+  // (auto).
+  int64_t allreduce_doubling_bytes = -1;
+  // PERSEUS_LINK_LATENCY_US: The cost model's latency of one hop between hosts,
+  // in microseconds, instead of the one measured at init. Unset: 0 (measured).
+  double link_latency_us = 0.0;
+  // PERSEUS_LINK_BANDWIDTH_MBYTES: The cost model's bandwidth of a link between
+  // hosts, in MB (10^6 bytes) a second, instead of the one measured at init.
+  // Unset: 0 (measured).
+  double link_bandwidth_mbytes = 0.0;
   // GLOO_TIMEOUT_SECONDS: How long a rank waits on its peers, or on a store that
   // stopped answering, before it reports the rank or store as gone.
   double timeout_seconds = 60.0;
@@ -103,6 +113,8 @@ struct HealthSettings {
   X(TransportSettings, shm_allreduce) \
   X(TransportSettings, allreduce_mode) \
   X(TransportSettings, allreduce_doubling_bytes) \
+  X(TransportSettings, link_latency_us) \
+  X(TransportSettings, link_bandwidth_mbytes) \
   X(TransportSettings, timeout_seconds) \
   X(NegotiationSettings, stall_check_seconds) \
   X(NegotiationSettings, stall_timeout_seconds) \

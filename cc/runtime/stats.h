@@ -34,6 +34,20 @@ struct Stats {
   int64_t offline_steps = 0;  // steps run from a plan, without control messages
   int64_t plan_checks = 0;    // plan checksums compared (PERSEUS_OFFLINE_NEG_CHECK_N_STEPS)
   int64_t plan_timeouts = 0;  // plans this rank voted to leave after waiting for its own data
+  // Init's parts: joining the round through the store (connecting to it,
+  // the roll call) and connecting the transports (Gloo's contexts, shared
+  // memory).
+  double startup_store_seconds = 0;
+  double startup_connect_seconds = 0;
+  // The line between recursive doubling and the ring for flat buckets
+  // across hosts (bytes), and the cost model's inputs it was drawn from
+  // (zeros when the line was set by PERSEUS_ALLREDUCE_DOUBLING_BYTES or no
+  // bucket crosses hosts flat): a hop's latency, a link's bandwidth, and
+  // this host's float32 sum, in MB (10^6 bytes) a second.
+  int64_t allreduce_doubling_bytes = 0;
+  double link_latency_us = 0;
+  double link_bandwidth_mbytes = 0;
+  double reduce_mbytes = 0;
   int64_t cycles = 0;
   int64_t control_bytes_sent = 0;
   int64_t requests = 0;

@@ -20,6 +20,7 @@ UNIT_LIBRARY_SOURCES = [
     "cc/runtime/request_table.cc",
     "cc/runtime/plan/request_table_plan.cc",
     "cc/transport/allreduce_algorithms.cc",
+    "cc/transport/cost_model.cc",
     "cc/device/sim_device.cc",
     "cc/transport/nccl.cc",
     # The executor and what it runs (cc/runtime/executor_test.cc).
@@ -44,10 +45,12 @@ UNIT_MAIN = "cc/testing/main.cc"
 # Gloo through the store client (gloo::rendezvous::Store is its base).
 GLOO_UNIT_TESTS = {
     "cc/transport/gloo_abortable_test.cc": ["cc/transport/gloo_abortable.cc"],
-    # GlooTransport's own algorithms (recursive doubling, the reduce-scatter ring).
+    # GlooTransport's own algorithms (recursive doubling, Bruck's allgather,
+    # the reduce-scatter ring) and the cost model's measurement over them.
     "cc/transport/gloo_transport_test.cc": [
         "cc/core/common.cc",
         "cc/core/reduce.cc",
+        "cc/transport/cost_model.cc",
         "cc/transport/gloo_abort.cc",
         "cc/transport/gloo_abortable.cc",
         "cc/transport/gloo_transport.cc",

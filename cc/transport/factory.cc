@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "cc/transport/cost_model.h"
 #include "cc/transport/gloo_transport.h"
 #include "cc/transport/shm_transport.h"
 
@@ -42,8 +43,15 @@ std::unique_ptr<TransportSet> BuildTransports(GlooTransport& world, const Transp
   set->topology_.one_host_shm = set->shm_ && t.cross_size == 1;
   set->topology_.two_level = world.hierarchical();
   set->topology_.mode = t.allreduce_mode;
-  set->topology_.doubling_bytes = t.allreduce_doubling_bytes;
   set->topology_.ranks = t.size;
+  if (t.allreduce_doubling_bytes >= 0) {
+    set->topology_.doubling_bytes = static_cast<size_t>(t.allreduce_doubling_bytes);
+  } else if (t.size > 1 && !set->topology_.one_host_shm) {
+    // The cost model's line between doubling and the ring, from the links
+    // as measured now (or as given), the same on every rank.
+    set->cost_ = MeasureLinkCost(world, Transport::kControl, t.link_cost);
+    set->topology_.doubling_bytes = static_cast<size_t>(DoublingCrossover(t.size, set->cost_));
+  }
   set->groups_.world = &world;
   set->groups_.host =
       set->shm_ ? static_cast<GroupCollectives*>(set->shm_.get()) : world.host();

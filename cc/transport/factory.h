@@ -15,6 +15,7 @@
 #include <string>
 
 #include "cc/transport/allreduce_algorithms.h"
+#include "cc/transport/cost_model.h"
 #include "cc/transport/transport.h"
 
 namespace perseus {
@@ -34,7 +35,10 @@ struct TransportTopology {
   bool world_group = true;    // false for a process set (no host groups)
   bool shm_allowed = true;    // PERSEUS_SHM_ALLREDUCE
   int allreduce_mode = -1;    // PERSEUS_ALLREDUCE_MODE
-  size_t allreduce_doubling_bytes = 0;  // PERSEUS_ALLREDUCE_DOUBLING_BYTES
+  // PERSEUS_ALLREDUCE_DOUBLING_BYTES; -1: the cost model's (cost_model.h),
+  // from link_cost where it is given (PERSEUS_LINK_*; 0: measure).
+  int64_t allreduce_doubling_bytes = 0;
+  LinkCost link_cost;
   std::string key_prefix;     // unique per job, process set and generation
   std::chrono::milliseconds timeout{60000};
 };
@@ -47,6 +51,9 @@ class TransportSet {
   const AllreduceTopology& topology() const { return topology_; }
   const AllreduceGroups& groups() const { return groups_; }
   bool shm() const { return shm_ != nullptr; }
+  // The links' cost the doubling line was drawn from (zeros: not measured,
+  // the line was set or no bucket crosses hosts flat).
+  const LinkCost& cost() const { return cost_; }
   // Wakes every wait of every transport with an error; any thread may call
   // it, at any time, any number of times.
   void Abort();
@@ -60,6 +67,7 @@ class TransportSet {
   std::unique_ptr<ShmTransport> shm_;
   AllreduceTopology topology_;
   AllreduceGroups groups_;
+  LinkCost cost_;
 };
 
 // Collective over every rank of the world. `before_shm` runs just before

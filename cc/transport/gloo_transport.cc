@@ -216,6 +216,42 @@ void GlooTransport::Allgatherv(int channel, const void* in, void* out,
   gloo::allgatherv(opts);
 }
 
+void GlooTransport::AllgatherBlocks(int channel, const void* in, void* out, size_t block) {
+  const int size = options_.size, rank = options_.rank;
+  if (block == 0) return;
+  if (size <= 1) {
+    std::memmove(out, in, block);
+    return;
+  }
+  const auto& ctx = Channel(channel);
+  const auto timeout = ctx->getTimeout();
+  // held[i] is rank (rank + i) % size's block.
+  std::vector<char> held(block * size);
+  std::memcpy(held.data(), in, block);
+  auto buffer = ctx->createUnboundBuffer(held.data(), held.size());
+  uint32_t round = 0;
+  for (int have = 1; have < size; have *= 2, ++round) {
+    const int count = std::min(have, size - have);
+    const int to = (rank - have + size) % size, from = (rank + have) % size;
+    const uint64_t slot = gloo::Slot::build(0x22, round);
+    buffer->recv(from, slot, have * block, count * block);
+    buffer->send(to, slot, 0, count * block);
+    if (!buffer->waitRecv(timeout)) {
+      throw std::runtime_error("allgather (Bruck): no data from rank " + std::to_string(from) +
+                               " within GLOO_TIMEOUT_SECONDS");
+    }
+    if (!buffer->waitSend(timeout)) {
+      throw std::runtime_error("allgather (Bruck): rank " + std::to_string(to) +
+                               " took no data within GLOO_TIMEOUT_SECONDS");
+    }
+  }
+  char* dst = static_cast<char*>(out);
+  for (int i = 0; i < size; ++i) {
+    std::memcpy(dst + static_cast<size_t>((rank + i) % size) * block,
+                held.data() + static_cast<size_t>(i) * block, block);
+  }
+}
+
 void GlooTransport::Alltoallv(int channel, const void* in,
                             const std::vector<int64_t>& send_bytes, void* out,
                             const std::vector<int64_t>& recv_bytes, bool any_rank_moves_data) {

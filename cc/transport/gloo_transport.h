@@ -65,6 +65,11 @@ class GlooTransport : public Transport {
   void Broadcast(int channel, void* data, size_t bytes, int root) override;
   void Allgatherv(int channel, const void* in, void* out,
                   const std::vector<size_t>& bytes_per_rank) override;
+  // Bruck's allgather: in round k each rank sends the blocks it holds (its
+  // own and the next 2^k - 1 ranks', at most size - 2^k of them) to the rank
+  // 2^k below it and receives as many from the rank 2^k above, so after
+  // ceil(log2(size)) rounds it holds all, which it puts in rank order.
+  void AllgatherBlocks(int channel, const void* in, void* out, size_t block) override;
   void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,
                  void* out, const std::vector<int64_t>& recv_bytes,
                  bool any_rank_moves_data) override;

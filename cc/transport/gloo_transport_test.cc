@@ -16,6 +16,7 @@
 #include <gloo/rendezvous/hash_store.h>
 
 #include "cc/testing/check.h"
+#include "cc/transport/cost_model.h"
 
 using namespace perseus;
 
@@ -102,3 +103,55 @@ TEST(RecursiveDoublingHandlesTinyBuffersBackToBack) {
   });
 }
 
+
+// Bruck's allgather on every world size from 2 to 9 (rounds that send fewer
+// blocks than they could at 3, 5, 6, 7, 9), blocks of 1, 13 and 512 bytes,
+// many calls back to back (the rounds' slots reused): every rank ends with
+// every rank's bytes in rank order, as Gloo's ring allgather gives them.
+TEST(BruckAllgatherPutsEveryRanksBlockInRankOrder) {
+  for (int size = 2; size <= 9; ++size) {
+    OnRanks(size, "bruck" + std::to_string(size), [size](GlooTransport& t) {
+      const int r = t.rank();
+      for (size_t block : {size_t{1}, size_t{13}, size_t{512}}) {
+        for (int call = 0; call < 3; ++call) {
+          std::vector<char> mine(block), all(block * size, 0), ring(block * size, 0);
+          for (size_t i = 0; i < block; ++i) mine[i] = static_cast<char>(r * 31 + i * 7 + call);
+          t.AllgatherBlocks(0, mine.data(), all.data(), block);
+          t.Allgatherv(0, mine.data(), ring.data(), std::vector<size_t>(size, block));
+          CHECK(all == ring);
+          for (int q = 0; q < size; ++q) {
+            CHECK_EQ(static_cast<int>(all[q * block]), static_cast<int>(static_cast<char>(q * 31 + call)));
+          }
+        }
+      }
+    });
+  }
+}
+
+// The cost model's measurement at 2, 3, 4 and 8 ranks: every rank ends with
+// the same bits (the line every rank draws from them is one line), all three
+// costs measured; alpha and beta as given when given, gamma still measured.
+TEST(LinkCostIsMeasuredAndAgreedOnEveryRank) {
+  for (int size : {2, 3, 4, 8}) {
+    for (bool given : {false, true}) {
+      std::vector<LinkCost> got(size);
+      OnRanks(size, "cost" + std::to_string(size) + (given ? "g" : ""), [&](GlooTransport& t) {
+        LinkCost in;
+        if (given) {
+          in.alpha = 5e-5;
+          in.beta = 1.25e9;
+        }
+        got[t.rank()] = MeasureLinkCost(t, 0, in);
+      });
+      for (int r = 0; r < size; ++r) {
+        CHECK(std::memcmp(&got[r], &got[0], sizeof(LinkCost)) == 0);
+      }
+      CHECK(got[0].alpha > 0 && got[0].beta > 0 && got[0].gamma > 0);
+      if (given) {
+        CHECK(std::fabs(got[0].alpha - 5e-5) < 1e-15);
+        CHECK(std::fabs(got[0].beta - 1.25e9) < 1e-3);
+      }
+      CHECK(DoublingCrossover(size, got[0]) > 0);
+    }
+  }
+}

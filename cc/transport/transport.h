@@ -70,6 +70,12 @@ class Transport {
   // out receives bytes_per_rank[r] bytes from each rank r, in rank order.
   virtual void Allgatherv(int channel, const void* in, void* out,
                           const std::vector<size_t>& bytes_per_rank) = 0;
+  // Every rank gives `block` bytes and out receives them in rank order, in
+  // about log2(size) rounds where a ring waits on size - 1 steps: for small
+  // blocks, as the negotiation cycle's. The default runs Allgatherv.
+  virtual void AllgatherBlocks(int channel, const void* in, void* out, size_t block) {
+    Allgatherv(channel, in, out, std::vector<size_t>(size(), block));
+  }
   // any_rank_moves_data: false only when every rank's splits are all zero
   // (then no rank runs the collective).
   virtual void Alltoallv(int channel, const void* in, const std::vector<int64_t>& send_bytes,

@@ -132,12 +132,22 @@ SETTINGS = (
        "0: one flat ring over all ranks. 1: hierarchical: reduce within each host, "
        "allreduce among hosts, broadcast within each host.", none_as=-1),
 
-    _s("allreduce_doubling_bytes", "PERSEUS_ALLREDUCE_DOUBLING_BYTES", "int", 65536,
-       ("range", 0, 2**30), "transport", False, STREAMS, "65536", "0 to 2^30",
+    _s("allreduce_doubling_bytes", "PERSEUS_ALLREDUCE_DOUBLING_BYTES", "int", None,
+       ("range", 0, 2**30), "transport", False, STREAMS, "auto", "0 to 2^30",
        "Buckets of at most this many bytes that cross hosts over one flat group reduce by "
        "recursive doubling (about log2 N exchanges with one peer each) instead of the ring "
        "(2(N-1) steps in sequence): small buckets wait on latency, not bandwidth. 0: always "
-       "the ring."),
+       "the ring. Unset: the line the cost model draws at init from the links' latency and "
+       "bandwidth ([Communication](communication.md#the-cost-model)).", ctype="int64_t",
+       none_as=-1),
+    _s("link_latency_us", "PERSEUS_LINK_LATENCY_US", "float", None, ("above", 0, 1e7),
+       "transport", False, STREAMS, "measured", "above 0, up to 10^7",
+       "The cost model's latency of one hop between hosts, in microseconds, instead of the "
+       "one measured at init.", none_as=0),
+    _s("link_bandwidth_mbytes", "PERSEUS_LINK_BANDWIDTH_MBYTES", "float", None,
+       ("above", 0, 1e7), "transport", False, STREAMS, "measured", "above 0, up to 10^7",
+       "The cost model's bandwidth of a link between hosts, in MB (10^6 bytes) a second, "
+       "instead of the one measured at init.", none_as=0),
 
     _s("timeout_seconds", "GLOO_TIMEOUT_SECONDS", "float", 60.0, ("range", 1, 86400),
        "transport", True, TIMEOUTS, "60", "1 to 86400",

@@ -131,7 +131,7 @@ def check_small_buckets_cross_hosts_by_recursive_doubling():
     numpy's and every rank holds the same bits (NaN under min included)."""
     import json
     import tempfile
-    doubling = _native.config().allreduce_doubling_bytes
+    doubling = _native.stats()["allreduce_doubling_bytes"]  # the line in force
     flat = not _native.stats()["shm"] and N > 1
     path = os.path.join(tempfile.mkdtemp(), f"doubling.rank{R}.json")
     _core.start_timeline(path, False)
@@ -162,10 +162,64 @@ def check_small_buckets_cross_hosts_by_recursive_doubling():
         assert not doubled, [e["name"] for e in spans]
 
 
+def _doubling_line(n, alpha, beta, gamma):
+    """cost_model.h's line, written again: the largest bucket for which
+    recursive doubling's alpha-beta-gamma time is below the ring's."""
+    p = 1 << (n.bit_length() - 1)
+    steps = p.bit_length() - 1 + (0 if p == n else 2)
+    share = (n - 1) / n
+    gain = (2 * (n - 1) - steps) * alpha
+    loss = (steps - 2 * share) / beta + (steps - share) * gamma
+    if gain <= 0:
+        return 0
+    return 16 << 20 if loss <= 0 else min(16 << 20, int(gain / loss))
+
+
+def check_the_cost_model_draws_one_line_on_every_rank():
+    """Unless PERSEUS_ALLREDUCE_DOUBLING_BYTES sets it, the line between
+    doubling and the ring comes from latency, bandwidth and reduction speed
+    measured at init (or PERSEUS_LINK_*), averaged so that every rank draws
+    the same line: the same bits on every rank, and the line the model's
+    formula gives for them. One host with shared memory never crosses hosts
+    flat: nothing is measured."""
+    st = _native.stats()
+    keys = ("allreduce_doubling_bytes", "link_latency_us", "link_bandwidth_mbytes",
+            "reduce_mbytes")
+    mine = np.array([float(st[k]) for k in keys], np.float64)
+    every = _core.submit(OP_ALLGATHER, mine.copy(), "cost.model", DTYPE_CODES["float64"]
+                         ).wait()[0].reshape(N, -1)
+    assert (every == every[0]).all(), f"the ranks drew different lines: {every}"
+    cfg = _native.config()
+    line, alpha_us, beta_mb, reduce_mb = mine
+    if cfg.allreduce_doubling_bytes is not None:
+        assert line == cfg.allreduce_doubling_bytes and alpha_us == 0, st
+    elif st["shm"] and _native.topology()["cross_size"] == 1:
+        assert line == 0 and alpha_us == 0 and beta_mb == 0, st
+    else:
+        assert alpha_us > 0 and beta_mb > 0 and reduce_mb > 0, st
+        if cfg.link_latency_us is not None:
+            assert np.isclose(alpha_us, cfg.link_latency_us, rtol=1e-9), alpha_us
+        if cfg.link_bandwidth_mbytes is not None:
+            assert np.isclose(beta_mb, cfg.link_bandwidth_mbytes, rtol=1e-9), beta_mb
+        want = _doubling_line(N, alpha_us * 1e-6, beta_mb * 1e6, 1e-6 / reduce_mb)
+        assert abs(line - want) <= max(1, 1e-6 * want), (line, want, st)
+
+
 def check_raw_gloo_allreduce():
     x = np.full(1000, R + 1, np.float32)
     _testing.raw_allreduce(x, DTYPE_CODES["float32"])
     np.testing.assert_array_equal(x, np.full(1000, N * (N + 1) / 2))
+
+
+def check_raw_allgather_by_bruck_equals_the_ring():
+    """The negotiation cycle's allgather (Bruck's rounds) gives every rank's
+    bytes in rank order, as Gloo's ring allgather does, at 1 to 600 bytes a
+    rank."""
+    for length in (1, 13, 512, 600):
+        mine = bytes((R * 37 + i) % 251 for i in range(length))
+        want = b"".join(bytes((r * 37 + i) % 251 for i in range(length)) for r in range(N))
+        assert _testing.raw_allgather(mine, bruck=True) == want, length
+        assert _testing.raw_allgather(mine, bruck=False) == want, length
 
 
 def check_a_name_called_twice_in_flight_fails_on_every_rank():

@@ -10,6 +10,8 @@
 //   raw_allreduce(a, dtype, doubling=False)  one buffer through the
 //                           transport, no negotiation: Gloo's ring or recursive
 //                           doubling (the benchmarks' baselines)
+//   raw_allgather(a, bruck=False)  a's bytes from every rank, in rank
+//                           order (a new bytes object): Gloo's ring or Bruck's
 //   sim_device_launches()   work queued on the simulated device so far
 //   nccl_lone_communicator  a NCCL communicator nobody else joins
 //   hmac_sha256(key, data)  the store handshake's MAC, against hashlib's
@@ -197,6 +199,17 @@ PYBIND11_MODULE(_testing, m) {
     }
     if (!s.ok()) Raise(s);
   }, py::arg("data"), py::arg("dtype"), py::arg("doubling") = false);
+  m.def("raw_allgather", [](py::bytes data, bool bruck) {
+    const std::string in = data;
+    std::string out;
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = Runtime::Get().RawAllgather(in, &out, bruck);
+    }
+    if (!s.ok()) Raise(s);
+    return py::bytes(out);
+  }, py::arg("data"), py::arg("bruck") = false);
   py::class_<DeviceHandle>(m, "DeviceHandle")
       .def("wait", &DeviceHandle::Wait)
       .def("done", &DeviceHandle::Done);
