@@ -17,15 +17,24 @@ Both sides run with their defaults: no compression (the shim follows
 Horovod's `compression=` argument), fusion and cycle time as shipped. The
 first step's result is checked against the exact average on every rank.
 
+With --hosts 2,4,8 each job runs one rank on each of N hosts made of network
+namespaces (tests/netns_hosts.py, links shaped to --rate with tc's token
+bucket), both sides started the same way: one process per host, Horovod's
+ranks with Horovod's rendezvous server on host 0 (as horovodrun starts it),
+Perseus-TF's with rank 0 serving the store (root; --np is then ignored).
+
 Needs an interpreter with TensorFlow and Horovod (0.28 was built for this:
 see docs/performance.md). Usage:
   .venv-hvd/bin/python benchmarks/horovod_compare.py --np 2 \\
       --workloads gradients:resnet50,small,keras
+  .venv-hvd/bin/python benchmarks/horovod_compare.py --hosts 2,4,8 \\
+      --workloads gradients:resnet50,small
 """
 
 import argparse
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -46,6 +55,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--width", type=int, default=1024, help="keras: hidden width of the MLP")
     p.add_argument("--global-batch", type=int, default=64, help="keras: global batch")
+    p.add_argument("--hosts", default="",
+                   help="host counts, comma-separated: one rank on each of N namespace hosts")
+    p.add_argument("--rate", default="400mbit",
+                   help="with --hosts: tc rate of each host's link (default 400mbit)")
     p.add_argument("--python", default=sys.executable,
                    help="interpreter with TensorFlow and Horovod (default: this one)")
     p.add_argument("--worker", choices=["horovod", "perseus"], help=argparse.SUPPRESS)
@@ -176,6 +189,111 @@ def launch(side, workload, args):
                        f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
 
 
+def launch_on_hosts(side, workload, args, hosts, n):
+    """One job of one rank on each of the first n namespace hosts, every rank
+    started directly in its namespace (no launcher on either side)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from netns_hosts import communicate_all
+    from step_overlap import horovod_rendezvous
+    script = [args.python, os.path.abspath(__file__), "--worker", side, "--workload", workload,
+              "--steps", str(args.steps), "--warmup", str(args.warmup),
+              "--width", str(args.width), "--global-batch", str(args.global_batch)]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    rendezvous = None
+    if side == "horovod":
+        rendezvous, hvd_port = horovod_rendezvous(hosts, n)
+    port = 20000 + secrets.randbelow(10000)
+    secret, job = secrets.token_hex(16), "hvd-" + secrets.token_hex(4)
+    procs = []
+    try:
+        for h in range(n):
+            if side == "horovod":
+                henv = dict(env, HOROVOD_GLOO_RENDEZVOUS_ADDR=hosts.addrs[0],
+                            HOROVOD_GLOO_RENDEZVOUS_PORT=str(hvd_port), HOROVOD_CONTROLLER="gloo",
+                            HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE="eth0",
+                            HOROVOD_HOSTNAME=hosts.names[h], HOROVOD_RANK=str(h),
+                            HOROVOD_SIZE=str(n), HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
+                            HOROVOD_CROSS_RANK=str(h), HOROVOD_CROSS_SIZE=str(n))
+            else:
+                henv = dict(env, PERSEUS_MASTER_ADDR=hosts.addrs[0],
+                            PERSEUS_MASTER_PORT=str(port),
+                            PERSEUS_RENDEZVOUS_SECRET=secret, PERSEUS_JOB_ID=job,
+                            PERSEUS_RANK=str(h),
+                            PERSEUS_SIZE=str(n), PERSEUS_LOCAL_RANK="0", PERSEUS_LOCAL_SIZE="1",
+                            PERSEUS_CROSS_RANK=str(h), PERSEUS_CROSS_SIZE=str(n),
+                            PERSEUS_HOST_ADDR=hosts.addrs[h])
+            procs.append(hosts.popen(h, script, env=henv, cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True))
+        outputs = communicate_all(procs, 1800, f"{side} {workload} on {n} hosts")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        if rendezvous:
+            rendezvous.kill()
+            rendezvous.communicate()
+    for line in outputs[0].splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise RuntimeError(f"{side} {workload} on {n} hosts failed:\n" + outputs[0][-3000:])
+
+
+def compare(workloads, args, run):
+    """Each workload's rounds, alternating which side goes first; prints a
+    row per workload and returns [(workload, horovod ms, perseus ms)]."""
+    rows = []
+    for w in workloads:
+        ms = {"horovod": [], "perseus": []}
+        checks = []
+        for r in range(args.rounds):
+            for side in (("horovod", "perseus") if r % 2 == 0 else ("perseus", "horovod")):
+                res = run(side, w)
+                ms[side] += res["ms"]
+                checks.append(f"{side}: {res['detail']}" if not res["ok"] else None)
+                tf_version = res["tf"]
+        h, p = statistics.median(ms["horovod"]), statistics.median(ms["perseus"])
+        bad = [c for c in checks if c]
+        rows.append((w, h, p))
+        print(f"  {w:<20} {h:>10.2f} {p:>10.2f} {h / p:>7.2f}x  "
+              f"{'; '.join(bad) if bad else 'results right on both'}  (TF {tf_version})",
+              flush=True)
+    return rows
+
+
+def main_hosts(workloads, args):
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from netns_hosts import NetnsHosts, missing_requirements
+    from step_overlap import horovod_hostnames, remove_horovod_hostnames
+    why = missing_requirements()
+    if why:
+        sys.exit(f"horovod_compare.py --hosts: {why}")
+    print(f"# Horovod against Perseus-TF's Horovod shim: one rank on each of N hosts (network "
+          f"namespaces, links shaped to {args.rate}), {args.rounds} launches of each per "
+          f"workload and N, {args.steps} timed steps each after {args.warmup}")
+    print("# ms/step: median over all timed steps of rank 0; speed-up = horovod / perseus")
+    rows = []
+    for n in [int(x) for x in args.hosts.split(",")]:
+        hosts = NetnsHosts(n, subnet=120 + n % 100)
+        made = []
+        try:
+            made = horovod_hostnames(hosts)
+            for ns in hosts.names:
+                subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
+                                "rate", args.rate, "burst", "256kb", "latency", "200ms"],
+                               check=True)
+            print(f"# {n} hosts: {'workload':<20} {'horovod_ms':>10} {'perseus_ms':>10} "
+                  f"{'speed-up':>8}  check", flush=True)
+            rows += [(f"{n} hosts {w}", h, p) for w, h, p in compare(
+                workloads, args, lambda side, w: launch_on_hosts(side, w, args, hosts, n))]
+        finally:
+            remove_horovod_hostnames(made)
+            hosts.close()
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
@@ -187,6 +305,12 @@ def main(argv=None):
                 os.path.exists(os.path.join(PROFILES, w.split(":", 1)[1] + ".json"))):
             sys.exit(f"unknown workload {w!r}: use gradients:<resnet50|vgg16|bert_base>, small "
                      f"or keras")
+    if args.hosts:
+        rows = main_hosts(workloads, args)
+        slower = [w for w, h, p in rows if p >= h]
+        print("target: Perseus-TF faster than Horovod at every N and workload: " +
+              ("PASS" if not slower else "FAIL (" + ", ".join(slower) + ")"))
+        return 0
     print(f"# Horovod against Perseus-TF's Horovod shim: {args.np} ranks on this machine "
           f"({os.cpu_count()} CPUs), {args.rounds} launches of each per workload, "
           f"{args.steps} timed steps each after {args.warmup}; interpreter {args.python}")
@@ -197,22 +321,7 @@ def main(argv=None):
               "none (defaults)"))
     print("# ms/step: median over all timed steps of rank 0; speed-up = horovod / perseus")
     print(f"# {'workload':<20} {'horovod_ms':>10} {'perseus_ms':>10} {'speed-up':>8}  check")
-    rows = []
-    for w in workloads:
-        ms = {"horovod": [], "perseus": []}
-        checks = []
-        for r in range(args.rounds):
-            for side in (("horovod", "perseus") if r % 2 == 0 else ("perseus", "horovod")):
-                res = launch(side, w, args)
-                ms[side] += res["ms"]
-                checks.append(f"{side}: {res['detail']}" if not res["ok"] else None)
-                tf_version = res["tf"]
-        h, p = statistics.median(ms["horovod"]), statistics.median(ms["perseus"])
-        bad = [c for c in checks if c]
-        rows.append((w, h, p))
-        print(f"  {w:<20} {h:>10.2f} {p:>10.2f} {h / p:>7.2f}x  "
-              f"{'; '.join(bad) if bad else 'results right on both'}  (TF {tf_version})",
-              flush=True)
+    rows = compare(workloads, args, lambda side, w: launch(side, w, args))
     slower = [w for w, h, p in rows if p >= h]
     print("target: Perseus-TF faster than Horovod on every workload: " +
           ("PASS" if not slower else "FAIL (" + ", ".join(slower) + ")"))

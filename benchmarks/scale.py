@@ -343,18 +343,23 @@ def print_tables(results, alpha, beta, args):
               f"{r0['model_reduce_mb']:>9.0f} {human(r0['line']):>10}")
     print("\n## allreduce step time (rank 0's median, ms) against the alpha-beta bound of "
           "the best algorithm; control traffic per step (bytes, cycles) of rank 0")
+    print("# ratio N: against the bound with alpha as the cost model measured it at init at "
+          "that N (the same links, and the cores shared by N ranks)")
     print(f"{'hosts':>5} {'what':>10} {'mode':>8} {'ms':>9} {'bound ms':>9} {'best':>16} "
-          f"{'ratio':>6} {'ctrl B':>7} {'cycles':>6} {'cpu':>5}")
+          f"{'ratio':>6} {'ratio N':>7} {'ctrl B':>7} {'cycles':>6} {'cpu':>5}")
     for res in results:
         n, r0 = res["n"], res["ranks"][0]
+        alpha_n = r0["model_alpha_us"] * 1e-6 or alpha
         rows = [(human(int(b)), int(b), m) for b, m in r0["buckets"].items()]
         rows += [(name, m["bytes"], m) for name, m in r0["profiles"].items()]
         for what, nbytes, modes in rows:
             name, bound = best(n, nbytes, alpha, beta)
+            bound_n = best(n, nbytes, alpha_n, beta)[1]
             for mode in ("online", "offline"):
                 m = modes[mode]
                 print(f"{n:>5} {what:>10} {mode:>8} {m['ms']:>9.2f} {1e3 * bound:>9.2f} "
-                      f"{name:>16} {m['ms'] / (1e3 * bound):>6.2f} {m['control_bytes']:>7} "
+                      f"{name:>16} {m['ms'] / (1e3 * bound):>6.2f} "
+                      f"{m['ms'] / (1e3 * bound_n):>7.2f} {m['control_bytes']:>7} "
                       f"{m['cycles']:>6} {100 * m['cpu']:>4.0f}%")
     print("\n## a failed rank: seconds from its failure until every other rank's wait "
           f"failed, and how many named it (frozen: GLOO_TIMEOUT_SECONDS={args.freeze_timeout})")

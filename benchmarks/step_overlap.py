@@ -248,16 +248,17 @@ def _barrier(addr, rank, timeout):
 
 # ---- the driver -----------------------------------------------------------
 
-def _horovod_rendezvous(hosts):
-    """Horovod's Gloo rendezvous server for one rank per host, run on host 0 as
-    horovodrun would run it; returns (process, port)."""
+def horovod_rendezvous(hosts, n=2):
+    """Horovod's Gloo rendezvous server for one rank on each of the first n
+    hosts, run on host 0 as horovodrun would run it; returns (process, port)."""
+    names = ",".join(f"{name}:1" for name in hosts.names[:n])
     script = (
         "import sys\n"
         "from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts\n"
         "from horovod.runner.http.http_server import RendezvousServer\n"
         "server = RendezvousServer(0)\n"
         "port = server.start()\n"
-        f"server.init(get_host_assignments(parse_hosts('{hosts.names[0]}:1,{hosts.names[1]}:1'), 2))\n"
+        f"server.init(get_host_assignments(parse_hosts('{names}'), {n}))\n"
         "print(port, flush=True)\n"
         "sys.stdin.read()\n")
     proc = hosts.popen(0, [sys.executable, "-c", script], stdin=subprocess.PIPE,
@@ -294,6 +295,16 @@ def horovod_hostnames(hosts):
     return made
 
 
+def remove_horovod_hostnames(made):
+    """Undoes horovod_hostnames: the hosts files, then /etc/netns if it made it."""
+    for path in reversed(made):
+        if os.path.isdir(path):
+            os.rmdir(path)
+        else:
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))
+
+
 def run_contender(hosts, contender, args, model, env_extra=None, tree=ROOT):
     """Starts one process per host (pinned to core h) and returns rank 0's result.
     `tree`: the source tree whose perseus_tf the ranks import. Hosts whose
@@ -320,7 +331,7 @@ def run_contender(hosts, contender, args, model, env_extra=None, tree=ROOT):
     procs = []
     rendezvous = None
     if contender == "horovod":
-        rendezvous, hvd_port = _horovod_rendezvous(hosts)
+        rendezvous, hvd_port = horovod_rendezvous(hosts)
     for h in range(2):
         if contender == "compute":
             henv = dict(env)
@@ -440,12 +451,7 @@ def main(argv=None):
                         if c.startswith(("strategy", "shim")):
                             _print_timeline(hosts, c, args, model)
         finally:
-            for path in reversed(made):  # the hosts files, then /etc/netns if made here
-                if os.path.isdir(path):
-                    os.rmdir(path)
-                else:
-                    os.remove(path)
-                    os.rmdir(os.path.dirname(path))
+            remove_horovod_hostnames(made)
             hosts.close()
 
 

@@ -24,12 +24,10 @@ struct TransportSettings {
   // Unset: -1 (auto).
   int allreduce_mode = -1;
   // PERSEUS_ALLREDUCE_DOUBLING_BYTES: Buckets of at most this many bytes that
-  // cross hosts over one flat group reduce by recursive doubling (about log2 N
-  // exchanges with one peer each) instead of the ring (2(N-1) steps in
-  // sequence): small buckets wait on latency, not bandwidth. 0: always the ring.
-  // Unset: the line the cost model draws at init from the links' latency and
-  // bandwidth ([Communication](communication.md#the-cost-model)). Unset: -1
-  // (auto).
+  // cross hosts over one flat group reduce by recursive doubling (log2 N
+  // exchanges) instead of the ring (2(N-1) steps). 0: always the ring. Unset: a
+  // cost model draws the line at init ([Communication](communication.md#the-
+  // cost-model)). Unset: -1 (auto).
   int64_t allreduce_doubling_bytes = -1;
   // PERSEUS_LINK_LATENCY_US: The cost model's latency of one hop between hosts,
   // in microseconds, instead of the one measured at init. Unset: 0 (measured).

@@ -135,10 +135,9 @@ SETTINGS = (
     _s("allreduce_doubling_bytes", "PERSEUS_ALLREDUCE_DOUBLING_BYTES", "int", None,
        ("range", 0, 2**30), "transport", False, STREAMS, "auto", "0 to 2^30",
        "Buckets of at most this many bytes that cross hosts over one flat group reduce by "
-       "recursive doubling (about log2 N exchanges with one peer each) instead of the ring "
-       "(2(N-1) steps in sequence): small buckets wait on latency, not bandwidth. 0: always "
-       "the ring. Unset: the line the cost model draws at init from the links' latency and "
-       "bandwidth ([Communication](communication.md#the-cost-model)).", ctype="int64_t",
+       "recursive doubling (log2 N exchanges) instead of the ring (2(N-1) steps). 0: always "
+       "the ring. Unset: a cost model draws the line at init "
+       "([Communication](communication.md#the-cost-model)).", ctype="int64_t",
        none_as=-1),
     _s("link_latency_us", "PERSEUS_LINK_LATENCY_US", "float", None, ("above", 0, 1e7),
        "transport", False, STREAMS, "measured", "above 0, up to 10^7",
