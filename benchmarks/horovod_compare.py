@@ -280,10 +280,7 @@ def main_hosts(workloads, args):
         made = []
         try:
             made = horovod_hostnames(hosts)
-            for ns in hosts.names:
-                subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
-                                "rate", args.rate, "burst", "256kb", "latency", "200ms"],
-                               check=True)
+            hosts.shape(args.rate)
             print(f"# {n} hosts: {'workload':<20} {'horovod_ms':>10} {'perseus_ms':>10} "
                   f"{'speed-up':>8}  check", flush=True)
             rows += [(f"{n} hosts {w}", h, p) for w, h, p in compare(

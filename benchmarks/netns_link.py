@@ -50,13 +50,6 @@ SETTINGS = [
 ]
 
 
-def shape(hosts, rate):
-    for ns in hosts.names:
-        # Token bucket: `rate` leaves each host, so each direction is shaped.
-        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                        rate, "burst", "256kb", "latency", "200ms"], check=True)
-
-
 def run_job(hosts, profile, per_host, env_extra, iters, timeout, by_hand=False):
     """One job of 2 * per_host ranks; returns rank 0's CSV row."""
     size = 2 * per_host
@@ -119,7 +112,7 @@ def main():
         s for s in SETTINGS if s[0] == SETTINGS[0][0] or s[0] in args.only.split(";")]
     hosts = NetnsHosts(2, subnet=0)
     try:
-        shape(hosts, args.rate)
+        hosts.shape(args.rate)
         print(f"# {args.profile}: 2 hosts (network namespaces with sshd) x {args.ranks_per_host} "
               f"ranks started by perseusrun over ssh, each host's link shaped to {args.rate} "
               f"each way; one job per setting, {args.iters} timed steps each; ms = rank 0's "

@@ -229,12 +229,6 @@ def worker_failure(out_dir, how):
 # the jobs
 
 
-def shape(hosts, rate):
-    for ns in hosts.names:
-        subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate",
-                        rate, "burst", "256kb", "latency", "200ms"], check=True)
-
-
 def job(hosts, n, args, worker_args, settings, expect_failure=False):
     """One job of one rank per host; every rank's JSON."""
     from netns_hosts import communicate_all
@@ -271,7 +265,7 @@ def run_hosts(n, args):
     hosts = NetnsHosts(n, subnet=150 + n % 100)
     try:
         if args.rate:
-            shape(hosts, args.rate)
+            hosts.shape(args.rate)
         buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else []
         profiles = [p for p in args.profiles.split(",") if p]
         steps = job(hosts, n, args,

@@ -428,9 +428,7 @@ def main(argv=None):
         try:
             if "horovod" in contenders:
                 made = horovod_hostnames(hosts)
-            for ns in hosts.names:
-                subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf",
-                                "rate", rate, "burst", "256kb", "latency", "200ms"], check=True)
+            hosts.shape(rate)
             for model in args.models.split(","):
                 rounds = {c: [] for c in contenders}
                 cores = {c: [] for c in contenders}

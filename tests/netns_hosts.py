@@ -196,6 +196,13 @@ class NetnsHosts:
         for ns, dev in ((self.switch, f"port{host}"), (self.names[host], "eth0")):
             _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
 
+    def shape(self, rate):
+        """Shapes every host's link with tc's token bucket: `rate` leaves each
+        host, so each direction is shaped (256 KB bursts pass at full speed)."""
+        for ns in self.names:
+            _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", rate,
+                 "burst", "256kb", "latency", "200ms")
+
     def ssh_env(self, base=None):
         env = dict(os.environ if base is None else base)
         env["PATH"] = self.bindir + os.pathsep + env.get("PATH", "")

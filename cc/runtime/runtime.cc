@@ -477,42 +477,40 @@ Stats Runtime::GetStats() {
   return out;
 }
 
-Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype, bool doubling) {
+Status Runtime::OnRawChannel(const char* what, const std::function<void()>& run) {
   if (state_.load() != State::kRunning) {
     return Status::Error(StatusCode::kFailedPrecondition, "Perseus is not initialized");
   }
   std::lock_guard<std::mutex> lock(raw_mu_);
   try {
     if (store_) transport_->CreateRawChannel(*store_);
+    run();
+  } catch (const std::exception& e) {
+    return Status::Error(StatusCode::kUnavailable, std::string(what) + " failed: " + e.what());
+  }
+  return Status::OK();
+}
+
+Status Runtime::RawAllreduce(void* data, size_t count, DataType dtype, bool doubling) {
+  return OnRawChannel("raw allreduce", [&] {
     if (doubling) {
       transport_->AllreduceDoubling(GlooTransport::kRawChannel, data, count, dtype, ReduceOp::kSum);
     } else {
       transport_->Allreduce(GlooTransport::kRawChannel, data, count, dtype, ReduceOp::kSum);
     }
-  } catch (const std::exception& e) {
-    return Status::Error(StatusCode::kUnavailable, std::string("raw allreduce failed: ") + e.what());
-  }
-  return Status::OK();
+  });
 }
 
 Status Runtime::RawAllgather(const std::string& in, std::string* out, bool bruck) {
-  if (state_.load() != State::kRunning) {
-    return Status::Error(StatusCode::kFailedPrecondition, "Perseus is not initialized");
-  }
-  std::lock_guard<std::mutex> lock(raw_mu_);
-  try {
-    if (store_) transport_->CreateRawChannel(*store_);
-    out->assign(in.size() * static_cast<size_t>(transport_->size()), '\0');
+  return OnRawChannel("raw allgather", [&] {
+    const std::vector<size_t> blocks(transport_->size(), in.size());
+    out->assign(in.size() * blocks.size(), '\0');
     if (bruck) {
       transport_->AllgatherBlocks(GlooTransport::kRawChannel, in.data(), &(*out)[0], in.size());
     } else {
-      transport_->Allgatherv(GlooTransport::kRawChannel, in.data(), &(*out)[0],
-                             std::vector<size_t>(transport_->size(), in.size()));
+      transport_->Allgatherv(GlooTransport::kRawChannel, in.data(), &(*out)[0], blocks);
     }
-  } catch (const std::exception& e) {
-    return Status::Error(StatusCode::kUnavailable, std::string("raw allgather failed: ") + e.what());
-  }
-  return Status::OK();
+  });
 }
 
 }  // namespace perseus

@@ -137,6 +137,9 @@ class Runtime {
   Status RawAllgather(const std::string& in, std::string* out, bool bruck);
 
  private:
+  // Runs `run` on the benchmarks' raw Gloo context (made on first use),
+  // with the raw calls' lock; its exceptions become a Status naming `what`.
+  Status OnRawChannel(const char* what, const std::function<void()>& run);
   // The world's runtime, and what a child forked after init() does with it
   // (process_sets.cc).
   static Runtime*& WorldSlot();
