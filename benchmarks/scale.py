@@ -17,6 +17,13 @@ hop's latency is what waking the receiving process costs), and starts one
   failure    a rank SIGKILLed mid-step: seconds until every other rank's wait
              has failed naming it; a rank frozen (SIGSTOP) mid-step: the same,
              against GLOO_TIMEOUT_SECONDS (--freeze-timeout)
+  elastic    an elastic job (perseusrun --min-np N-1 --max-np N and a host
+             discovery script): a rank SIGKILLed mid-step, and the seconds
+             until the N-1 survivors have re-formed (their first collective
+             of the new round done); then a slot discovered, and the seconds
+             until the N ranks have re-formed with the newcomer, with the
+             parts (spawn, the newcomer's import and request, the others'
+             reset, the new round's init)
   resources  per rank after the steps: open files, threads, resident memory
 
 Beside each time it prints the bound of an alpha-beta model: the fastest of
@@ -170,6 +177,9 @@ def worker_steps(out_dir, buckets, profiles, budget, calibrate):
               "store_s": st["startup_store_seconds"], "connect_s": st["startup_connect_seconds"],
               "line": st["allreduce_doubling_bytes"], "model_alpha_us": st["link_latency_us"],
               "model_beta_mb": st["link_bandwidth_mbytes"], "model_reduce_mb": st["reduce_mbytes"],
+              "host_phase_us": st["host_phase_us"], "host_phase_mb": st["host_phase_mbytes"],
+              "cross_alpha_us": st["cross_latency_us"], "cross_beta_mb": st["cross_bandwidth_mbytes"],
+              "leaders_line": st["leaders_doubling_bytes"],
               "buckets": {}, "profiles": {}}
     if calibrate:
         # alpha: one exchange of 4 bytes (recursive doubling at 2 ranks is one
@@ -225,18 +235,77 @@ def worker_failure(out_dir, how):
     os._exit(1)
 
 
+def worker_elastic(out_dir, discovery):
+    """A worker of the elastic job: every step is one allreduce whose sum also
+    carries rank 0's "hosts were updated" flag, so the ranks reset together.
+    Round 0 (N ranks): the last rank dies at step 5. At N-1 ranks,
+    rank 0 rewrites the discovery file with one more slot on its host. Back
+    at N ranks, every rank records its lives and exits."""
+    import numpy as np
+    from perseus_tf import _native
+    from perseus_tf.config import elastic_rounds
+    me = os.environ["PERSEUS_ELASTIC_WORKER"]
+    with open(discovery) as f:
+        full = len(f.read().split())  # one line a host, before and after growing
+    f32, total = _native.DTYPE_CODES["float32"], _native.REDUCE_CODES["sum"]
+    record = {"worker": me, "started": _STARTED, "imported": time.time(), "lives": []}
+    step_count = 5
+    while True:
+        life = {"init_start": time.time()}
+        record["lives"].append(life)
+        _native.init()
+        topo = _native.topology()
+        st = _native._core.stats()
+        life.update(initialized=time.time(), rank=topo["rank"], size=topo["size"],
+                    round=elastic_rounds._round[0], store_s=st["startup_store_seconds"],
+                    connect_s=st["startup_connect_seconds"])
+        rank, size = topo["rank"], topo["size"]
+        grown = size == full and life["round"] > 0
+        step = 0
+        try:
+            while True:
+                if size == full and not grown and rank == size - 1 and step == step_count:
+                    with open(os.path.join(out_dir, "victim.json"), "w") as f:
+                        json.dump({"at": time.time()}, f)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if size == full - 1 and rank == 0 and step == step_count:
+                    life["grow_at"] = time.time()
+                    os.rename(discovery + ".grown", discovery)  # see elastic_times
+                flag = np.zeros(1, np.float32)
+                if rank == 0 and step and elastic_rounds.hosts_updated() is not None:
+                    flag[0] = 1.0
+                _native._core.submit(_native.OP_ALLREDUCE, flag, f"elastic{step}", f32,
+                                     reduce_op=total, output=flag).wait()
+                if step == 0:
+                    life["first_done"] = time.time()
+                step += 1
+                if grown and step > step_count:
+                    _native.shutdown()
+                    with open(os.path.join(out_dir, me.replace(":", "_") + ".json"), "w") as f:
+                        json.dump(record, f)
+                    return
+                if flag[0] > 0:
+                    life["reset"] = "hosts updated"
+                    break
+        except Exception as e:  # a collective failed: the round is over
+            life.update(failed_at=time.time(), reset=str(e)[:300])
+            if len(record["lives"]) > 4:
+                raise
+        _native.shutdown()
+
+
 # ---------------------------------------------------------------------------
 # the jobs
 
 
-def job(hosts, n, args, worker_args, settings, expect_failure=False):
-    """One job of one rank per host; every rank's JSON."""
+def job(hosts, n, args, worker_args, settings, expect_failure=False, per_host=1):
+    """One job of `per_host` ranks on each of n hosts; every rank's JSON."""
     from netns_hosts import communicate_all
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    **settings)
-        cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(n),
-               "-H", ",".join(f"{a}:1" for a in hosts.addrs[:n]), "-i", hosts.key,
+        cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(n * per_host),
+               "-H", ",".join(f"{a}:{per_host}" for a in hosts.addrs[:n]), "-i", hosts.key,
                "--grace-seconds", "30", "--",
                sys.executable, os.path.abspath(__file__), "--worker", out] + worker_args
         proc = hosts.popen(0, cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -260,6 +329,100 @@ def failure_times(hosts, n, args, how, settings):
             "error": next(iter(res.values()))["error"]}
 
 
+def elastic_times(hosts, n, args):
+    """Shrink N -> N-1 (a rank killed) and grow back to N (a slot discovered:
+    a second on host 0, as the killed rank's host is blacklisted)."""
+    from netns_hosts import communicate_all
+    with tempfile.TemporaryDirectory() as out:
+        os.chmod(out, 0o755)
+        listing = os.path.join(out, "hosts")
+        with open(listing, "w") as f:
+            f.write("".join(f"{a}:1\n" for a in hosts.addrs[:n]))
+        with open(listing + ".grown", "w") as f:
+            f.write("".join(f"{a}:{2 if i == 0 else 1}\n" for i, a in enumerate(hosts.addrs[:n])))
+        script = os.path.join(out, "discover.sh")
+        with open(script, "w") as f:
+            f.write(f"#!/bin/sh\ncat {listing}\n")
+        os.chmod(script, 0o755)
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(n), "--min-np", str(n - 1),
+               "--max-np", str(n), "--host-discovery-script", script,
+               "--discovery-interval", "0.2", "--blacklist-cooldown", "600", "-i", hosts.key,
+               "--grace-seconds", "30", "--",
+               sys.executable, os.path.abspath(__file__), "--worker", out, "--elastic", listing]
+        proc = hosts.popen(0, cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        output = communicate_all([proc], args.timeout, f"{n} hosts elastic")[0]
+        res = {}
+        for name in os.listdir(out):
+            if name.endswith(".json"):
+                with open(os.path.join(out, name)) as f:
+                    res[name[:-len(".json")]] = json.load(f)
+        victim = res.pop("victim", None)
+        if proc.returncode or victim is None or len(res) != n:
+            raise RuntimeError(f"{n} hosts elastic failed:\n{output[-3000:]}")
+    killed = victim["at"]
+    shrunk = [next(l for l in w["lives"] if l["size"] == n - 1)
+              for w in res.values() if len(w["lives"]) > 1]
+    grown = [w["lives"][-1] for w in res.values()]
+    grow_at = next(l["grow_at"] for l in shrunk if "grow_at" in l)
+    newcomer = next(w for w in res.values() if len(w["lives"]) == 1)
+    olds = [w for w in res.values() if w is not newcomer]
+    asked = [next(l for l in w["lives"] if l["size"] == n - 1) for w in olds]
+    return {
+        "shrink_s": max(l["first_done"] for l in shrunk) - killed,
+        "shrink_failed_s": max(w["lives"][0]["failed_at"] for w in olds) - killed,
+        "shrink_init_s": max(l["initialized"] - l["init_start"] for l in asked),
+        "grow_s": max(l["first_done"] for l in grown) - grow_at,
+        "grow_spawn_s": newcomer["started"] - grow_at,
+        "grow_newcomer_ready_s": newcomer["lives"][0]["init_start"] - grow_at,
+        "grow_reset_s": max(l["init_start"] for l in grown) - grow_at,
+        "grow_init_s": max(l["initialized"] - l["init_start"] for l in grown),
+        "grow_store_s": max(l["store_s"] for l in grown),
+        "grow_connect_s": max(l["connect_s"] for l in grown),
+    }
+
+
+def two_level_times(n, args):
+    """n hosts of 2 ranks: each bucket's offline time as the cost model
+    chooses (PERSEUS_ALLREDUCE_MODE unset), flat (0) and in two levels (1)."""
+    from netns_hosts import NetnsHosts
+    hosts = NetnsHosts(n, subnet=200 + n % 50)
+    try:
+        if args.rate:
+            hosts.shape(args.rate)
+        buckets = [int(b) for b in args.buckets.split(",")]
+        out = {}
+        for mode in ("auto", "0", "1"):
+            settings = {} if mode == "auto" else {"PERSEUS_ALLREDUCE_MODE": mode}
+            res = job(hosts, n, args, ["--budget", str(args.budget), "--buckets",
+                                       ",".join(map(str, buckets)), "--profiles", ""],
+                      settings, per_host=2)
+            out[mode] = res["rank0"]
+        return out
+    finally:
+        hosts.close()
+
+
+def print_two_level(rows):
+    print("\n## two link classes: hosts of 2 ranks each; each bucket's offline time (rank "
+          "0's median, ms) as the cost model chooses (PERSEUS_ALLREDUCE_MODE unset), flat (=0) "
+          "and in two levels (=1); the model's inputs at init (rank 0, the run with it)")
+    print(f"{'hosts':>5} {'bucket':>10} {'auto ms':>9} {'flat ms':>8} {'two ms':>7} "
+          f"{'auto/best':>10}")
+    for n, out in rows:
+        st = out["auto"]
+        for b in st["buckets"]:
+            model, flat, two = (out[m]["buckets"][b]["offline"]["ms"] for m in ("auto", "0", "1"))
+            print(f"{n:>5} {human(int(b)):>10} {model:>9.2f} {flat:>8.2f} {two:>7.2f} "
+                  f"{model / min(flat, two):>10.2f}")
+        print(f"# {n} hosts: flat alpha {st['model_alpha_us']:.0f} us, beta "
+              f"{st['model_beta_mb']:.1f} MB/s, line {human(st['line'])}; host phases "
+              f"{st['host_phase_us']:.0f} us + {st['host_phase_mb']:.0f} MB/s; leaders alpha "
+              f"{st['cross_alpha_us']:.0f} us, beta {st['cross_beta_mb']:.1f} MB/s, line "
+              f"{human(st['leaders_line'])}")
+
+
 def run_hosts(n, args):
     from netns_hosts import NetnsHosts
     hosts = NetnsHosts(n, subnet=150 + n % 100)
@@ -277,6 +440,8 @@ def run_hosts(n, args):
             result["kill"] = failure_times(hosts, n, args, "kill", {})
             result["freeze"] = failure_times(
                 hosts, n, args, "freeze", {"GLOO_TIMEOUT_SECONDS": str(args.freeze_timeout)})
+        if not args.no_elastic:
+            result["elastic"] = elastic_times(hosts, n, args)
         return result
     finally:
         hosts.close()
@@ -366,6 +531,23 @@ def print_tables(results, alpha, beta, args):
         print(f"{res['n']:>5} {k['seconds']:>9.2f} {k['named']:>3}/{k['survivors']:<3} "
               f"{f['seconds']:>9.2f} {f['named']:>3}/{f['survivors']:<3} "
               f"{f['seconds'] / args.freeze_timeout:>9.2f}")
+    print("\n## an elastic job: a rank killed (N -> N-1), then a slot discovered (N-1 -> N): "
+          "seconds until every rank of the new round has done its first collective; the "
+          "parts: the survivors' waits failed, the slowest init (the place from perseusrun, "
+          "the store, connections and the cost model); the newcomer's process started and "
+          "asked for its place, every rank reset, the slowest init and its store and "
+          "connect phases")
+    print(f"{'hosts':>5} {'shrink s':>9} {'failed':>7} {'init':>6} {'grow s':>7} "
+          f"{'spawned':>8} {'asked':>6} {'reset':>6} {'init':>6} {'store':>6} {'connect':>8}")
+    for res in results:
+        if "elastic" not in res:
+            continue
+        e = res["elastic"]
+        print(f"{res['n']:>5} {e['shrink_s']:>9.2f} {e['shrink_failed_s']:>7.2f} "
+              f"{e['shrink_init_s']:>6.2f} {e['grow_s']:>7.2f} {e['grow_spawn_s']:>8.2f} "
+              f"{e['grow_newcomer_ready_s']:>6.2f} {e['grow_reset_s']:>6.2f} "
+              f"{e['grow_init_s']:>6.2f} {e['grow_store_s']:>6.2f} "
+              f"{e['grow_connect_s']:>8.2f}")
     print("\n## per rank after the steps (the largest over ranks)")
     print(f"{'hosts':>5} {'files':>6} {'threads':>8} {'RSS MB':>7} {'peak MB':>8}")
     for res in results:
@@ -437,15 +619,22 @@ def main():
     parser.add_argument("--freeze-timeout", type=float, default=5.0,
                         help="GLOO_TIMEOUT_SECONDS of the frozen-rank job")
     parser.add_argument("--no-failures", action="store_true", help="skip the failure jobs")
+    parser.add_argument("--no-elastic", action="store_true", help="skip the elastic job")
+    parser.add_argument("--two-level-hosts", default="",
+                        help="host counts (comma-separated) of 2 ranks each at which to time "
+                             "the cost model's choice against flat and two levels")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per job")
     parser.add_argument("--json", help="also write every rank's figures here")
     parser.add_argument("--svg", help="also write the step-time curves here")
     parser.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
     parser.add_argument("--failure", choices=("kill", "freeze"), help=argparse.SUPPRESS)
     parser.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--elastic", metavar="HOSTS_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, ROOT)
+        if args.elastic:
+            return worker_elastic(args.worker, args.elastic)
         if args.failure:
             return worker_failure(args.worker, args.failure)
         return worker_steps(args.worker, [int(b) for b in args.buckets.split(",") if b],
@@ -455,6 +644,10 @@ def main():
     why = missing_requirements()
     if why:
         sys.exit(f"scale.py: {why}")
+    two_level = [(n, two_level_times(n, args))
+                 for n in sorted({int(x) for x in args.two_level_hosts.split(",") if x})]
+    if two_level and not args.hosts:
+        return print_two_level(two_level)
     counts = sorted({int(x) for x in args.hosts.split(",")} | {2})
     results = []
     for n in counts:
@@ -469,6 +662,8 @@ def main():
     alpha = cal["alpha_s"]
     beta = CALIBRATE_BYTES / max(cal["ring_16m_s"] - 2 * alpha, 1e-9)
     print_tables(results, alpha, beta, args)
+    if two_level:
+        print_two_level(two_level)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"alpha_s": alpha, "beta_bytes_s": beta, "rate": args.rate,

@@ -50,6 +50,7 @@ FEATURES = [
         "tests/test_cc_unit.py::test_recursive_doubling_and_bruck_allgather_on_every_world_size",
         "checks_core.check_raw_allgather_by_bruck_equals_the_ring",
         "checks_core.check_the_cost_model_draws_one_line_on_every_rank",
+        "checks_compression.check_two_levels_where_the_cost_model_says",
     ]),
     ("local gradient accumulation", [
         "checks_strategy.check_accumulation_equals_a_larger_batch",

@@ -14,6 +14,11 @@ pybind11::dict StatsToDict(const Stats& st) {
   d["link_latency_us"] = st.link_latency_us;
   d["link_bandwidth_mbytes"] = st.link_bandwidth_mbytes;
   d["reduce_mbytes"] = st.reduce_mbytes;
+  d["host_phase_us"] = st.host_phase_us;
+  d["host_phase_mbytes"] = st.host_phase_mbytes;
+  d["cross_latency_us"] = st.cross_latency_us;
+  d["cross_bandwidth_mbytes"] = st.cross_bandwidth_mbytes;
+  d["leaders_doubling_bytes"] = st.leaders_doubling_bytes;
   d["requests"] = st.requests;
   d["responses"] = st.responses;
   d["fused_responses"] = st.fused_responses;

@@ -448,6 +448,8 @@ void Executor::AllreduceBuffer(int stream, DataPlane& plane, void* buf, size_t c
   call.half_across = half_across;
   call.scale = static_cast<float>(c_.compression.gradient_scale);
   call.half = &streams_[stream]->scratch.half;
+  call.cross_doubling_bytes = c_.topology.leaders_doubling_bytes;
+  call.hosts = c_.topology.hosts;
   RunAllreduce(ChooseAllreduce(bytes, half_across > 0, c_.topology), c_.groups, call, timeline_);
   if (!plane.host()) plane.FromHost(stream, buf, data, bytes);
 }

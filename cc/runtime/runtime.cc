@@ -212,6 +212,13 @@ void Runtime::StartRound() {
     s.link_latency_us = transports_->cost().alpha * 1e6;
     s.link_bandwidth_mbytes = transports_->cost().beta * 1e-6;
     s.reduce_mbytes = transports_->cost().gamma > 0 ? 1e-6 / transports_->cost().gamma : 0;
+    const TwoLevelCost& two = transports_->two_level_cost();
+    s.host_phase_us = two.host_seconds * 1e6;
+    s.host_phase_mbytes = two.host_per_byte > 0 ? 1e-6 / two.host_per_byte : 0;
+    s.cross_latency_us = two.cross.alpha * 1e6;
+    s.cross_bandwidth_mbytes = two.cross.beta * 1e-6;
+    s.leaders_doubling_bytes =
+        static_cast<int64_t>(transports_->topology().leaders_doubling_bytes);
   });
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -21,7 +21,8 @@ struct TransportSettings {
   bool shm_allreduce = true;
   // PERSEUS_ALLREDUCE_MODE: 0: one flat ring over all ranks. 1: hierarchical:
   // reduce within each host, allreduce among hosts, broadcast within each host.
-  // Unset: -1 (auto).
+  // Unset: a cost model picks one for each bucket
+  // ([Communication](communication.md#two-levels-or-flat)). Unset: -1 (auto).
   int allreduce_mode = -1;
   // PERSEUS_ALLREDUCE_DOUBLING_BYTES: Buckets of at most this many bytes that
   // cross hosts over one flat group reduce by recursive doubling (log2 N

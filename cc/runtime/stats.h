@@ -48,6 +48,15 @@ struct Stats {
   double link_latency_us = 0;
   double link_bandwidth_mbytes = 0;
   double reduce_mbytes = 0;
+  // With two levels and PERSEUS_ALLREDUCE_MODE unset, what decides per
+  // bucket between them and the flat allreduce (cost_model.h): the host
+  // phases' fixed time and speed, a hop across hosts' latency and bandwidth
+  // (zeros otherwise); and the line up to which the leaders double.
+  double host_phase_us = 0;
+  double host_phase_mbytes = 0;
+  double cross_latency_us = 0;
+  double cross_bandwidth_mbytes = 0;
+  int64_t leaders_doubling_bytes = 0;
   int64_t cycles = 0;
   int64_t control_bytes_sent = 0;
   int64_t requests = 0;

@@ -71,6 +71,7 @@ GLOO_UNIT_TESTS = {
         "cc/rendezvous/hmac_sha256.cc",
         "cc/rendezvous/store_client.cc",
         "cc/transport/allreduce_algorithms.cc",
+        "cc/transport/cost_model.cc",
         "cc/transport/gloo_abortable.cc",
         "cc/transport/nccl.cc",
         "cc/device/cuda_library.cc",

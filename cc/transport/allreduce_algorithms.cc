@@ -19,10 +19,14 @@ AllreduceAlgorithm ChooseAllreduce(size_t bytes, bool mixed, const AllreduceTopo
                                                  : AllreduceAlgorithm::kNccl;
   }
   if (t.one_host_shm) return AllreduceAlgorithm::kShm;
-  // Two levels for buckets large enough that bandwidth, not the latency of
-  // three phases, decides; always for mixed compression and mode 1.
-  const bool two_level =
-      t.two_level && (mixed || t.mode == 1 || (t.mode < 0 && bytes >= (256u << 10)));
+  // Two levels where the cost model says they are faster (unmeasured: for
+  // buckets of 256 KiB and more); always for mixed compression and mode 1.
+  const bool faster =
+      t.two_level_cost.cross.beta > 0
+          ? TwoLevelFaster(t.ranks, t.hosts, static_cast<double>(bytes), t.flat_cost,
+                           static_cast<int64_t>(t.doubling_bytes), t.two_level_cost)
+          : bytes >= (256u << 10);
+  const bool two_level = t.two_level && (mixed || t.mode == 1 || (t.mode < 0 && faster));
   if (two_level) return AllreduceAlgorithm::kTwoLevel;
   // Small flat buckets wait on the network's latency more than on its
   // bandwidth: recursive doubling's log2(N) exchanges beat the ring's
@@ -55,10 +59,22 @@ void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& tim
   std::vector<uint16_t>& half = *call.half;
   if (half_across > 0 && leader && half.size() < count) half.resize(count);
 
+  // Among the leaders, a small chunk doubles: log2(H) exchanges, not the
+  // ring's 2(H - 1) steps (from 4 bytes a leader, as the flat rule).
+  auto doubles = [&](size_t bytes) {
+    return bytes <= call.cross_doubling_bytes &&
+           bytes >= 4 * static_cast<size_t>(std::max(call.hosts, 1));
+  };
   // One chunk across hosts (leaders only).
   auto cross = [&](size_t c) {
     const size_t at = first(c), n = length(c);
     if (half_across == 0) {
+      if (doubles(n * esize)) {
+        TimelineSpan span(timeline, 1 + stream, "cross-host allreduce, doubling",
+                          "communication");
+        g.leaders->AllreduceDoubling(stream, base + at * esize, n, dtype, op);
+        return;
+      }
       TimelineSpan ring(timeline, 1 + stream, "cross-host allreduce", "communication");
       g.leaders->Allreduce(stream, base + at * esize, n, dtype, op);
       return;
@@ -69,7 +85,11 @@ void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& tim
     const size_t scaled = half_across > at ? std::min(n, half_across - at) : 0;
     FloatToHalfScaled(f, h, scaled, call.scale);
     FloatToHalfScaled(f + scaled, h + scaled, n - scaled, 1.0f);
-    {
+    if (doubles(n * 2)) {
+      TimelineSpan span(timeline, 1 + stream, "cross-host allreduce, doubling (fp16)",
+                        "communication");
+      g.leaders->AllreduceDoubling(stream, h, n, DataType::kFloat16, ReduceOp::kSum);
+    } else {
       TimelineSpan ring(timeline, 1 + stream, "cross-host allreduce (fp16)", "communication");
       g.leaders->Allreduce(stream, h, n, DataType::kFloat16, ReduceOp::kSum);
     }
@@ -77,6 +97,19 @@ void TwoLevel(const AllreduceGroups& g, const AllreduceCall& call, Timeline& tim
     HalfToFloatScaled(h + scaled, f + scaled, n - scaled, 1.0f);
   };
 
+  if (chunks == 1) {
+    // Nothing to overlap: the three phases in turn on this thread, without
+    // a helper thread to start and wake (most of a small bucket's time on
+    // a busy host).
+    {
+      TimelineSpan span(timeline, 1 + stream, "host reduce", "communication");
+      g.host->Reduce(stream, base, count, dtype, op);
+    }
+    if (leader) cross(0);
+    TimelineSpan span(timeline, 1 + stream, "host broadcast", "communication");
+    g.host->Broadcast(stream, base, count * esize);
+    return;
+  }
   std::mutex mu;
   std::condition_variable cv;
   size_t reduced = 0, crossed = 0;

@@ -7,8 +7,9 @@
 //              PERSEUS_ALLREDUCE_DOUBLING_BYTES: about log2(N) waits on the
 //              network where a ring has 2(N - 1);
 //   kTwoLevel  reduce inside each host (shared memory or TCP), allreduce
-//              among the hosts' leaders, broadcast inside each host,
-//              pipelined in 4 MiB chunks.
+//              among the hosts' leaders (doubling or the ring, by the line
+//              for their number), broadcast inside each host, pipelined in
+//              4 MiB chunks.
 //   kNccl          device memory: NCCL among all ranks, where the buffer is;
 //   kNcclTwoLevel  device memory: NCCL reduces inside each host to its
 //              leader's device, the leaders allreduce host-staged copies (as
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "cc/core/timeline.h"
+#include "cc/transport/cost_model.h"
 #include "cc/transport/transport.h"
 
 namespace perseus {
@@ -42,6 +44,16 @@ struct AllreduceTopology {
   size_t doubling_bytes = 0;  // PERSEUS_ALLREDUCE_DOUBLING_BYTES: flat buckets up to this
                               // size double instead of taking the ring (0: never)
   int ranks = 0;              // the flat group's size (world or process set)
+  // kTwoLevel: chunks up to this size cross among the hosts' leaders by
+  // recursive doubling (the line for cross_size ranks), larger ones by the
+  // ring.
+  size_t leaders_doubling_bytes = 0;
+  int hosts = 1;
+  // Mode -1 with two levels: the cost model's inputs (cost_model.h), which
+  // decide per bucket; unmeasured (two_level_cost.cross.beta 0), buckets of
+  // 256 KiB and more take two levels.
+  LinkCost flat_cost;
+  TwoLevelCost two_level_cost;
 };
 
 // mixed: part of the buffer crosses hosts as float16 (needs two levels).
@@ -67,6 +79,9 @@ struct AllreduceCall {
   size_t half_across = 0;
   float scale = 1.0f;
   std::vector<uint16_t>* half = nullptr;
+  // kTwoLevel: AllreduceTopology's leaders_doubling_bytes and hosts.
+  size_t cross_doubling_bytes = 0;
+  int hosts = 1;
 };
 
 // Runs a host algorithm's call on the calling thread (kTwoLevel adds a helper thread on

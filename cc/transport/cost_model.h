@@ -1,6 +1,8 @@
 // The alpha-beta(-gamma) model that chooses, per bucket size, between the
 // ring and recursive doubling for a flat allreduce across hosts
-// (AllreduceTopology::doubling_bytes, allreduce_algorithms.h).
+// (AllreduceTopology::doubling_bytes, allreduce_algorithms.h), and between
+// the flat allreduce and the two-level one when hosts have several ranks
+// (TwoLevelCost below).
 //
 //   ring      2(N-1) hops in sequence, each rank sending 2(N-1)/N of the
 //             bytes and reducing (N-1)/N of them;
@@ -19,6 +21,7 @@
 
 namespace perseus {
 
+class GroupCollectives;
 class Transport;
 
 struct LinkCost {
@@ -47,5 +50,45 @@ int64_t DoublingCrossover(int n, const LinkCost& cost);
 // the ranks' average, the same bits on every rank. Throws as the transport
 // does.
 LinkCost MeasureLinkCost(Transport& world, int channel, const LinkCost& given);
+
+// The seconds of an allreduce among n ranks as ChooseAllreduce runs it
+// flat: doubling from 4 bytes a rank up to `line`, the ring otherwise.
+double FlatSeconds(int n, double bytes, const LinkCost& cost, int64_t line);
+
+// Two link classes, in a job of several hosts with several ranks each:
+// inside a host (shared memory or TCP) and across hosts. The two-level
+// allreduce (allreduce_algorithms.h) reduces inside each host, allreduces
+// among the H hosts' leaders (doubling up to cross_line, the ring past it)
+// and broadcasts inside each host:
+//
+//   two-level(B) = host_seconds + B * host_per_byte + FlatSeconds(H, B, cross, cross_line)
+struct TwoLevelCost {
+  double host_seconds = 0;   // a host's reduce and broadcast of 4 bytes
+  double host_per_byte = 0;  // and of each byte more
+  LinkCost cross;            // a hop between two hosts' leaders
+  int64_t cross_line = 0;    // the leaders' line between doubling and the ring
+};
+
+double TwoLevelSeconds(int hosts, double bytes, const TwoLevelCost& cost);
+
+// Whether a bucket of `bytes` is faster in two levels than flat among the n
+// ranks (`flat`, `line`: the flat group's costs and line). Two levels pay
+// the host phases and save the flat path's waits on slow hops; the answer
+// can change more than once with the size, so the runtime asks for every
+// bucket (a few multiplications). False when nothing was measured.
+bool TwoLevelFaster(int n, int hosts, double bytes, const LinkCost& flat, int64_t line,
+                    const TwoLevelCost& cost);
+
+// Collective over `world` (every rank calls it at the same point, before
+// `channel` carries anything else on any of the three groups): times the
+// host group's reduce and broadcast of 4 bytes and 256 KiB (every rank), and
+// recursive doubling among the leaders as MeasureLinkCost does on the world
+// (leaders only; `leaders` is null elsewhere) where `given` has no alpha or
+// beta. Returns the host phases averaged over the ranks and the cross link
+// over the leaders, the same bits on every rank; the leaders' line is
+// `given_line` when it is not negative. Throws as the transports do.
+TwoLevelCost MeasureTwoLevelCost(Transport& world, GroupCollectives& host,
+                                 GroupCollectives* leaders, int hosts, int channel,
+                                 const LinkCost& given, double gamma, int64_t given_line);
 
 }  // namespace perseus

@@ -62,3 +62,61 @@ TEST(TheLineAtItsEdges) {
   CHECK_EQ(DoublingCrossover(8, Cost(1, 1e9, 0)), kMaxDoublingBytes);  // capped
   CHECK_EQ(kMaxDoublingBytes, int64_t{16} << 20);
 }
+
+namespace {
+
+TwoLevelCost Two(double host_s, double host_mbytes, const LinkCost& cross, int64_t line) {
+  TwoLevelCost c;
+  c.host_seconds = host_s;
+  c.host_per_byte = 1e-6 / host_mbytes;
+  c.cross = cross;
+  c.cross_line = line;
+  return c;
+}
+
+}  // namespace
+
+TEST(FlatAndTwoLevelTimesFollowTheirLines) {
+  const LinkCost link = Cost(1e-4, 1e8, 0);
+  // Flat: doubling up to the line (from 4 bytes a rank), the ring past it.
+  CHECK_EQ(FlatSeconds(8, 1000, link, 4096), DoublingSeconds(8, 1000, link));
+  CHECK_EQ(FlatSeconds(8, 8192, link, 4096), RingSeconds(8, 8192, link));
+  CHECK_EQ(FlatSeconds(8, 16, link, 4096), RingSeconds(8, 16, link));
+  // Two levels: the host phases, then the leaders' doubling or ring.
+  const TwoLevelCost c = Two(2e-5, 1e4, link, 4096);
+  CHECK(std::fabs(TwoLevelSeconds(4, 1000, c) - (2e-5 + 1e-7 + DoublingSeconds(4, 1000, link))) <
+        1e-15);
+  CHECK(std::fabs(TwoLevelSeconds(4, 1e6, c) - (2e-5 + 1e-4 + RingSeconds(4, 1e6, link))) <
+        1e-12);
+}
+
+TEST(TwoLevelsWhereTheModelSaysTheyAreFaster) {
+  // 8 hosts of 8 ranks; hops inside a host cheap, across hosts dear. The
+  // flat group's average hop is dearer than a hop between leaders; cheap
+  // host phases: two levels win from small to large buckets.
+  const LinkCost flat = Cost(1e-4, 1e8, 1e-10), cross = Cost(5e-5, 1.25e8, 1e-10);
+  const int64_t line = DoublingCrossover(64, flat), cross_line = DoublingCrossover(8, cross);
+  const TwoLevelCost cheap = Two(1e-5, 5e3, cross, cross_line);
+  for (double b : {1e3, 1e5, 1e7}) {
+    CHECK_EQ(TwoLevelFaster(64, 8, b, flat, line, cheap),
+             TwoLevelSeconds(8, b, cheap) < FlatSeconds(64, b, flat, line));
+    CHECK(TwoLevelFaster(64, 8, b, flat, line, cheap));
+  }
+  // Host phases of 2 ms and 60 MB/s: a 1 KB bucket goes flat (doubling's
+  // 0.7 ms); a 100 KB one takes two levels (flat doubling moves the whole
+  // buffer 6 times); a 1 GB one goes flat (the host's copies slower than
+  // the link).
+  const TwoLevelCost dear = Two(2e-3, 60, cross, cross_line);
+  CHECK(!TwoLevelFaster(64, 8, 1e3, flat, line, dear));
+  CHECK(TwoLevelFaster(64, 8, 1e5, flat, line, dear));
+  CHECK(!TwoLevelFaster(64, 8, 1e9, flat, line, dear));
+}
+
+TEST(TwoLevelsNeverWithoutHostsOrAMeasure) {
+  const LinkCost link = Cost(5e-5, 1.25e8, 1e-10);
+  const TwoLevelCost c = Two(1e-5, 5e3, link, 0);
+  CHECK(!TwoLevelFaster(8, 8, 1e6, link, 0, c));   // one rank a host
+  CHECK(!TwoLevelFaster(8, 1, 1e6, link, 0, c));   // one host
+  CHECK(!TwoLevelFaster(8, 2, 1e6, link, 0, TwoLevelCost()));
+  CHECK(!TwoLevelFaster(8, 2, 1e6, LinkCost(), 0, c));
+}

@@ -1,6 +1,7 @@
 #include "cc/transport/factory.h"
 
 #include <cstdio>
+#include <vector>
 
 #include "cc/transport/cost_model.h"
 #include "cc/transport/gloo_transport.h"
@@ -44,18 +45,36 @@ std::unique_ptr<TransportSet> BuildTransports(GlooTransport& world, const Transp
   set->topology_.two_level = world.hierarchical();
   set->topology_.mode = t.allreduce_mode;
   set->topology_.ranks = t.size;
+  set->topology_.hosts = t.cross_size;
   if (t.allreduce_doubling_bytes >= 0) {
     set->topology_.doubling_bytes = static_cast<size_t>(t.allreduce_doubling_bytes);
+    set->topology_.leaders_doubling_bytes = set->topology_.doubling_bytes;
   } else if (t.size > 1 && !set->topology_.one_host_shm) {
     // The cost model's line between doubling and the ring, from the links
-    // as measured now (or as given), the same on every rank.
+    // as measured now (or as given), the same on every rank; among the
+    // hosts' leaders the same links, fewer ranks.
     set->cost_ = MeasureLinkCost(world, Transport::kControl, t.link_cost);
     set->topology_.doubling_bytes = static_cast<size_t>(DoublingCrossover(t.size, set->cost_));
+    set->topology_.leaders_doubling_bytes =
+        static_cast<size_t>(DoublingCrossover(t.cross_size, set->cost_));
   }
   set->groups_.world = &world;
   set->groups_.host =
       set->shm_ ? static_cast<GroupCollectives*>(set->shm_.get()) : world.host();
   set->groups_.leaders = world.leaders();
+  if (set->topology_.two_level && t.allreduce_mode < 0 && set->groups_.host != nullptr) {
+    // Two link classes: each bucket takes two levels or not by the flat
+    // group's costs and the two-level path's, measured on the groups that
+    // carry them (stream 0: nothing runs there yet).
+    if (set->cost_.beta <= 0) set->cost_ = MeasureLinkCost(world, Transport::kControl, t.link_cost);
+    set->two_level_cost_ = MeasureTwoLevelCost(
+        world, *set->groups_.host, set->groups_.leaders, t.cross_size, 0, t.link_cost,
+        set->cost_.gamma, t.allreduce_doubling_bytes);
+    set->topology_.leaders_doubling_bytes =
+        static_cast<size_t>(set->two_level_cost_.cross_line);
+    set->topology_.flat_cost = set->cost_;
+    set->topology_.two_level_cost = set->two_level_cost_;
+  }
   return set;
 }
 

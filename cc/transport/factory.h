@@ -54,6 +54,9 @@ class TransportSet {
   // The links' cost the doubling line was drawn from (zeros: not measured,
   // the line was set or no bucket crosses hosts flat).
   const LinkCost& cost() const { return cost_; }
+  // What decides between two levels and flat (zeros: not measured, no two
+  // levels or PERSEUS_ALLREDUCE_MODE set).
+  const TwoLevelCost& two_level_cost() const { return two_level_cost_; }
   // Wakes every wait of every transport with an error; any thread may call
   // it, at any time, any number of times.
   void Abort();
@@ -68,6 +71,7 @@ class TransportSet {
   AllreduceTopology topology_;
   AllreduceGroups groups_;
   LinkCost cost_;
+  TwoLevelCost two_level_cost_;
 };
 
 // Collective over every rank of the world. `before_shm` runs just before

@@ -90,6 +90,10 @@ class GlooTransport::Group : public GroupCollectives {
     BySize<ReduceRun>(dtype, contexts_.at(static_cast<size_t>(channel)), data, count,
                       HostReduceFn(dtype, op));
   }
+  void AllreduceDoubling(int channel, void* data, size_t count, DataType dtype,
+                         ReduceOp op) override {
+    DoublingOn(contexts_.at(static_cast<size_t>(channel)), data, count, dtype, op);
+  }
   void Broadcast(int channel, void* data, size_t bytes) override {
     if (bytes == 0) return;
     gloo::BroadcastOptions opts(contexts_.at(static_cast<size_t>(channel)));
@@ -320,11 +324,15 @@ void GlooTransport::ReduceScatter(int channel, void* data, const std::vector<siz
 
 void GlooTransport::AllreduceDoubling(int channel, void* data, size_t count, DataType dtype,
                                       ReduceOp op) {
-  const int size = options_.size, rank = options_.rank;
+  DoublingOn(Channel(channel), data, count, dtype, op);
+}
+
+void GlooTransport::DoublingOn(const std::shared_ptr<gloo::Context>& ctx, void* data,
+                               size_t count, DataType dtype, ReduceOp op) {
+  const int size = ctx->size, rank = ctx->rank;
   if (size <= 1 || count == 0) return;
   const ReduceFn fn = HostReduceFn(dtype, op);
   const size_t bytes = count * DataTypeSize(dtype);
-  const auto& ctx = Channel(channel);
   const auto timeout = ctx->getTimeout();
   std::vector<char> incoming(bytes);
   auto mine = ctx->createUnboundBuffer(data, bytes);

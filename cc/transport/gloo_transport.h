@@ -94,6 +94,9 @@ class GlooTransport : public Transport {
   void CloseAll(const std::string& why);
 
  private:
+  // Recursive doubling (AllreduceDoubling) among a context's ranks.
+  static void DoublingOn(const std::shared_ptr<gloo::Context>& context, void* data, size_t count,
+                         DataType dtype, ReduceOp op);
   std::shared_ptr<gloo::Context> Connect(gloo::rendezvous::Store& store,
                                          const std::string& name, int rank, int size);
   const std::shared_ptr<gloo::Context>& Channel(int channel);

@@ -101,6 +101,12 @@ class GroupCollectives {
   // end by its own timeout (Gloo's, GLOO_TIMEOUT_SECONDS).
   virtual void Abort() {}
   virtual void Allreduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) = 0;
+  // Recursive doubling (Transport::AllreduceDoubling) where the group has
+  // it; the default is Allreduce.
+  virtual void AllreduceDoubling(int channel, void* data, size_t count, DataType dtype,
+                                 ReduceOp op) {
+    Allreduce(channel, data, count, dtype, op);
+  }
   // The sum (fn) lands in the leader's buffer; the others' may be clobbered.
   virtual void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) = 0;
   // The leader's bytes to every rank of the host.

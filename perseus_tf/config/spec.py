@@ -130,7 +130,8 @@ SETTINGS = (
     _s("allreduce_mode", "PERSEUS_ALLREDUCE_MODE", "int", None, ("choice", 0, 1),
        "transport", False, STREAMS, "auto", "0, 1",
        "0: one flat ring over all ranks. 1: hierarchical: reduce within each host, "
-       "allreduce among hosts, broadcast within each host.", none_as=-1),
+       "allreduce among hosts, broadcast within each host. Unset: a cost model picks one for "
+       "each bucket ([Communication](communication.md#two-levels-or-flat)).", none_as=-1),
 
     _s("allreduce_doubling_bytes", "PERSEUS_ALLREDUCE_DOUBLING_BYTES", "int", None,
        ("range", 0, 2**30), "transport", False, STREAMS, "auto", "0 to 2^30",

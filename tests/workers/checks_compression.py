@@ -219,7 +219,7 @@ def check_two_level_allreduce_equals_flat():
     # The ranks of a host meet in shared memory (every launch here has
     # several ranks per host) unless it is turned off.
     assert st["shm"] is (os.environ.get("PERSEUS_SHM_ALLREDUCE") != "0"), st["shm"]
-    n = 300_000  # above the automatic threshold (256 KiB)
+    n = 300_000  # 1.2 MB
     xi = np.arange(n, dtype=np.int64) * (R + 1)
     got = _core.submit(OP_ALLREDUCE, xi, "h.int", DTYPE_CODES["int64"], reduce_op=SUM,
                        output=np.empty_like(xi)).wait()[0]
@@ -236,6 +236,88 @@ def check_two_level_allreduce_equals_flat():
         for r in range(1, N):
             want = fn(want, _gradient(r, 9, "h.float", n))
         np.testing.assert_array_equal(got, want)
+
+
+def _ring_s(n, nbytes, alpha, beta, gamma):
+    share = (n - 1) / n
+    return 2 * (n - 1) * alpha + 2 * share * nbytes / beta + share * nbytes * gamma
+
+
+def _doubling_s(n, nbytes, alpha, beta, gamma):
+    p = 1 << (n.bit_length() - 1)
+    steps = p.bit_length() - 1 + (0 if p == n else 2)
+    return steps * (alpha + nbytes / beta + nbytes * gamma)
+
+
+def _flat_s(n, nbytes, cost, line):
+    doubles = 0 < line and nbytes <= line and nbytes >= 4 * n
+    return (_doubling_s if doubles else _ring_s)(n, nbytes, *cost)
+
+
+def _two_level_and_flat_s(st, nbytes):
+    """cost_model.h's two times for a bucket, written again from the inputs
+    stats() reports: the host phases plus the leaders' doubling or ring
+    among the hosts, and the flat allreduce among all ranks."""
+    gamma = 1e-6 / st["reduce_mbytes"]
+    flat = (st["link_latency_us"] * 1e-6, st["link_bandwidth_mbytes"] * 1e6, gamma)
+    cross = (st["cross_latency_us"] * 1e-6, st["cross_bandwidth_mbytes"] * 1e6, gamma)
+    per_byte = 1e-6 / st["host_phase_mbytes"] if st["host_phase_mbytes"] > 0 else 0.0
+    two = st["host_phase_us"] * 1e-6 + nbytes * per_byte + \
+        _flat_s(TOPO["cross_size"], nbytes, cross, st["leaders_doubling_bytes"])
+    return two, _flat_s(N, nbytes, flat, st["allreduce_doubling_bytes"])
+
+
+def check_two_levels_where_the_cost_model_says():
+    """With two levels and PERSEUS_ALLREDUCE_MODE unset, each bucket takes
+    them or the flat allreduce by costs measured at init on the groups that
+    carry them (the host phases; doubling among the hosts' leaders; the flat
+    group), the same on every rank. The timeline names what each bucket took
+    (the leaders double up to their line), and it is what the model says."""
+    import json
+    import tempfile
+    st = _native.stats()
+    keys = ("host_phase_us", "host_phase_mbytes", "cross_latency_us", "cross_bandwidth_mbytes",
+            "leaders_doubling_bytes", "allreduce_doubling_bytes", "link_latency_us",
+            "link_bandwidth_mbytes", "reduce_mbytes")
+    mine = np.array([float(st[k]) for k in keys], np.float64)
+    every = _core.submit(_native.OP_ALLGATHER, mine.copy(), "two.level.model",
+                         DTYPE_CODES["float64"]).wait()[0].reshape(N, -1)
+    assert (every == every[0]).all(), f"the ranks measured different costs: {every}"
+    if not st["hierarchical"] or os.environ.get("PERSEUS_ALLREDUCE_MODE") is not None:
+        assert st["cross_latency_us"] == 0 and st["host_phase_us"] == 0, st
+        return
+    assert st["cross_latency_us"] > 0 and st["cross_bandwidth_mbytes"] > 0, st
+    assert st["host_phase_us"] > 0 and st["link_bandwidth_mbytes"] > 0, st
+    sizes = [64, 4096, 64 << 10, 1 << 20, 3 << 20]
+    want = []
+    for nbytes in sizes:
+        two, flat = _two_level_and_flat_s(st, nbytes)
+        # None: too near to call from stats' rounded units.
+        want.append(None if abs(two - flat) < 1e-3 * max(two, flat) else two < flat)
+    path = os.path.join(tempfile.mkdtemp(), f"twolevel.rank{R}.json")
+    _core.start_timeline(path, False)
+    for nbytes in sizes:
+        n = nbytes // 4  # int32: no compression applies
+        x = np.arange(n, dtype=np.int32) % 1000 * (R + 1)
+        got = _core.submit(OP_ALLREDUCE, x, f"two.level.{nbytes}", DTYPE_CODES["int32"],
+                           reduce_op=SUM, output=np.empty_like(x)).wait()[0]
+        np.testing.assert_array_equal(got, np.arange(n, dtype=np.int32) % 1000 * (N * (N + 1) // 2))
+    _core.stop_timeline()
+    with open(path) as f:
+        spans = sorted((e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"),
+                       key=lambda e: e["ts"])
+    names = [e["name"] for e in spans]
+    taken = [n == "host reduce" for n in names
+             if n == "host reduce" or n.startswith("gloo allreduce")]
+    assert len(taken) == len(sizes), names
+    for nbytes, w, got in zip(sizes, want, taken):
+        assert w is None or w == got, (nbytes, w, got, _two_level_and_flat_s(st, nbytes), st)
+    if TOPO["local_rank"] == 0:  # a leader: each crossing by the leaders' line
+        line = st["leaders_doubling_bytes"]
+        crossed = [n for n in names if n.startswith("cross-host allreduce")]
+        assert crossed == ["cross-host allreduce, doubling"
+                           if 4 * TOPO["cross_size"] <= b <= line else "cross-host allreduce"
+                           for b, two in zip(sizes, taken) if two], (crossed, line)
 
 
 def check_large_buffers_in_pipelined_chunks():

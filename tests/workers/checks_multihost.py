@@ -73,7 +73,7 @@ def check_b_strategy_fit_equals_one_process():
 
 
 def check_c_hierarchical_allreduce_is_used():
-    # 1 MiB: above the size from which the two-level path is chosen.
+    # 1 MiB: two levels or flat, as the cost model says; the sum either way.
     x = tf.fill([1 << 18], float(R + 1))
     y = ptf.allreduce(x, op=ptf.Sum, name="multihost.big").numpy()
     np.testing.assert_array_equal(y, np.full(1 << 18, N * (N + 1) / 2, np.float32))
