@@ -61,3 +61,23 @@ def test_compression(launched, check):
 
 def test_clean_exit(launched):
     assert launched.proc.returncode == 0, launched.proc.stderr[-3000:]
+
+
+# The cost model's two link classes at more hosts: 3 hosts (the leaders'
+# doubling folds one leader in) and 4, two ranks each, shared memory and TCP.
+WIDER = {"3hosts": (6, "127.0.0.1:2,127.0.0.2:2,127.0.0.3:2", {}),
+         "4hosts-tcp": (8, "127.0.0.1:2,127.0.0.2:2,127.0.0.3:2,127.0.0.4:2",
+                        {"PERSEUS_SHM_ALLREDUCE": "0"})}
+WIDER_CHECKS = ["check_two_levels_where_the_cost_model_says", "check_two_level_allreduce_equals_flat"]
+
+
+@pytest.fixture(scope="module", params=sorted(WIDER))
+def wider(request):
+    np_, hosts, env = WIDER[request.param]
+    return run_checks("checks_compression", np_, env=env, hosts=hosts, timeout=300,
+                      names=WIDER_CHECKS)
+
+
+@pytest.mark.parametrize("check", WIDER_CHECKS)
+def test_two_levels_at_more_hosts(wider, check):
+    wider.assert_ok(check)
