@@ -90,14 +90,14 @@ LinkCost MeasureDoubling(int n, const std::function<void(float*, size_t)>& doubl
     auto exchange_tiny = [&] { doubling(&tiny, 1); };
     auto exchange_big = [&] { doubling(big.data(), big.size()); };
     exchange_tiny();  // every rank has arrived
-    const std::vector<double> tiny_s = Timed(9, exchange_tiny);
+    const std::vector<double> tiny_s = Timed(15, exchange_tiny);
     const double alpha = Median(tiny_s) / steps;
     // A step of bytes costs alpha + bytes / beta + bytes * gamma. The bytes'
-    // share comes from the fastest call of each size: a loaded host only
-    // adds to a call's time, and its noise can be larger than 256 KiB's own
-    // time (medians then subtract noise from noise). A link moves bytes no
-    // faster than this host reads them once.
-    const double big_s = Least(Timed(3, exchange_big)) / steps;
+    // share: the 256 KiB's median (a link's sustained rate, not a first
+    // burst) less the fastest 4-byte call (a loaded host only adds to a
+    // call's time, and subtracting a noisy median could leave nothing). A
+    // link moves bytes no faster than this host reads them once.
+    const double big_s = Median(Timed(3, exchange_big)) / steps;
     const double per_byte = std::max(big_s - Least(tiny_s) / steps, 0.0) / kBetaBytes;
     const double wire = std::max(per_byte - mine.gamma, mine.gamma);
     if (given.alpha <= 0) mine.alpha = alpha;
@@ -162,8 +162,8 @@ TwoLevelCost MeasureTwoLevelCost(Transport& world, GroupCollectives& host,
       host.Broadcast(channel, data, count * 4);
     };
     phases(&tiny, 1);  // every rank of the host has arrived
-    const std::vector<double> small = Timed(9, [&] { phases(&tiny, 1); });
-    const double large = Least(Timed(3, [&] { phases(big.data(), big.size()); }));
+    const std::vector<double> small = Timed(15, [&] { phases(&tiny, 1); });
+    const double large = Median(Timed(3, [&] { phases(big.data(), big.size()); }));
     mine.host_seconds = Median(small);
     mine.host_per_byte = std::max(large - Least(small), 0.0) / kBetaBytes;
   }
