@@ -41,8 +41,10 @@ struct Stats {
   double startup_connect_seconds = 0;
   // The line between recursive doubling and the ring for flat buckets
   // across hosts (bytes), and the cost model's inputs it was drawn from
-  // (zeros when the line was set by PERSEUS_ALLREDUCE_DOUBLING_BYTES or no
-  // bucket crosses hosts flat): a hop's latency, a link's bandwidth, and
+  // (zeros when nothing measured them: the line was set by
+  // PERSEUS_ALLREDUCE_DOUBLING_BYTES and the model does not choose two
+  // levels, or no bucket crosses hosts flat): a hop's latency, a link's
+  // bandwidth, and
   // this host's float32 sum, in MB (10^6 bytes) a second.
   int64_t allreduce_doubling_bytes = 0;
   double link_latency_us = 0;

@@ -51,8 +51,9 @@ class TransportSet {
   const AllreduceTopology& topology() const { return topology_; }
   const AllreduceGroups& groups() const { return groups_; }
   bool shm() const { return shm_ != nullptr; }
-  // The links' cost the doubling line was drawn from (zeros: not measured,
-  // the line was set or no bucket crosses hosts flat).
+  // The flat group's link cost the doubling line was drawn from (zeros: not
+  // measured, the line was set and two levels are not modelled, or no
+  // bucket crosses hosts flat).
   const LinkCost& cost() const { return cost_; }
   // What decides between two levels and flat (zeros: not measured, no two
   // levels or PERSEUS_ALLREDUCE_MODE set).
