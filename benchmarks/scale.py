@@ -298,14 +298,16 @@ def worker_elastic(out_dir, discovery):
 # the jobs
 
 
-def job(hosts, n, args, worker_args, settings, expect_failure=False, per_host=1):
-    """One job of `per_host` ranks on each of n hosts; every rank's JSON."""
+def job(hosts, n, args, worker_args, settings, expect_failure=False, per_host=1, placing=None):
+    """One job of `per_host` ranks on each of n hosts (or perseusrun's
+    `placing` flags instead of -np and -H); every JSON its ranks wrote."""
     from netns_hosts import communicate_all
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    **settings)
-        cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(n * per_host),
-               "-H", ",".join(f"{a}:{per_host}" for a in hosts.addrs[:n]), "-i", hosts.key,
+        placing = placing or ["-np", str(n * per_host),
+                              "-H", ",".join(f"{a}:{per_host}" for a in hosts.addrs[:n])]
+        cmd = [sys.executable, "-m", "perseus_tf.runner"] + placing + ["-i", hosts.key,
                "--grace-seconds", "30", "--",
                sys.executable, os.path.abspath(__file__), "--worker", out] + worker_args
         proc = hosts.popen(0, cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -313,6 +315,8 @@ def job(hosts, n, args, worker_args, settings, expect_failure=False, per_host=1)
         output = communicate_all([proc], args.timeout, f"{n} hosts {worker_args}")[0]
         results = {}
         for name in os.listdir(out):
+            if not name.endswith(".json"):
+                continue
             with open(os.path.join(out, name)) as f:
                 results[name[:-len(".json")]] = json.load(f)
         if (proc.returncode and not expect_failure) or not results:
@@ -332,35 +336,24 @@ def failure_times(hosts, n, args, how, settings):
 def elastic_times(hosts, n, args):
     """Shrink N -> N-1 (a rank killed) and grow back to N (a slot discovered:
     a second on host 0, as the killed rank's host is blacklisted)."""
-    from netns_hosts import communicate_all
-    with tempfile.TemporaryDirectory() as out:
-        os.chmod(out, 0o755)
-        listing = os.path.join(out, "hosts")
+    with tempfile.TemporaryDirectory() as files:
+        os.chmod(files, 0o755)
+        listing = os.path.join(files, "hosts")
         with open(listing, "w") as f:
             f.write("".join(f"{a}:1\n" for a in hosts.addrs[:n]))
         with open(listing + ".grown", "w") as f:
             f.write("".join(f"{a}:{2 if i == 0 else 1}\n" for i, a in enumerate(hosts.addrs[:n])))
-        script = os.path.join(out, "discover.sh")
+        script = os.path.join(files, "discover.sh")
         with open(script, "w") as f:
             f.write(f"#!/bin/sh\ncat {listing}\n")
         os.chmod(script, 0o755)
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(n), "--min-np", str(n - 1),
-               "--max-np", str(n), "--host-discovery-script", script,
-               "--discovery-interval", "0.2", "--blacklist-cooldown", "600", "-i", hosts.key,
-               "--grace-seconds", "30", "--",
-               sys.executable, os.path.abspath(__file__), "--worker", out, "--elastic", listing]
-        proc = hosts.popen(0, cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-        output = communicate_all([proc], args.timeout, f"{n} hosts elastic")[0]
-        res = {}
-        for name in os.listdir(out):
-            if name.endswith(".json"):
-                with open(os.path.join(out, name)) as f:
-                    res[name[:-len(".json")]] = json.load(f)
-        victim = res.pop("victim", None)
-        if proc.returncode or victim is None or len(res) != n:
-            raise RuntimeError(f"{n} hosts elastic failed:\n{output[-3000:]}")
+        res = job(hosts, n, args, ["--elastic", listing], {},
+                  placing=["-np", str(n), "--min-np", str(n - 1), "--max-np", str(n),
+                           "--host-discovery-script", script, "--discovery-interval", "0.2",
+                           "--blacklist-cooldown", "600"])
+    victim = res.pop("victim", None)
+    if victim is None or len(res) != n:
+        raise RuntimeError(f"{n} hosts elastic: {sorted(res)} finished, victim {victim}")
     killed = victim["at"]
     shrunk = [next(l for l in w["lives"] if l["size"] == n - 1)
               for w in res.values() if len(w["lives"]) > 1]

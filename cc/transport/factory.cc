@@ -1,7 +1,6 @@
 #include "cc/transport/factory.h"
 
 #include <cstdio>
-#include <vector>
 
 #include "cc/transport/cost_model.h"
 #include "cc/transport/gloo_transport.h"
