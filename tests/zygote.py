@@ -235,8 +235,19 @@ def _wait_for_rank(conn, pid, env):
     the rank's group when the client is gone. (PERSEUS_TEST_ZYGOTE_REPLY_DELAY_S
     in the rank's environment delays the pid's reply: test_zygote signals the
     client while the rank runs and its pid is still unknown there.)"""
+    def kill_group():
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     time.sleep(float(env.get("PERSEUS_TEST_ZYGOTE_REPLY_DELAY_S", 0)))
-    conn.sendall(f"{pid}\n".encode())
+    try:
+        conn.sendall(f"{pid}\n".encode())
+    except OSError:  # the client died before it heard the pid (a loaded host)
+        kill_group()
+        os.waitpid(pid, 0)
+        return
     pidfd = os.pidfd_open(pid)
     while True:
         ready, _, _ = select.select([conn, pidfd], [], [])
@@ -251,12 +262,12 @@ def _wait_for_rank(conn, pid, env):
             except OSError:
                 pass
             return
-        if not conn.recv(1):  # the client is gone
-            for kill in (os.killpg, os.kill):
-                try:
-                    kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        try:
+            gone = not conn.recv(1)
+        except OSError:
+            gone = True
+        if gone:  # the client is gone
+            kill_group()
 
 
 def serve(path):
