@@ -15,6 +15,8 @@ rounds:
   comm fp16       the same with Compression.fp16
   strategy fp32   PerseusStrategy `fit`, PERSEUS_ALLREDUCE_DTYPE=1
   strategy        PerseusStrategy `fit`, defaults (float16 with the gradient scale)
+  strategy sharded    PerseusStrategy `fit` (defaults) with shard_optimizer_state
+                  (PERSEUS_SHARD_OPTIMIZER_STATE=1); "strategy fp32 sharded" likewise
   strategy, chained   PerseusStrategy `fit` (defaults) with the gradient groups
                   run one after another in program order, as before overlap
   X, TF order     contender X with the weight gradients in TF's own order
@@ -56,9 +58,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONTENDERS = ["compute", "lockstep", "comm", "comm fp16", "strategy fp32", "strategy",
-              "strategy, chained", "shim none", "shim fp16", "mwms", "horovod"]
+              "strategy, chained", "strategy fp32 sharded", "strategy sharded", "shim none",
+              "shim fp16", "mwms", "horovod"]
 
-FP16 = {"strategy", "strategy, chained", "shim fp16"}
+FP16 = {"strategy", "strategy, chained", "strategy sharded", "shim fp16"}
 
 
 # ---- the worker (runs in a namespace, one per host) ------------------------
@@ -324,6 +327,8 @@ def run_contender(hosts, contender, args, model, env_extra=None, tree=ROOT):
     env.update(env_extra or {})
     if contender.startswith("strategy fp32"):
         env["PERSEUS_ALLREDUCE_DTYPE"] = "1"
+    if contender.startswith("strategy") and "sharded" in contender:
+        env["PERSEUS_SHARD_OPTIMIZER_STATE"] = "1"
     port = 20000 + secrets.randbelow(10000)
     common = dict(env, PERSEUS_MASTER_ADDR=hosts.addrs[0], PERSEUS_MASTER_PORT=str(port),
                   PERSEUS_RENDEZVOUS_SECRET=secrets.token_hex(16),
@@ -535,7 +540,8 @@ def _print_speedups(rounds, n):
     MWMS / max(lockstep, comm), since no synchronous step is shorter than
     the slower host's compute."""
     pairs = [("mwms", "strategy"), ("mwms", "strategy fp32"), ("horovod", "shim none"),
-             ("horovod", "shim fp16")]
+             ("horovod", "shim fp16"), ("strategy", "strategy sharded"),
+             ("strategy fp32", "strategy fp32 sharded")]
     for base, ours in pairs:
         if base in rounds and ours in rounds:
             r = [rounds[base][i] / rounds[ours][i] for i in range(n)]

@@ -143,6 +143,25 @@ def _wrap_update(patching, cls, attr):
     patching.replace(cls, attr, update)
 
 
+def _refuse_unsharded(optimizer):
+    """Under PerseusStrategy(shard_optimizer_state=True) only Keras 3's
+    optimizers are sharded (perseus_tf/strategy/keras_shard.py): any other
+    would keep its whole state on every rank, so it is refused."""
+    import tensorflow as tf
+
+    if tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy():
+        return
+    strategy = tf.distribute.get_strategy()
+    if not getattr(strategy, "_shard_optimizer_state", False):
+        return
+    if not any(c.__module__.endswith("backend.tensorflow.optimizer")
+               for c in type(optimizer).__mro__):
+        raise ValueError(
+            f"{type(optimizer).__module__}.{type(optimizer).__name__} cannot shard its state: "
+            "PerseusStrategy(shard_optimizer_state=True) (PERSEUS_SHARD_OPTIMIZER_STATE=1) "
+            "shards Keras 3 optimizers only; use one, or set shard_optimizer_state=False")
+
+
 def _wrap(patching, cls):
     original = cls.__dict__.get("apply_gradients")
     if original is None:
@@ -150,6 +169,7 @@ def _wrap(patching, cls):
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        _refuse_unsharded(self)
         n = _accumulation_steps() if _mark.pending is None else 1
         if n > 1:
             return _accumulating_apply(self, original, n, grads_and_vars, args, kwargs)

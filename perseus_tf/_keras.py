@@ -92,7 +92,7 @@ class Flavour:
         return f"{self.name} {_text(self.version)}"
 
 
-def _legacy_requested():
+def legacy_requested():
     return os.environ.get("TF_USE_LEGACY_KERAS", "") in ("1", "true", "True")
 
 
@@ -108,7 +108,7 @@ def in_use(imported_only=False):
             found.append(Flavour(keras))
         except ImportError:  # pragma: no cover - every supported TF has one
             pass
-    if "tf_keras" in sys.modules or (_legacy_requested() and not imported_only):
+    if "tf_keras" in sys.modules or (legacy_requested() and not imported_only):
         try:
             import tf_keras
             found.append(Flavour(tf_keras))

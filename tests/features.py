@@ -23,6 +23,13 @@ FEATURES = [
         "tests/test_model_matrix.py",
         "tests/test_backup_restore.py",
     ]),
+    ("sharded optimizer state", [
+        "tests/test_shard.py",
+        "checks_shard.check_adam_amsgrad",
+        "checks_shard.check_adafactor_and_its_factored_state_saved_whole",
+        "checks_shard.check_saved_sharded_loads_unsharded_and_the_reverse",
+        "checks_strategy.check_sharded_optimizer_state_equals_unsharded_or_is_refused",
+    ]),
     ("Horovod drop-in", [
         "tests/test_horovod.py",
         "checks_horovod_keras.check_fit_matches_single_process_training",

@@ -51,7 +51,8 @@ BETWEEN = ["check_keras_patches_in_order_found_and_undone",
            "check_accumulation_equals_a_larger_batch",
            "check_backup_and_restore_resumes_on_every_rank",
            "check_batch_norm_moving_statistics_are_averaged_when_read",
-           "check_predict_returns_every_row_in_order_on_every_rank"]
+           "check_predict_returns_every_row_in_order_on_every_rank",
+           "check_sharded_optimizer_state_equals_unsharded_or_is_refused"]
 ENDS = ("keras-3.0.5", "tf_keras")
 
 

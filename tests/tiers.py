@@ -127,6 +127,7 @@ FIRST_PASS = [
     Job("test_preemption.py", 110),
     Job("test_ray.py", 60, needs=["set-up:ray"]),
     Job("test_runner.py", 42),
+    Job("test_shard.py", 160),
     Job("test_slurm.py", 36),
     Job("test_soak.py", 83),
     Job("test_store_protocol.py", 1),

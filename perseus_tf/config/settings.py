@@ -104,6 +104,8 @@ def load_config(overrides=None, environ=None) -> Config:
         if field not in VARIABLES:
             raise ConfigError(
                 f"unknown option {field!r}; valid options are: {', '.join(sorted(VARIABLES))}")
+        if isinstance(value, bool):  # nancheck=True, shard_optimizer_state=False
+            value = int(value)
         if value is not None:
             setattr(config, field, _parse(field, value, f"option {field}"))
     return config

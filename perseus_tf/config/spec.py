@@ -119,6 +119,11 @@ SETTINGS = (
        "python", False, COMPRESSION, "1", "1 to 1024",
        "PerseusStrategy: each rank sums its gradients for N steps, then they are reduced "
        "and applied once."),
+    _s("shard_optimizer_state", "PERSEUS_SHARD_OPTIMIZER_STATE", "flag", 0, ("choice", 0, 1),
+       "python", False, COMPRESSION, "0", "0, 1",
+       "PerseusStrategy, Keras 3: 1 keeps each optimizer slot on one rank only "
+       "([Sharded optimizer state](sharding.md)): gradients are reduce-scattered, each rank "
+       "updates the weights it owns, and the updated weights are allgathered."),
 
     _s("streams", "PERSEUS_ALLREDUCE_STREAMS", "int", None, ("range", 1, 12),
        "transport", False, STREAMS, "auto", "1 to 12",

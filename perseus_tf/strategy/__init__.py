@@ -49,7 +49,7 @@ from perseus_tf import gpu
 from perseus_tf import ops as perseus_ops
 from perseus_tf import patches
 from perseus_tf.cross_device_ops import PerseusCrossDeviceOps
-from perseus_tf.strategy import input_teardown, keras_backports, keras_save, keras_xla
+from perseus_tf.strategy import input_teardown, keras_backports, keras_save, keras_shard, keras_xla
 
 _BROADCASTABLE = {tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64,
                   tf.uint8, tf.int8, tf.uint16, tf.int16, tf.bool}
@@ -179,7 +179,9 @@ class PerseusExtended(mirrored_strategy.MirroredExtended):
         return super()._create_variable(next_creator, **kwargs)
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
-        if replica_id != 0:
+        if replica_id != 0 or keras_shard.creating_slots():
+            if replica_id == 0:
+                next(self._var_counter)  # a sharded slot: ranks differ in its shape
             return super()._get_variable_creator_initial_value(replica_id, device, primary_var,
                                                                **kwargs)
         # Every rank creates its variables in the same order: the counter
@@ -320,6 +322,12 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         self.placement = placement
         tf.distribute.Strategy.__init__(self, extended)
         self._accumulate_n_steps = cfg.accumulate_n_steps
+        self._shard_optimizer_state = bool(cfg.shard_optimizer_state)
+        if self._shard_optimizer_state and (not _keras.keras3() or _keras.legacy_requested()):
+            raise ValueError(
+                "shard_optimizer_state=True (PERSEUS_SHARD_OPTIMIZER_STATE=1) needs Keras 3; "
+                f"this process uses {_keras.in_use()!r} (Keras 2 and tf_keras optimizers are "
+                "not sharded yet): set it to 0")
         self._preemption_check_seconds = cfg.preemption_check_seconds
         # Before any dataset is distributed: TF 2.21's input iterator would
         # otherwise leave every large malloc of the step an mmap (_malloc).

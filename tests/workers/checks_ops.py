@@ -197,6 +197,15 @@ def check_reducescatter_uneven_rows():
         got = ptf.reducescatter(tf.constant(xs[R]), op=ptf.Sum).numpy()
         assert got.shape == (mine,) + trailing, (got.shape, mine, trailing)
         np.testing.assert_array_equal(got, total[start:start + mine])
+    # 68 MB: more than one 64 MiB chunk of scratch (collectives.cc), with
+    # blocks that differ by a row, so the last chunk's spans differ too.
+    rows, width = 261, 1 << 16
+    pattern = (np.arange(rows * width, dtype=np.int32) % 1009).reshape(rows, width)
+    base, extra = divmod(rows, N)
+    start = R * base + min(R, extra)
+    mine = base + (1 if R < extra else 0)
+    got = ptf.reducescatter(tf.constant(pattern + R), op=ptf.Sum).numpy()
+    np.testing.assert_array_equal(got, pattern[start:start + mine] * N + N * (N - 1) // 2)
 
 
 def check_barrier():

@@ -1,0 +1,148 @@
+"""Sharded optimizer state against unsharded: optimizer-state bytes, peak
+memory and step time, replaying a model's gradients.
+
+For each profile (the gradient shapes of a real model, perseus_tf/profiles)
+and each rank count, two jobs run on this machine, one after the other:
+PerseusStrategy with Adam, unsharded and with shard_optimizer_state=True.
+Each rank makes one variable per tensor of the profile, and each step
+applies a fresh copy of fixed gradients through `optimizer.apply_gradients`
+under the strategy (the collectives and the optimizer's update, no model's
+compute). Every rank reports:
+
+  state      the bytes of its optimizer's variables (Adam: two slots per
+             weight, and a counter)
+  peak       its process's peak resident memory after the steps (ru_maxrss)
+  step       the median time of --steps steps after --warmup
+
+The table prints the largest rank's state and peak, the median step, and
+the ratios: state against 1/N of unsharded, the peak saving against the
+state saving, and the step time sharded / unsharded.
+
+Usage: python benchmarks/shard.py [--profiles resnet50,bert_base] [--np 2,4]
+           [--steps 5] [--dtype 0] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROFILES = os.path.join(ROOT, "perseus_tf", "profiles")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profiles", default="resnet50,bert_base")
+    p.add_argument("--np", default="2,4", help="rank counts")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtype", default="0", help="PERSEUS_ALLREDUCE_DTYPE of both jobs")
+    p.add_argument("--json", help="write the rows here too")
+    p.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def profile_sizes(name):
+    with open(os.path.join(PROFILES, name + ".json")) as f:
+        return [int(t["elements"]) for t in json.load(f)["tensors"]]
+
+
+def worker(args):
+    import resource
+    import time
+
+    import tensorflow as tf
+    import keras
+
+    import perseus_tf as ptf
+    from perseus_tf.strategy import keras_shard
+
+    profile, out = args.worker
+    sizes = profile_sizes(profile)
+    strategy = ptf.PerseusStrategy()
+    rank = ptf.rank()
+    with strategy.scope():
+        weights = [keras.Variable(tf.zeros([n]), name=f"w{i}") for i, n in enumerate(sizes)]
+        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer.build(weights)
+    # The gradients: fixed values, copied each step as backprop would make them.
+    sources = [tf.Variable(tf.fill([n], 1e-3 * (1 + i % 7))) for i, n in enumerate(sizes)]
+
+    @tf.function
+    def step():
+        def apply():
+            grads = [tf.identity(s) for s in sources]
+            optimizer.apply_gradients(zip(grads, weights))
+        strategy.run(apply)
+
+    times = []
+    for i in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        step()
+        float(weights[0][0].numpy())   # the step's updates are done
+        times.append(time.perf_counter() - start)
+    ptf.barrier()
+    result = {"rank": rank, "state": keras_shard.state_bytes(optimizer),
+              "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "step": statistics.median(times[args.warmup:]),
+              "weights": sum(sizes) * 4}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def job(profile, np_, sharded, args):
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+                   PERSEUS_ALLREDUCE_DTYPE=args.dtype,
+                   PERSEUS_SHARD_OPTIMIZER_STATE="1" if sharded else "0")
+        cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(np_), "--",
+               sys.executable, os.path.abspath(__file__), "--worker", profile, out,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"{profile} at {np_} ranks (sharded={sharded}) failed:\n"
+                             f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(np_)]
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    rows = []
+    print("| profile | ranks | state unsharded | state sharded (largest rank) | "
+          "sharded / (unsharded / N) | peak unsharded | peak sharded | "
+          "peak saving / state saving | step unsharded | step sharded | sharded / unsharded |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    mib = 1 << 20
+    for profile in args.profiles.split(","):
+        for np_ in [int(n) for n in args.np.split(",")]:
+            plain = job(profile, np_, False, args)
+            sharded = job(profile, np_, True, args)
+            state0 = max(r["state"] for r in plain)
+            state1 = max(r["state"] for r in sharded)
+            peak0 = max(r["peak"] for r in plain)
+            peak1 = max(r["peak"] for r in sharded)
+            step0 = statistics.median(r["step"] for r in plain)
+            step1 = statistics.median(r["step"] for r in sharded)
+            row = {"profile": profile, "ranks": np_, "state_unsharded": state0,
+                   "state_sharded": state1, "share": state1 / (state0 / np_),
+                   "peak_unsharded": peak0, "peak_sharded": peak1,
+                   "peak_saving_ratio": (peak0 - peak1) / max(1, state0 - state1),
+                   "step_unsharded": step0, "step_sharded": step1, "step_ratio": step1 / step0}
+            rows.append(row)
+            print(f"| {profile} | {np_} | {state0 / mib:.1f} MiB | {state1 / mib:.1f} MiB | "
+                  f"{row['share']:.3f} | {peak0 / mib:.0f} MiB | {peak1 / mib:.0f} MiB | "
+                  f"{row['peak_saving_ratio']:.2f} | {step0 * 1e3:.0f} ms | {step1 * 1e3:.0f} ms | "
+                  f"{row['step_ratio']:.2f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

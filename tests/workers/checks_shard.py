@@ -1,0 +1,229 @@
+"""PerseusStrategy(shard_optimizer_state=True) against the unsharded strategy,
+at 2, 3 and 4 ranks (tests/test_shard.py; 3: owners that do not divide evenly).
+
+Every rank trains the same model on the same global data twice, through two
+PerseusStrategy instances in one process: sharded and not. Their weights must
+agree within 1e-6 after 20 steps, the slots a rank owns must equal the
+unsharded run's, and the others must take no memory. The unsharded run is the
+reference because Keras 3 clips each replica's gradients before they are
+summed: a single-process run clips the sum, and differs from both.
+"""
+
+import os
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+import perseus_tf as ptf
+from perseus_tf.strategy import keras_shard
+
+from rank_checks import expect, same_on_all_ranks
+
+import keras
+
+R = N = PLAIN = SHARDED = None
+STEPS = 20
+GLOBAL_BATCH = 12          # divides among 2, 3 and 4 ranks
+TOL = 1e-6
+rng = np.random.default_rng(7)
+X = rng.normal(size=(STEPS * GLOBAL_BATCH, 4, 4, 2)).astype(np.float32)
+Y = rng.normal(size=(STEPS * GLOBAL_BATCH, 2)).astype(np.float32)
+
+
+def setup():
+    global R, N, PLAIN, SHARDED
+    PLAIN = ptf.PerseusStrategy()
+    SHARDED = ptf.PerseusStrategy(shard_optimizer_state=True)
+    R, N = ptf.rank(), ptf.size()
+    return R
+
+
+def make_model():
+    # A 4-D kernel (Adafactor factors the last two dimensions), biases that
+    # AdamW's exclusion names, and variables of unequal sizes.
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([
+        keras.Input((4, 4, 2)), keras.layers.Conv2D(3, 2, activation="tanh", name="conv"),
+        keras.layers.Flatten(), keras.layers.Dense(16, activation="tanh", name="hidden"),
+        keras.layers.Dense(8, activation="tanh", name="narrow"),
+        keras.layers.Dense(2, name="out")])
+
+
+def dataset(x=X, y=Y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+
+def train(strategy, make_optimizer, x=X, y=Y, model=None):
+    with strategy.scope():
+        if model is None:
+            model = make_model()
+            model.compile(optimizer=make_optimizer(), loss="mse")
+    model.fit(dataset(x, y), epochs=1, verbose=0)
+    return model
+
+
+def slots(optimizer):
+    """The optimizer's variables' values, in order."""
+    return [v.numpy() for v in _inner(optimizer).variables]
+
+
+def compare(make_optimizer, x=X, y=Y, tol=TOL):
+    plain = train(PLAIN, make_optimizer, x, y)
+    sharded = train(SHARDED, make_optimizer, x, y)
+    for a, b in zip(plain.weights, sharded.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=tol, err_msg=a.name)
+    same_on_all_ranks([w.numpy() for w in sharded.weights])
+    opt, ref = _inner(sharded.optimizer), _inner(plain.optimizer)
+    assert len(opt.variables) == len(ref.variables)
+    shards = opt._perseus_shards
+    owned = [shards.owner[i] == R for i in range(len(shards.owner))]
+    assert any(owned), "this rank owns no variable"
+    state = keras_shard.per_variable_state(opt)
+    for v, r in zip(opt.variables, ref.variables):
+        entry = state.get(id(v))
+        if entry is None or owned[entry[1]]:
+            assert tuple(v.shape) == tuple(r.shape), (v.name, v.shape, r.shape)
+            np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=0, atol=tol, err_msg=v.name)
+        elif id(v) in shards.slots:
+            assert tuple(v.shape) == (0,), (v.name, v.shape)  # another rank's slot
+    if shards.slots:
+        assert keras_shard.state_bytes(opt) < keras_shard.state_bytes(ref)
+    return plain, sharded
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "inner_optimizer", optimizer)
+
+
+def check_owners_balance_bytes_and_agree():
+    sizes = [400, 300, 300, 200, 100, 100, 1, 1]
+    owner = keras_shard.owners(sizes, 3)
+    loads = [sum(s for s, o in zip(sizes, owner) if o == r) for r in range(3)]
+    assert max(loads) - min(loads) <= 100, loads
+    assert keras_shard.owners(sizes, 3) == owner  # the same answer every time
+    same_on_all_ranks([np.array(keras_shard.owners(sizes, N))])
+
+
+def check_sgd_momentum_nesterov():
+    compare(lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
+
+
+def check_adam_amsgrad():
+    compare(lambda: keras.optimizers.Adam(0.01, amsgrad=True))
+
+
+def check_adamw_excluding_biases_from_weight_decay():
+    def make():
+        opt = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        return opt
+    compare(make)
+
+
+def check_rmsprop_centered_with_momentum():
+    compare(lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True))
+
+
+def check_adagrad():
+    compare(lambda: keras.optimizers.Adagrad(0.05, initial_accumulator_value=0.2))
+
+
+def check_adafactor_and_its_factored_state_saved_whole():
+    plain, sharded = compare(lambda: keras.optimizers.Adafactor(0.05))
+    path = os.path.join(tempfile.mkdtemp(prefix=f"shard{R}-"), "adafactor.keras")
+    sharded.save(path)
+    with PLAIN.scope():
+        loaded = keras.models.load_model(path)
+    for i, (a, b) in enumerate(zip(slots(loaded.optimizer), slots(plain.optimizer))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=f"optimizer variable {i}")
+
+
+def check_more_keras_optimizers():
+    for name in ("Nadam", "Adamax", "Lion", "Ftrl", "Lamb", "Adadelta"):
+        cls = getattr(keras.optimizers, name, None)
+        if cls is not None:
+            compare(lambda: cls(0.01))
+
+
+def check_learning_rate_schedule():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=5, decay_rate=0.5)
+    compare(lambda: keras.optimizers.Adam(schedule))
+
+
+def check_clipnorm_clipvalue_and_global_clipnorm():
+    # Small limits, so that clipping acts on every step.
+    compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
+    compare(lambda: keras.optimizers.SGD(0.05, clipvalue=0.005))
+    compare(lambda: keras.optimizers.SGD(0.05, momentum=0.5, global_clipnorm=0.05))
+
+
+def check_mixed_precision_with_an_overflow_on_the_last_rank():
+    x = X.copy()
+    x[3 * GLOBAL_BATCH + GLOBAL_BATCH - 1] = 1e6   # float16 overflows on the last rank only
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain, sharded = compare(lambda: keras.optimizers.Adam(0.01), x=x, tol=1e-5)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    scales = [float(m.optimizer.dynamic_scale.numpy()) for m in (plain, sharded)]
+    assert scales[0] == scales[1] and scales[0] < 32768.0, scales
+
+
+def check_accumulation_sharded_equals_unsharded():
+    plain = ptf.PerseusStrategy(accumulate_n_steps=2)
+    sharded = ptf.PerseusStrategy(accumulate_n_steps=2, shard_optimizer_state=True)
+    models = [train(s, lambda: keras.optimizers.Adam(0.01)) for s in (plain, sharded)]
+    for a, b in zip(*[m.weights for m in models]):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=TOL, err_msg=a.name)
+    # Ten apply steps of twenty batches.
+    assert int(_inner(models[1].optimizer).iterations.numpy()) == STEPS
+
+
+def check_saved_sharded_loads_unsharded_and_the_reverse():
+    folder = tempfile.mkdtemp(prefix=f"shard{R}-")
+    make = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    plain, sharded = compare(make)
+    sharded_file = os.path.join(folder, "sharded.keras")
+    plain_file = os.path.join(folder, "plain.keras")
+    sharded.save(sharded_file)   # every rank saves (the slots are gathered)
+    plain.save(plain_file)
+    # Sharded -> unsharded: every slot whole, equal to the unsharded run's.
+    with PLAIN.scope():
+        loaded = keras.models.load_model(sharded_file)
+    got, want = slots(loaded.optimizer), slots(plain.optimizer)
+    assert len(got) == len(want) and len(want) > 2
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=f"optimizer variable {i}")
+    # Unsharded -> sharded, and both go on training alike.
+    with SHARDED.scope():
+        resumed = keras.models.load_model(plain_file)
+    more = slice(0, 5 * GLOBAL_BATCH)
+    train(SHARDED, None, X[more], Y[more], model=resumed)
+    train(PLAIN, None, X[more], Y[more], model=plain)
+    for a, b in zip(plain.weights, resumed.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=TOL, err_msg=a.name)
+    assert keras_shard.state_bytes(resumed.optimizer) < keras_shard.state_bytes(plain.optimizer)
+
+
+def check_options_it_cannot_honour_are_refused():
+    for make, needle in ((lambda: keras.optimizers.Adam(0.01, use_ema=True), "use_ema"),
+                         (lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+                          "PERSEUS_ACCUMULATE_N_STEPS")):
+        expect(ValueError, lambda: train(SHARDED, make), needle, "shard_optimizer_state")
+    outside = keras.optimizers.SGD(0.1)
+    with SHARDED.scope():
+        model = make_model()
+        model.compile(optimizer=outside, loss="mse")
+    expect(ValueError, lambda: model.fit(dataset(), epochs=1, verbose=0), "inside strategy.scope()")
+
+
+def check_float16_compression_as_unsharded():
+    # Launched with PERSEUS_ALLREDUCE_DTYPE=0 (tests/test_shard.py): the
+    # reduce-scatter carries float16 of (gradient x scale), summed in float16,
+    # as the unsharded allreduce does, so the two runs agree as closely as
+    # uncompressed ones; float32 sums would differ by float16's rounding.
+    from perseus_tf import _native
+    if _native.gradient_compression() != _native.COMPRESS_FP16:
+        return
+    compare(lambda: keras.optimizers.SGD(0.05, momentum=0.9))
