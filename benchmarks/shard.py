@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", default="0", help="PERSEUS_ALLREDUCE_DTYPE of both jobs")
     p.add_argument("--json", help="write the rows here too")
+    p.add_argument("--bucket-mib", type=int,
+                   help="the sharded step's bucket size (default: keras_shard's 64)")
     p.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -63,14 +65,18 @@ def worker(args):
 
     profile, out = args.worker
     sizes = profile_sizes(profile)
+    if args.bucket_mib:
+        keras_shard._BUCKET_BYTES = args.bucket_mib << 20
     strategy = ptf.PerseusStrategy()
     rank = ptf.rank()
+    # The gradients: fixed values, copied each step as backprop would make
+    # them (made first, so that their making is not the process's peak).
+    sources = [tf.Variable(tf.fill([n], 1e-3 * (1 + i % 7))) for i, n in enumerate(sizes)]
     with strategy.scope():
         weights = [keras.Variable(tf.zeros([n]), name=f"w{i}") for i, n in enumerate(sizes)]
         optimizer = keras.optimizers.Adam(1e-3)
         optimizer.build(weights)
-    # The gradients: fixed values, copied each step as backprop would make them.
-    sources = [tf.Variable(tf.fill([n], 1e-3 * (1 + i % 7))) for i, n in enumerate(sizes)]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     @tf.function
     def step():
@@ -88,6 +94,10 @@ def worker(args):
     ptf.barrier()
     result = {"rank": rank, "state": keras_shard.state_bytes(optimizer),
               "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+              "peak_before_steps": before,
+              # TensorFlow's allocator: the tensors alone (weights, slots,
+              # gradients, the step's buffers), without the allocator's slack.
+              "tensor_peak": tf.config.experimental.get_memory_info("CPU:0")["peak"],
               "step": statistics.median(times[args.warmup:]),
               "weights": sum(sizes) * 4}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -102,6 +112,8 @@ def job(profile, np_, sharded, args):
         cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(np_), "--",
                sys.executable, os.path.abspath(__file__), "--worker", profile, out,
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        if args.bucket_mib:
+            cmd += ["--bucket-mib", str(args.bucket_mib)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"{profile} at {np_} ranks (sharded={sharded}) failed:\n"
@@ -116,8 +128,9 @@ def main():
     rows = []
     print("| profile | ranks | state unsharded | state sharded (largest rank) | "
           "sharded / (unsharded / N) | peak unsharded | peak sharded | "
-          "peak saving / state saving | step unsharded | step sharded | sharded / unsharded |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "peak saving / state saving | tensor peak saving / state saving | "
+          "step unsharded | step sharded | sharded / unsharded |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     mib = 1 << 20
     for profile in args.profiles.split(","):
         for np_ in [int(n) for n in args.np.split(",")]:
@@ -127,17 +140,24 @@ def main():
             state1 = max(r["state"] for r in sharded)
             peak0 = max(r["peak"] for r in plain)
             peak1 = max(r["peak"] for r in sharded)
+            tensors0 = max(r["tensor_peak"] for r in plain)
+            tensors1 = max(r["tensor_peak"] for r in sharded)
             step0 = statistics.median(r["step"] for r in plain)
             step1 = statistics.median(r["step"] for r in sharded)
             row = {"profile": profile, "ranks": np_, "state_unsharded": state0,
+                   "peak_before_steps": [max(r["peak_before_steps"] for r in plain),
+                                         max(r["peak_before_steps"] for r in sharded)],
                    "state_sharded": state1, "share": state1 / (state0 / np_),
                    "peak_unsharded": peak0, "peak_sharded": peak1,
                    "peak_saving_ratio": (peak0 - peak1) / max(1, state0 - state1),
+                   "tensor_peak": [tensors0, tensors1],
+                   "tensor_peak_saving_ratio": (tensors0 - tensors1) / max(1, state0 - state1),
                    "step_unsharded": step0, "step_sharded": step1, "step_ratio": step1 / step0}
             rows.append(row)
             print(f"| {profile} | {np_} | {state0 / mib:.1f} MiB | {state1 / mib:.1f} MiB | "
                   f"{row['share']:.3f} | {peak0 / mib:.0f} MiB | {peak1 / mib:.0f} MiB | "
-                  f"{row['peak_saving_ratio']:.2f} | {step0 * 1e3:.0f} ms | {step1 * 1e3:.0f} ms | "
+                  f"{row['peak_saving_ratio']:.2f} | {row['tensor_peak_saving_ratio']:.2f} | "
+                  f"{step0 * 1e3:.0f} ms | {step1 * 1e3:.0f} ms | "
                   f"{row['step_ratio']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -306,18 +306,38 @@ def alltoall(tensor, splits=None, name=None, process_set_id=0):
 
 
 def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, name=None,
-                  process_set_id=0):
+                  process_set_id=0, compression="none"):
     """Reduces across ranks and returns this rank's share of dimension 0.
 
     Rows are dealt out evenly; the first (dim0 % size) ranks get one more.
+    compression: "none", "fp16" or "mixed", as allreduce takes it (a float32
+    Sum or Average travels as float16 of x * PERSEUS_ALLREDUCE_GRADIENT_SCALE;
+    "mixed" so only when the job spans hosts).
     """
     _check_dtypes("reducescatter", [tensor], name)
     _native.ensure_initialized()
     return _LIB.perseus_reducescatter(tensor, tensor_name=_name(name),
                                       reduce_op=_native_op(op),
+                                      compression=_compression(compression),
                                       prescale=float(prescale_factor),
                                       postscale=float(postscale_factor),
                                       process_set_id=int(process_set_id))
+
+
+def shard_reducescatter(tensors, offsets, total, op=Sum, prescale_factor=1.0,
+                        postscale_factor=1.0, name=None, compression="none"):
+    """reducescatter of the vector of `total` elements that the tensors make,
+    each flattened at its element offset (increasing, not overlapping; zeros
+    between them), without concatenating them first: this rank's 1/size of
+    it (`total` must divide by the world size). Host tensors of one dtype;
+    a sharded optimizer's gradients (perseus_tf/strategy/keras_shard.py)."""
+    tensors = list(tensors)
+    _check_dtypes("shard_reducescatter", tensors, name)
+    _native.ensure_initialized()
+    return _LIB.perseus_shard_reducescatter(
+        tensors, offsets=[int(o) for o in offsets], total=int(total),
+        tensor_name=_name(name), reduce_op=_native_op(op), prescale=float(prescale_factor),
+        postscale=float(postscale_factor), compression=_compression(compression))
 
 
 def barrier(name=None, process_set_id=0):

@@ -189,7 +189,7 @@ STEP_RESUME = ("files.step_resume", "files.batch_skip_enumerate_epoch", "files.b
 BACKPORTS = ("backports.scale_fit_loss", "backports.sum_gradients", "backports.metric_variables",
              "backports.metric_variables_initializer")
 SHIM = ("shim.reduce_before_loss_scaling", "shim.reduce_before_loss_scaling_keras2",
-        "xla.off_around_collectives")
+        "xla.off_around_collectives", "shard.optimizer_state")
 
 
 def applies(patch, flavour):

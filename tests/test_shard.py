@@ -1,8 +1,9 @@
 """Sharded optimizer state (perseus_tf/strategy/keras_shard.py) against the
 unsharded PerseusStrategy in the same processes, at 2, 3 and 4 ranks
 (tests/workers/checks_shard.py): every Keras optimizer, schedules, clipping,
-mixed precision, accumulation, saving both ways, refusals; and float16
-compression at 2. The Keras 3 pass of `make test` runs them; where Keras 2
+mixed precision, accumulation, saving both ways and at another world size,
+refusals, and the Horovod shim's DistributedOptimizer against its own
+allreduce; and float16 compression at 2. The Keras 3 pass of `make test` runs them; where Keras 2
 trains (TF 2.15, tf_keras) checks_strategy's
 check_sharded_optimizer_state_equals_unsharded_or_is_refused shows the refusal.
 
@@ -22,10 +23,16 @@ ENV = {"PERSEUS_ALLREDUCE_DTYPE": "1", "PERSEUS_OFFLINE_NEG": "0"}
 
 
 if KERAS3:
+    @pytest.fixture(scope="module")
+    def files(tmp_path_factory):
+        # Each world size saves here and goes on from the previous one's file.
+        return str(tmp_path_factory.mktemp("shard-files"))
+
     @pytest.fixture(scope="module", params=[2, 3, 4])
-    def launched(request):
+    def launched(request, files):
         return run_checks("checks_shard", request.param, timeout=900,
-                          names=[c for c in CHECKS if c != FP16], env=ENV)
+                          names=[c for c in CHECKS if c != FP16],
+                          env=dict(ENV, PERSEUS_TEST_SHARD_FILES=files))
 
     @pytest.mark.parametrize("check", [c for c in CHECKS if c != FP16])
     def test_shard(launched, check):

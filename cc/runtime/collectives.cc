@@ -101,9 +101,57 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
   char* mine = static_cast<char*>(out);
   std::vector<char>& buf = streams_[stream]->scratch.fusion;
   const ReduceOp op = m.reduce_op;
-  TimelineSpan span(timeline_, 1 + stream,
-                    c_.topology.one_host_shm ? "shm allreduce" : "gloo reduce-scatter",
-                    "communication");
+  // Float16 of (x * the gradient scale) on the wire, summed in float16 as an
+  // allreduce's buckets are; mixed: only when the job spans hosts.
+  const bool half = dtype == DataType::kFloat32 &&
+                    (m.compression == kCompressFp16 ||
+                     (m.compression == kCompressMixed && c_.topology.hosts > 1));
+  const DataType wire = half ? DataType::kFloat16 : dtype;
+  const size_t wsize = DataTypeSize(wire);
+  const float scale = half ? static_cast<float>(c_.compression.gradient_scale) : 1.0f;
+  const char* what = c_.topology.one_host_shm ? (half ? "shm allreduce (fp16)" : "shm allreduce")
+                     : (half ? "gloo reduce-scatter (fp16)" : "gloo reduce-scatter");
+  TimelineSpan span(timeline_, 1 + stream, what, "communication");
+  // Elements [lo, lo + n) of the input, in the wire type, to `to`: from the
+  // one input buffer, or from the pieces with zeros between them.
+  const float pre_half = static_cast<float>(m.prescale) * scale;
+  auto put = [&](const char* src, size_t n, char* to) {
+    if (half) {
+      FloatToHalfScaled(reinterpret_cast<const float*>(src), reinterpret_cast<uint16_t*>(to), n,
+                        pre_half);
+    } else if (n) {
+      std::memcpy(to, src, n * esize);
+    }
+  };
+  size_t piece = 0;  // spans are read in increasing order: the first piece still ahead
+  auto read = [&](size_t lo, size_t n, char* to) {
+    if (q.pieces.empty()) return put(in + lo * esize, n, to);
+    const size_t end = lo + n;
+    while (piece > 0 && static_cast<size_t>(q.pieces[piece - 1].offset +
+                                            q.pieces[piece - 1].count) > lo) {
+      --piece;
+    }
+    size_t at = lo;
+    while (at < end) {
+      while (piece < q.pieces.size() &&
+             static_cast<size_t>(q.pieces[piece].offset + q.pieces[piece].count) <= at) {
+        ++piece;
+      }
+      const size_t next = piece < q.pieces.size()
+                              ? std::min(end, static_cast<size_t>(q.pieces[piece].offset))
+                              : end;
+      if (next > at) {  // no piece here: zeros
+        std::memset(to + (at - lo) * wsize, 0, (next - at) * wsize);
+        at = next;
+        continue;
+      }
+      const InputPiece& p = q.pieces[piece];
+      const size_t take = std::min(end, static_cast<size_t>(p.offset + p.count)) - at;
+      put(static_cast<const char*>(p.data) + (at - p.offset) * esize, take,
+          to + (at - lo) * wsize);
+      at += take;
+    }
+  };
   for (size_t from = 0; from < most; from += chunk) {
     std::vector<size_t> part(size);
     size_t total = 0, before_me = 0;
@@ -112,20 +160,25 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
       if (i < me) before_me += part[i];
       total += part[i];
     }
-    if (buf.size() < total * esize) buf.resize(total * esize);
+    if (buf.size() < total * wsize) buf.resize(total * wsize);
     size_t o = 0;
     for (int i = 0; i < size; ++i) {
-      if (part[i]) std::memcpy(buf.data() + o * esize, in + (starts[i] + from) * esize,
-                               part[i] * esize);
+      read(starts[i] + from, part[i], buf.data() + o * wsize);
       o += part[i];
     }
-    ScaleBuffer(buf.data(), dtype, total, m.prescale);
+    if (!half) ScaleBuffer(buf.data(), dtype, total, m.prescale);
+    const ReduceOp wire_op = half && op == ReduceOp::kAverage ? ReduceOp::kSum : op;
     if (c_.topology.one_host_shm) {
-      c_.groups.host->Allreduce(stream, buf.data(), total, dtype, op);
+      c_.groups.host->Allreduce(stream, buf.data(), total, wire, wire_op);
     } else {
-      c_.world->ReduceScatter(stream, buf.data(), part, dtype, op);
+      c_.world->ReduceScatter(stream, buf.data(), part, wire, wire_op);
     }
-    if (part[me]) std::memcpy(mine + from * esize, buf.data() + before_me * esize, part[me] * esize);
+    if (half) {
+      HalfToFloatScaled(reinterpret_cast<const uint16_t*>(buf.data()) + before_me,
+                        reinterpret_cast<float*>(mine) + from, part[me], 1.0f / scale);
+    } else if (part[me]) {
+      std::memcpy(mine + from * esize, buf.data() + before_me * esize, part[me] * esize);
+    }
   }
   const double post = m.postscale * (m.reduce_op == ReduceOp::kAverage ? 1.0 / size : 1.0);
   ScaleBuffer(out, dtype, counts[me], post);

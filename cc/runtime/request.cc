@@ -78,6 +78,13 @@ Status Runtime::CheckReduction(Request& request) {
     return Invalid(m, "prescale_factor and postscale_factor must be finite numbers; got " +
                           got.str());
   }
+  if (options_.nancheck && IsFloatingPoint(m.dtype) && !request.pieces.empty()) {
+    bool bad = false;
+    for (const InputPiece& p : request.pieces) {
+      bad = bad || HasNonFinite(p.data, m.dtype, static_cast<size_t>(p.count));
+    }
+    if (bad) request.meta.flags |= kMetaNonFinite;  // every rank fails it (negotiation.cc)
+  }
   if (options_.nancheck && IsFloatingPoint(m.dtype) && request.input != nullptr) {
     const size_t n = static_cast<size_t>(NumElements(m.shape));
     const bool bad = request.where.kind == MemoryKind::kHost
@@ -93,9 +100,14 @@ Status Runtime::CheckCompression(Request& request) {
   const TensorMeta& m = request.meta;
   // Compression applies to float32 sums and averages; anything else travels
   // as it is.
-  if (m.op != OpType::kAllreduce || m.dtype != DataType::kFloat32 ||
+  if ((m.op != OpType::kAllreduce && m.op != OpType::kReducescatter) ||
+      m.dtype != DataType::kFloat32 ||
       (m.reduce_op != ReduceOp::kSum && m.reduce_op != ReduceOp::kAverage)) {
     request.meta.compression = 0;
+  } else if (m.op == OpType::kReducescatter &&
+             (m.compression < kCompressNone || m.compression > kCompressMixed)) {
+    return Invalid(m, "a reducescatter's compression must be 0, 1 or 2 (none, float16, "
+                      "mixed), got " + std::to_string(m.compression));
   } else if (m.compression < kCompressNone || m.compression > kCompressDownsample) {
     return Invalid(m, "compression must be from 0 to 4 (none, float16, mixed, top-k, "
                       "downsample), got " + std::to_string(m.compression));

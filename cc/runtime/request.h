@@ -17,9 +17,21 @@ namespace perseus {
 // One collective a caller asked for. `done` runs exactly once, on a runtime
 // thread, after the output is written (or with an error): for device memory,
 // once the device work that writes it has finished.
+// A part of a request's input that is not one buffer (a reducescatter of a
+// sharded optimizer's gradients): `count` elements at element `offset` of
+// the whole input; the elements no piece covers are zeros.
+struct InputPiece {
+  const void* data = nullptr;
+  int64_t offset = 0;
+  int64_t count = 0;
+};
+
 struct Request {
   TensorMeta meta;
   const void* input = nullptr;
+  // Reducescatter on the host only: the input in pieces (sorted by offset,
+  // not overlapping) instead of `input`.
+  std::vector<InputPiece> pieces;
   // Allreduce and broadcast write here (may equal input). Ops whose output
   // shape depends on other ranks leave it null and provide `allocate`.
   void* output = nullptr;

@@ -482,6 +482,64 @@ REGISTER_KERNEL_BUILDER(Name("PerseusBroadcast").Device(DEVICE_CPU), BroadcastKe
 REGISTER_KERNEL_BUILDER(Name("PerseusAllgather").Device(DEVICE_CPU), AllgatherKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusAlltoall").Device(DEVICE_CPU), AlltoallKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusReducescatter").Device(DEVICE_CPU), ReducescatterKernel);
+
+// A sharded optimizer's gradients (perseus_tf/strategy/keras_shard.py): one
+// reducescatter of the vector the tensors make at their offsets, read by the
+// runtime from the tensors themselves (no concatenated copy). Host memory.
+class ShardReducescatterKernel : public CollectiveKernel {
+ public:
+  explicit ShardReducescatterKernel(OpKernelConstruction* c) : CollectiveKernel(c) {
+    OP_REQUIRES_OK(c, reduce_.Read(c));
+    OP_REQUIRES_OK(c, c->GetAttr("offsets", &offsets_));
+    OP_REQUIRES_OK(c, c->GetAttr("total", &total_));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    auto req = std::make_shared<Request>();
+    OP_REQUIRES_ASYNC(ctx, static_cast<int>(offsets_.size()) == ctx->num_inputs(),
+                      errors::InvalidArgument("shard reducescatter '", tensor_name_, "': ",
+                                              offsets_.size(), " offsets for ",
+                                              ctx->num_inputs(), " tensors"),
+                      done);
+    OP_REQUIRES_OK_ASYNC(ctx, ToPerseus(ctx->input(0).dtype(), &req->meta.dtype), done);
+    req->meta.op = OpType::kReducescatter;
+    req->meta.name = tensor_name_;
+    req->meta.shape = {total_};
+    int64_t end = 0;
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      const Tensor& in = ctx->input(i);
+      const int64_t n = in.NumElements();
+      OP_REQUIRES_ASYNC(ctx, offsets_[i] >= end && offsets_[i] + n <= total_,
+                        errors::InvalidArgument(
+                            "shard reducescatter '", tensor_name_, "': tensor ", i, " (",
+                            n, " elements at offset ", offsets_[i],
+                            ") overlaps the one before or ends past ", total_),
+                        done);
+      end = offsets_[i] + n;
+      if (n) req->pieces.push_back({DataOf(in), offsets_[i], n});
+    }
+    reduce_.Apply(req.get());
+    req->allocate = [ctx](const std::vector<int64_t>& shape) -> void* {
+      TensorShape ts;
+      for (int64_t d : shape) ts.AddDim(d);
+      Tensor* out = nullptr;
+      if (!ctx->allocate_output(0, ts, &out).ok()) return nullptr;
+      return DataOf(*out);
+    };
+    req->done = [ctx, done](const perseus::Status& s) {
+      ctx->SetStatus(ToTf(s));
+      done();
+    };
+    Submit(ctx, std::move(req), std::move(done));
+  }
+
+ private:
+  ReduceAttrs reduce_;
+  std::vector<int64> offsets_;
+  int64 total_ = 0;
+};
+REGISTER_KERNEL_BUILDER(Name("PerseusShardReducescatter").Device(DEVICE_CPU),
+                        ShardReducescatterKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusBarrier").Device(DEVICE_CPU), BarrierKernel);
 REGISTER_KERNEL_BUILDER(Name("PerseusJoin").Device(DEVICE_CPU), JoinKernel);
 

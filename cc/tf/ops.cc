@@ -109,6 +109,7 @@ REGISTER_OP("PerseusReducescatter")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Attr("reduce_op: int = 0")
+    .Attr("compression: int = 0")
     .Attr("prescale: float = 1.0")
     .Attr("postscale: float = 1.0")
     .Input("tensor: T")
@@ -116,6 +117,27 @@ REGISTER_OP("PerseusReducescatter")
     .SetIsStateful()
     .SetShapeFn(UnknownFirstDim)
     .Doc("Reduces across ranks and keeps this rank's share of the first dimension.");
+
+REGISTER_OP("PerseusShardReducescatter")
+    .Attr("T: {half, bfloat16, float, double, int32, int64}")
+    .Attr("N: int >= 1")
+    .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
+    .Attr("reduce_op: int = 0")
+    .Attr("compression: int = 0")
+    .Attr("prescale: float = 1.0")
+    .Attr("postscale: float = 1.0")
+    .Attr("offsets: list(int)")
+    .Attr("total: int >= 1")
+    .Input("tensors: N * T")
+    .Output("output: T")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return OkStatus();
+    })
+    .Doc("A reducescatter of one vector of `total` elements made of the tensors, each "
+         "flattened at its element offset (zeros elsewhere), without a copy of them.");
 
 REGISTER_OP("PerseusBarrier")
     .Attr("tensor_name: string = ''")

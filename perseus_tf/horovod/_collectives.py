@@ -64,7 +64,7 @@ def _sparse_allreduce(slices, op, prescale_factor, postscale_factor, process_set
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-def _runtime_fp16(prescale, postscale):
+def runtime_fp16(prescale, postscale):
     """Compression.fp16 of float32 gradients, done by the runtime: each value
     is converted to float16 as it is packed and back as it is unpacked (F16C),
     instead of by two TF Cast ops per gradient, which on a CPU cost about four
@@ -83,7 +83,7 @@ def _runtime_fp16(prescale, postscale):
 
 def _runtime_converts(compression, op, dtype):
     """Whether Compression.fp16 of a tensor of `dtype` under `op` is done by
-    the runtime (_runtime_fp16): float32 with Average or Sum."""
+    the runtime (runtime_fp16): float32 with Average or Sum."""
     return compression is Compression.fp16 and op in (Average, Sum) and dtype == tf.float32
 
 
@@ -117,7 +117,7 @@ def allreduce(tensor, average=None, device_dense='', device_sparse='',
     with _device(device_dense):
         tensor = tf.convert_to_tensor(tensor)
         if _runtime_converts(compression, op, tensor.dtype):
-            native, prescale, postscale = _runtime_fp16(prescale_factor, postscale_factor)
+            native, prescale, postscale = runtime_fp16(prescale_factor, postscale_factor)
             return ops.allreduce(tensor, op=op, prescale_factor=prescale,
                                  postscale_factor=postscale, name=name, compression=native,
                                  **op_kwargs(process_set))
@@ -155,7 +155,7 @@ def grouped_allreduce(tensors, average=None, device_dense='', device_sparse='',
             # compressed by TF, as Horovod does.
             native = [i for i in dense if _runtime_converts(compression, op, values[i].dtype)]
             if native:
-                kind, prescale, postscale = _runtime_fp16(prescale_factor, postscale_factor)
+                kind, prescale, postscale = runtime_fp16(prescale_factor, postscale_factor)
                 reduced = ops.grouped_allreduce(
                     [values[i] for i in native], op=op, prescale_factor=prescale,
                     postscale_factor=postscale, compression=kind,

@@ -12,7 +12,7 @@ import tensorflow as tf
 from perseus_tf import _backprop_order, ops
 from perseus_tf._accumulator import GradientAccumulator
 from perseus_tf.horovod import _basics
-from perseus_tf.horovod._collectives import (Adasum, Average, Sum, _device, _runtime_fp16,
+from perseus_tf.horovod._collectives import (Adasum, Average, Sum, _device, runtime_fp16,
                                              _sparse_allreduce, check_op)
 from perseus_tf.horovod._process_sets import global_process_set, op_kwargs
 from perseus_tf.horovod.compression import Compression
@@ -155,13 +155,13 @@ class GradientReducer:
         results = [None] * len(grads)
         by_dtype = {}
         contexts = {}
-        runtime_fp16 = self.compression is Compression.fp16 and self.op in (Average, Sum)
+        by_runtime = self.compression is Compression.fp16 and self.op in (Average, Sum)
         with _device(self.device_dense):
             for i, g in enumerate(grads):
                 if isinstance(g, tf.IndexedSlices):
                     continue
                 g = tf.convert_to_tensor(g)
-                if runtime_fp16 and g.dtype == tf.float32:
+                if by_runtime and g.dtype == tf.float32:
                     contexts[i] = None
                     by_dtype.setdefault("float32 as float16", []).append((i, g))
                     continue
@@ -172,7 +172,7 @@ class GradientReducer:
             for key, members in by_dtype.items():
                 compression, prescale, postscale = native, self.prescale, self.postscale
                 if key == "float32 as float16":
-                    compression, prescale, postscale = _runtime_fp16(prescale, postscale)
+                    compression, prescale, postscale = runtime_fp16(prescale, postscale)
                 reduced = ops.grouped_allreduce([t for _, t in members], op=self.op,
                                                 prescale_factor=prescale,
                                                 postscale_factor=postscale,

@@ -11,11 +11,17 @@ has the same variables in the same order and files keep their layout. A step:
    rank's local gradients before they are summed, as Keras 3's TF optimizer
    does under any strategy; weight decay is applied by every rank to every
    variable, which needs no state);
-2. the gradients are summed by one reduce-scatter per dtype (compressed as
+2. the gradients are summed by reduce-scatters (compressed as
    PERSEUS_ALLREDUCE_DTYPE says), each rank receiving the sums of the
-   variables it owns;
+   variables it owns; the runtime reads the gradients in place
+   (ops.shard_reducescatter), in buckets of at most 64 MiB;
 3. each rank runs the user's optimizer on the variables it owns;
-4. one allgather per dtype hands every rank the owners' new values.
+4. allgathers, bucket by bucket, hand every rank the owners' new values.
+
+The Horovod shim's `hvd.DistributedOptimizer(..., shard_optimizer_state=True)`
+does the same without a strategy (shim_apply, at the end): its reducer's op,
+scale factors and compression, its LossScaleOptimizer agreeing on skipped
+steps over the ranks' shares, global_clipnorm over every rank's share.
 
 Whole variables are owned, not pieces of them: every optimizer sees each
 variable whole, as it does unsharded (Adafactor factors a variable's last two
@@ -26,7 +32,7 @@ a rank's share is at most 1/N of the state plus the largest variable, and much
 closer for models of many variables (docs/sharding.md has the figures).
 
 Saving writes what an unsharded run writes: the owners' slots are gathered
-(one allgather per dtype), so every rank must call the save, as every worker
+(allgathers), so every rank must call the save, as every worker
 does under MultiWorkerMirroredStrategy. Loading keeps the slots each rank owns.
 """
 
@@ -69,8 +75,8 @@ def _nbytes(variable):
 class _Shards:
     """Which rank owns each of an optimizer's variables, and its slots."""
 
-    def __init__(self, optimizer, strategy):
-        self.rank, self.size = strategy.extended._rank, strategy.extended._size
+    def __init__(self, optimizer, rank, size):
+        self.rank, self.size = rank, size
         variables = list(optimizer._trainable_variables)
         self.owner = owners([_nbytes(v) for v in variables], self.size)
         self.slots = {}   # id(slot) -> (slot, index of its variable)
@@ -84,8 +90,10 @@ def _refuse(optimizer, strategy):
         what = f"{name}(use_ema=True) averages every weight on every rank"
     elif getattr(optimizer, "gradient_accumulation_steps", None):
         what = (f"{name}(gradient_accumulation_steps=...) keeps full-size accumulators; use "
-                "PERSEUS_ACCUMULATE_N_STEPS (PerseusStrategy(accumulate_n_steps=N)) instead")
-    elif len(strategy.extended._devices) > 1:
+                "PERSEUS_ACCUMULATE_N_STEPS (PerseusStrategy(accumulate_n_steps=N)) instead"
+                if strategy is not None else
+                f"{name}(gradient_accumulation_steps=...), which keeps full-size accumulators")
+    elif strategy is not None and len(strategy.extended._devices) > 1:
         what = f"a strategy with {len(strategy.extended._devices)} devices in one process"
     else:
         code = _native.gradient_compression()
@@ -114,15 +122,29 @@ def _strategy(optimizer):
     return strategy
 
 
+def _shim_sharded(optimizer):
+    """Whether an optimizer is a Horovod shim DistributedOptimizer made with
+    shard_optimizer_state=True (perseus_tf/horovod/keras/_optimizer.py), in
+    a job of more than one rank."""
+    settings = getattr(type(optimizer), "_perseus_settings", None)
+    return bool(getattr(settings, "shard", False)) and perseus_ops.size() > 1
+
+
 def _shards(optimizer):
     """The optimizer's _Shards when its state is sharded, else None."""
-    strategy = _strategy(optimizer)
-    if strategy is None or not getattr(optimizer, "_trainable_variables", None):
+    if _shim_sharded(optimizer):
+        strategy, rank, size = None, perseus_ops.rank(), perseus_ops.size()
+    else:
+        strategy = _strategy(optimizer)
+        if strategy is None:
+            return None
+        rank, size = strategy.extended._rank, strategy.extended._size
+    if not getattr(optimizer, "_trainable_variables", None):
         return None
     shards = getattr(optimizer, "_perseus_shards", None)
     if shards is None:
         _refuse(optimizer, strategy)
-        shards = _Shards(optimizer, strategy)
+        shards = _Shards(optimizer, rank, size)
         optimizer._perseus_shards = shards
     return shards
 
@@ -173,92 +195,110 @@ def _local(distribution, value):
     return distribution.experimental_local_results(value)[0]
 
 
-def _layout(variables, owner, ranks):
-    """Per dtype: [(position in `variables`, offset in its owner's segment,
-    elements)] for each rank, and the segment length (the longest rank's)."""
-    layouts = {}
+# Each variable starts 64 bytes into its segment from the last: slicing the
+# reduce-scatter's and the allgather's results along their only dimension at
+# such offsets takes no copy in TensorFlow.
+_ALIGN_BYTES = 64
+
+
+# The most one reduce-scatter or allgather of a step carries (every rank's
+# part together): a model's gradients go in several, so that no buffer of a
+# step is the size of the model (TensorFlow's allocator reuses the memory of
+# a step's many small tensors for buckets of this size, not for one of the
+# model's).
+_BUCKET_BYTES = 64 << 20
+
+
+def _layout(variables, owner, ranks, limit=None):
+    """The buckets a step's variables travel in: [(tag, dtype, per_rank,
+    segment)], per_rank[r] = [(position in `variables`, offset in rank r's
+    segment, elements)]. Each dtype's variables, in each owner's order, are
+    cut into buckets at the same per-rank byte marks, so each bucket's ranks
+    carry about the same bytes (the owners hold about the same)."""
+    limit = _BUCKET_BYTES if limit is None else limit
+    out = []
+    by_dtype = {}
     for pos, v in enumerate(variables):
-        dtype = tf.as_dtype(v.dtype)
-        per_rank, _ = layouts.setdefault(dtype, ([[] for _ in range(ranks)], None))
-        mine = per_rank[owner[pos]]
-        offset = mine[-1][1] + mine[-1][2] if mine else 0
-        mine.append((pos, offset, int(np.prod(v.shape))))
-    out = {}
-    for dtype, (per_rank, _) in layouts.items():
-        segment = max((m[-1][1] + m[-1][2]) if m else 0 for m in per_rank)
-        out[dtype] = (per_rank, max(segment, 1))
+        by_dtype.setdefault(tf.as_dtype(v.dtype), []).append(pos)
+    for dtype, positions in by_dtype.items():
+        align = max(1, _ALIGN_BYTES // dtype.size)
+        per_rank_limit = max(align, limit // ranks // dtype.size)
+        buckets = {}
+        for r in range(ranks):
+            at = 0
+            for pos in (p for p in positions if owner[p] == r):
+                count = int(np.prod(variables[pos].shape))
+                mine = buckets.setdefault(at // per_rank_limit, [[] for _ in range(ranks)])[r]
+                end = mine[-1][1] + mine[-1][2] if mine else 0
+                mine.append((pos, -(-end // align) * align, count))
+                at += count
+        for k in sorted(buckets):
+            per_rank = buckets[k]
+            segment = max((m[-1][1] + m[-1][2]) if m else 0 for m in per_rank)
+            out.append((f"{dtype.name}.{k}", dtype, per_rank,
+                        max(align, -(-segment // align) * align)))
     return out
 
 
-def _segment(parts, length, dtype):
-    """The parts flattened end to end, padded with zeros to `length`."""
-    flat = [tf.reshape(p, [-1]) for p in parts]
-    used = sum(int(np.prod(p.shape)) for p in parts)
-    if used < length:
-        flat.append(tf.zeros([length - used], dtype))
+def _segment(parts, placed, length, dtype):
+    """The parts flattened at their offsets (`placed`: the layout's entries),
+    zeros between them and to `length`."""
+    flat, at = [], 0
+    for part, (_, offset, count) in zip(parts, placed):
+        if offset > at:
+            flat.append(tf.zeros([offset - at], dtype))
+        flat.append(tf.reshape(part, [-1]))
+        at = offset + count
+    if length > at:
+        flat.append(tf.zeros([length - at], dtype))
     return tf.concat(flat, 0) if len(flat) > 1 else flat[0]
 
 
 def _compression_for(dtype):
-    """(float16 travel, scale) for a float32 gradient reduce-scatter."""
+    """The runtime's compression for a gradient reduce-scatter of `dtype`:
+    PERSEUS_ALLREDUCE_DTYPE's, for float32 (the runtime sends float16 times
+    the gradient scale; mixed: only when the job spans hosts)."""
     if dtype != tf.float32:
-        return False, 1.0
+        return _native.COMPRESS_NONE
     code = _native.gradient_compression()
-    cfg = _native.config()
-    scale = float(getattr(cfg, "gradient_scale", 10.0))
-    if code == _native.COMPRESS_FP16:
-        return True, scale
-    if code == _native.COMPRESS_MIXED:
-        # Float16 wherever the sums cross hosts (the reduce-scatter is one
-        # group: within a single host it stays float32).
-        return perseus_ops.cross_size() > 1, scale
-    return False, 1.0
+    if code in (_native.COMPRESS_FP16, _native.COMPRESS_MIXED):
+        return code
+    return _native.COMPRESS_NONE
 
 
-def _reduce_scatter(grads, per_rank, segment, dtype):
-    """This rank's segment of the summed gradients."""
-    size = len(per_rank)
-    rows = []
-    for r in range(size):
-        rows.append(_segment([grads[pos] for pos, _, _ in per_rank[r]], segment, dtype))
-    buffer = tf.concat(rows, 0)
-    half, scale = _compression_for(dtype)
-    name = f"perseus.shard.gradients.{dtype.name}"
-    if half:
-        out = perseus_ops.reducescatter(tf.cast(buffer * scale, tf.float16), name=name)
-        return tf.cast(out, dtype) / scale
-    return perseus_ops.reducescatter(buffer, name=name)
+def _reduce_scatter(grads, per_rank, segment, dtype, tag, **kwargs):
+    """This rank's segment of the summed gradients: one reducescatter of the
+    vector they make at their layout's places, read by the runtime from the
+    gradients themselves (ops.shard_reducescatter: no concatenated copy)."""
+    placed = [(r * segment + offset, pos) for r, mine in enumerate(per_rank)
+              for pos, offset, _ in mine]
+    kwargs.setdefault("compression", _compression_for(dtype))
+    with tf.device("/cpu:0"):
+        return perseus_ops.shard_reducescatter(
+            [grads[pos] for _, pos in placed], [at for at, _ in placed], len(per_rank) * segment,
+            name=f"perseus.shard.gradients.{tag}", **kwargs)
 
 
 def _sharded_step(optimizer, shards, variables, learning_rate, distribution, grads):
     grads = [tf.convert_to_tensor(_local(distribution, g)) for g in grads]
     owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
-    layouts = _layout(variables, owner, shards.size)
     mine = []
-    for dtype, (per_rank, segment) in layouts.items():
+    for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
         cast = [tf.cast(g, dtype) if g.dtype != dtype else g for g in grads]
-        summed = _reduce_scatter(cast, per_rank, segment, dtype)
+        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag)
         for pos, offset, count in per_rank[shards.rank]:
             mine.append((tf.reshape(summed[offset:offset + count], variables[pos].shape),
                          variables[pos]))
     # The user's optimizer, on the variables this rank owns.
     optimizer._distributed_tf_update_step(distribution, mine, learning_rate)
-    for dtype, (per_rank, segment) in layouts.items():
-        own = [tf.convert_to_tensor(variables[pos]) for pos, _, _ in per_rank[shards.rank]]
-        gathered = perseus_ops.allgather(_segment(own, segment, dtype),
-                                         name=f"perseus.shard.weights.{dtype.name}")
-        for r in range(shards.size):
-            if r == shards.rank:
-                continue
-            for pos, offset, count in per_rank[r]:
-                start = r * segment + offset
-                value = tf.reshape(gathered[start:start + count], variables[pos].shape)
-                distribution.extended.update(variables[pos], _assign, args=(value,), group=False)
+    _gather_weights(optimizer, shards, variables,
+                    lambda v, value: distribution.experimental_local_results(
+                        distribution.extended.update(v, _assign, args=(value,), group=False)))
     return tf.constant(True)
 
 
 def _assign(variable, value):
-    return variable.assign(value)
+    return variable.assign(value, read_value=False)
 
 
 def _update_step(original):
@@ -266,7 +306,9 @@ def _update_step(original):
 
     @functools.wraps(original)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        shards = _shards(self)
+        # (The Horovod shim's sharded optimizers apply their own variables
+        # here, the communication done: shim_apply below.)
+        shards = None if _shim_sharded(self) else _shards(self)
         if shards is None:
             return original(self, grads, trainable_variables, learning_rate)
         variables = [v.value if isinstance(v, backend.Variable) else v
@@ -288,9 +330,19 @@ def _update_step(original):
 
 def _sharded_slots(optimizer):
     shards = getattr(optimizer, "_perseus_shards", None)
-    if shards is None or _strategy(optimizer) is None:
+    if shards is None or (not _shim_sharded(optimizer) and _strategy(optimizer) is None):
         return None
     return shards
+
+
+def sharded_state_ids(optimizer):
+    """The ids of the variables of `optimizer` (or of the optimizer a
+    LossScaleOptimizer wraps) that are one rank's share of sharded state:
+    what a broadcast of the optimizer's variables must leave alone."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    if _sharded_slots(inner) is None:
+        return set()
+    return set(per_variable_state(inner))
 
 
 def per_variable_state(optimizer):
@@ -336,13 +388,13 @@ def _gathered_slots(optimizer, shards):
     entries = sorted(state.values(), key=lambda e: position[id(e[0])])
     owner = [shards.owner[index] for _, index, _ in entries]
     stand_ins = [tf.zeros(shape, v.dtype) for v, _, shape in entries]
-    layouts = _layout(stand_ins, owner, shards.size)
     full = {}
     with tf.device("/cpu:0"):
-        for dtype, (per_rank, segment) in layouts.items():
-            own = [tf.convert_to_tensor(entries[pos][0]) for pos, _, _ in per_rank[shards.rank]]
-            gathered = perseus_ops.allgather(_segment(own, segment, dtype),
-                                             name=f"perseus.shard.save.{dtype.name}").numpy()
+        for tag, dtype, per_rank, segment in _layout(stand_ins, owner, shards.size):
+            placed = per_rank[shards.rank]
+            own = [tf.convert_to_tensor(entries[pos][0]) for pos, _, _ in placed]
+            gathered = perseus_ops.allgather(_segment(own, placed, segment, dtype),
+                                             name=f"perseus.shard.save.{tag}").numpy()
             for r in range(shards.size):
                 for pos, offset, count in per_rank[r]:
                     start = r * segment + offset
@@ -369,3 +421,107 @@ def state_bytes(optimizer):
     """The bytes of an optimizer's variables on this rank (its slots, sharded
     or not, and its counters)."""
     return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
+
+
+# -- the Horovod shim (no strategy) ----------------------------------------------
+
+
+def shim_apply(optimizer, grads, variables, base_apply, reducer, reduced=False,
+               all_variables=None):
+    """hvd.DistributedOptimizer(..., shard_optimizer_state=True), Keras 3:
+    the gradients reduce-scattered as `reducer` (the optimizer's
+    GradientReducer) would reduce them, `base_apply(grads, variables)` (the
+    Keras optimizer's own apply) on the variables this rank owns, the owners'
+    weights allgathered. reduced: `grads` are already this rank's reduced
+    share, for `variables` (a LossScaleOptimizer reduced them to check them);
+    `all_variables` are then the step's variables, for the allgather."""
+    shards = _shards(optimizer)
+    pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    if reduced:
+        owned = pairs
+        everyone = list(all_variables)
+    else:
+        owned = shim_reduce(optimizer, shards, pairs, reducer)
+        everyone = [v for _, v in pairs]
+    owned = _clip_globally(optimizer, owned)
+    saved = optimizer.global_clipnorm
+    optimizer.global_clipnorm = None   # applied above, over every rank's share
+    try:
+        base_apply([g for g, _ in owned], [v for _, v in owned])
+    finally:
+        optimizer.global_clipnorm = saved
+    _gather_weights(optimizer, shards, everyone,
+                    lambda v, value: _assign(v if isinstance(v, tf.Variable) else v.value, value))
+
+
+def shim_reduce(optimizer, shards, pairs, reducer):
+    """[(this rank's share of the reduced gradient, its variable)]."""
+    from perseus_tf.horovod._collectives import Average, runtime_fp16
+    from perseus_tf.horovod.compression import Compression
+    grads = [tf.convert_to_tensor(g) for g, _ in pairs]
+    variables = [v for _, v in pairs]
+    owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
+    op = perseus_ops.Average if reducer.op == Average else perseus_ops.Sum
+    owned = []
+    for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
+        cast = [tf.cast(g, dtype) if g.dtype != dtype else g for g in grads]
+        # Compression.fp16 of float32, as the shim's allreduce does it: float16(x)
+        # on the wire, summed in float16 (the runtime's scale cancelled).
+        compression, pre, post = "none", reducer.prescale, reducer.postscale
+        if reducer.compression is Compression.fp16 and dtype == tf.float32:
+            compression, pre, post = runtime_fp16(pre, post)
+        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, op=op, prescale_factor=pre,
+                                 postscale_factor=post, compression=compression)
+        for pos, offset, count in per_rank[shards.rank]:
+            owned.append((tf.reshape(summed[offset:offset + count], variables[pos].shape),
+                          variables[pos]))
+    return owned
+
+
+def all_finite(grads):
+    """Whether every rank's share of the gradients is finite (one allreduce)."""
+    bad = tf.constant(0.0)
+    for g in grads:
+        bad += tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(g))), tf.float32)
+    return tf.equal(perseus_ops.allreduce(bad, op=perseus_ops.Sum,
+                                          name="perseus.shard.finite"), 0.0)
+
+
+def _clip_globally(optimizer, owned):
+    """global_clipnorm over the whole gradient (every rank's share), as the
+    unsharded optimizer clips the reduced gradients."""
+    clip = getattr(optimizer, "global_clipnorm", None)
+    if not clip or clip <= 0:
+        return owned
+    squares = tf.add_n([tf.constant(0.0)] + [tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+                                             for g, _ in owned])
+    norm = tf.sqrt(perseus_ops.allreduce(squares, op=perseus_ops.Sum,
+                                         name="perseus.shard.global_norm"))
+    scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
+    return [(g * tf.cast(scale, g.dtype), v) for g, v in owned]
+
+
+def _gather_weights(optimizer, shards, variables, assign):
+    """Every rank's owned variables' values, allgathered and assigned on the
+    ranks that do not own them."""
+    owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
+    assigned = []
+    for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
+        # One bucket at a time: the next is gathered once this one is
+        # assigned, so that one bucket's weights are in flight, not the model's.
+        with tf.control_dependencies(assigned):
+            placed = per_rank[shards.rank]
+            own = [tf.convert_to_tensor(variables[pos]) for pos, _, _ in placed]
+            gathered = perseus_ops.allgather(_segment(own, placed, segment, dtype),
+                                             name=f"perseus.shard.weights.{tag}")
+        assigned = []
+        for r in range(shards.size):
+            if r == shards.rank:
+                continue
+            for pos, offset, count in per_rank[r]:
+                start = r * segment + offset
+                done = assign(variables[pos],
+                              tf.reshape(gathered[start:start + count], variables[pos].shape))
+                assigned.extend(x for x in tf.nest.flatten(done)
+                                if isinstance(x, (tf.Operation, tf.Tensor)) and
+                                not tf.executing_eagerly())

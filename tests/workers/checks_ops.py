@@ -24,6 +24,8 @@ from rank_checks import assert_barrier_waits, data, expect
 AT_4_RANKS = ("check_unnamed_eager_calls_from_two_threads_fail_on_every_rank",
               "check_broadcast_from_every_root", "check_allgather_different_first_dims",
               "check_alltoall_with_and_without_splits", "check_reducescatter_uneven_rows",
+              "check_reducescatter_float16_compression",
+              "check_shard_reducescatter_reads_pieces_at_their_offsets",
               "check_barrier", "check_process_sets", "check_process_set_errors",
               "check_join_uneven_steps", "check_fp16_compression_against_numpy_model")
 
@@ -555,3 +557,66 @@ def check_nancheck_names_tensor_and_rank():
         got = ptf.allreduce(tf.constant(x), name="nan.grad").numpy()
         assert np.isnan(got[2]) and got[0] == N, got
     np.testing.assert_array_equal(ptf.allreduce(tf.ones([2])).numpy(), [N, N])
+
+
+def check_reducescatter_float16_compression():
+    """compression="fp16": float32 travels as float16 of x * the gradient
+    scale, summed in float16, divided by the scale after (the sharded
+    optimizer's gradients); other dtypes and "none" stay exact."""
+    from perseus_tf import _native
+    scale = float(_native.config().gradient_scale)
+    rows = 4 * N + 1
+    xs = [(np.linspace(0.1, 0.2, rows * 3, dtype=np.float32) + np.float32(1e-4) * r)
+          .reshape(rows, 3) for r in range(N)]
+    base, extra = divmod(rows, N)
+    start = R * base + min(R, extra)
+    mine = base + (1 if R < extra else 0)
+    half = [(x * np.float32(scale)).astype(np.float16) for x in xs]
+    model = half[0]
+    for h in half[1:]:
+        model = (model + h).astype(np.float16)
+    model = model.astype(np.float32) / np.float32(scale)
+    exact = sum(x.astype(np.float64) for x in xs)
+    got = ptf.reducescatter(tf.constant(xs[R]), op=ptf.Sum, compression="fp16").numpy()
+    # Within float16's rounding of the model; at 2 ranks the same bits.
+    np.testing.assert_allclose(got, model[start:start + mine], rtol=2e-3 if N > 2 else 1e-6)
+    assert np.abs(got - exact[start:start + mine]).max() > 1e-6, "float32 on the wire"
+    got = ptf.reducescatter(tf.constant(xs[R]), op=ptf.Sum, compression="none").numpy()
+    np.testing.assert_allclose(got, exact[start:start + mine], rtol=1e-6)
+    ints = np.full((rows, 2), R + 1, np.int32)
+    got = ptf.reducescatter(tf.constant(ints), op=ptf.Sum, compression="fp16").numpy()
+    np.testing.assert_array_equal(got, np.full((mine, 2), N * (N + 1) // 2))
+    expect(Exception, lambda: ptf.reducescatter(tf.constant(xs[R]),
+                                                compression=_native.COMPRESS_TOPK),
+           "compression")
+
+
+def check_shard_reducescatter_reads_pieces_at_their_offsets():
+    """ops.shard_reducescatter (a sharded optimizer's gradients): tensors of
+    several shapes at increasing offsets, gaps of zeros, one rank's span
+    ending inside a tensor; float32 exact and as float16, int64."""
+    from perseus_tf import ops as perseus_ops
+    segment = 11
+    total = N * segment
+    shapes = [(2, 3), (4,), (1,), (3, 2, 1)]
+    offsets = [0, 7, 12, 14]        # gaps at 6, 11 and 13; the last tensor spans ranks
+    whole = np.zeros(total, np.float64)
+    pieces = []
+    for i, (shape, at) in enumerate(zip(shapes, offsets)):
+        n = int(np.prod(shape))
+        values = np.arange(n, dtype=np.float64).reshape(shape) + 10 * i
+        pieces.append(values)
+        whole[at:at + n] = values.reshape(-1)
+    for dtype in (np.float32, np.int64):
+        tensors = [tf.constant((p * (R + 1)).astype(dtype)) for p in pieces]
+        got = perseus_ops.shard_reducescatter(tensors, offsets, total, op=ptf.Sum).numpy()
+        want = (whole * N * (N + 1) / 2)[R * segment:(R + 1) * segment]
+        np.testing.assert_array_equal(got, want.astype(dtype))
+    tensors = [tf.constant((p * 1e-2 * (R + 1)).astype(np.float32)) for p in pieces]
+    got = perseus_ops.shard_reducescatter(tensors, offsets, total, op=ptf.Average,
+                                  compression="fp16").numpy()
+    want = (whole * 1e-2 * (N + 1) / 2)[R * segment:(R + 1) * segment]
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-4)
+    expect(Exception, lambda: perseus_ops.shard_reducescatter(
+        [tf.constant(p.astype(np.float32)) for p in pieces], [0, 5, 12, 14], total),
+        "overlaps")

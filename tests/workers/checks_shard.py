@@ -105,6 +105,38 @@ def check_owners_balance_bytes_and_agree():
     same_on_all_ranks([np.array(keras_shard.owners(sizes, N))])
 
 
+def check_buckets_cover_every_variable_once_aligned_and_balanced():
+    sizes = [(40, 3), (7,), (100,), (5, 5), (1,), (64,), (33, 2), (9,)]
+    variables = [tf.zeros(s, tf.float32) for s in sizes] + [tf.zeros((6,), tf.float64)]
+    owner = keras_shard.owners([int(np.prod(v.shape)) * v.dtype.size for v in variables], N)
+    buckets = keras_shard._layout(variables, owner, N, limit=256 * N)
+    seen = []
+    for tag, dtype, per_rank, segment in buckets:
+        align = 64 // dtype.size
+        assert segment % align == 0, (tag, segment)
+        for r, placed in enumerate(per_rank):
+            end = 0
+            for pos, offset, count in placed:
+                assert owner[pos] == r and variables[pos].dtype == dtype
+                assert offset % align == 0 and offset >= end, (tag, placed)
+                end = offset + count
+                seen.append(pos)
+            assert end <= segment
+    assert sorted(seen) == list(range(len(variables))), seen
+    assert len(buckets) > 2  # 256 bytes a rank: the float32 variables take several
+
+
+def check_adam_in_small_buckets():
+    # Several reduce-scatters and allgathers a step (keras_shard._BUCKET_BYTES).
+    saved = keras_shard._BUCKET_BYTES
+    keras_shard._BUCKET_BYTES = 512
+    try:
+        compare(lambda: keras.optimizers.Adam(0.01))
+        shim_compare(lambda: keras.optimizers.Adam(0.01))
+    finally:
+        keras_shard._BUCKET_BYTES = saved
+
+
 def check_sgd_momentum_nesterov():
     compare(lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
 
@@ -204,6 +236,30 @@ def check_saved_sharded_loads_unsharded_and_the_reverse():
     for a, b in zip(plain.weights, resumed.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=TOL, err_msg=a.name)
     assert keras_shard.state_bytes(resumed.optimizer) < keras_shard.state_bytes(plain.optimizer)
+    _resume_at_another_world_size(sharded)
+
+
+def _resume_at_another_world_size(sharded):
+    """tests/test_shard.py launches 2, 3 and 4 ranks in turn with one shared
+    folder: each writes its sharded file there, and each goes on from the
+    file the previous world size wrote, sharded and unsharded alike (the
+    owners of the slots change with the world size)."""
+    folder = os.environ.get("PERSEUS_TEST_SHARD_FILES")
+    if not folder:
+        return
+    mine = os.path.join(folder, f"at{N}.keras")
+    earlier = sorted(f for f in os.listdir(folder) if f != f"at{N}.keras")
+    sharded.save(mine if R == 0 else os.path.join(tempfile.mkdtemp(), "m.keras"))
+    if not earlier:
+        return
+    more = slice(5 * GLOBAL_BATCH, 10 * GLOBAL_BATCH)
+    models = []
+    for strategy in (PLAIN, SHARDED):
+        with strategy.scope():
+            model = keras.models.load_model(os.path.join(folder, earlier[-1]))
+        models.append(train(strategy, None, X[more], Y[more], model=model))
+    for a, b in zip(models[0].weights, models[1].weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=TOL, err_msg=a.name)
 
 
 def check_options_it_cannot_honour_are_refused():
@@ -227,3 +283,92 @@ def check_float16_compression_as_unsharded():
     if _native.gradient_compression() != _native.COMPRESS_FP16:
         return
     compare(lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+
+
+# -- the Horovod shim: hvd.DistributedOptimizer(..., shard_optimizer_state=True) --
+
+
+def shim_train(make_optimizer, sharded, x=X, y=Y, compression=None, mixed=False):
+    """The shim's `fit`, outside any strategy: each rank trains on its own
+    rows of every global batch, as Horovod scripts shard their data."""
+    import perseus_tf.horovod.keras as hvd
+    if mixed:
+        keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_model()
+        kwargs = {} if compression is None else {"compression": compression}
+        model.compile(optimizer=hvd.DistributedOptimizer(
+            make_optimizer(), shard_optimizer_state=sharded, **kwargs), loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    per_rank = GLOBAL_BATCH // N
+    mine = np.concatenate([np.arange(b * GLOBAL_BATCH + R * per_rank,
+                                     b * GLOBAL_BATCH + (R + 1) * per_rank)
+                           for b in range(len(x) // GLOBAL_BATCH)])
+    model.fit(x[mine], y[mine], batch_size=per_rank, shuffle=False, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    return model
+
+
+def shim_compare(make_optimizer, tol=TOL, **kwargs):
+    plain = shim_train(make_optimizer, False, **kwargs)
+    sharded = shim_train(make_optimizer, True, **kwargs)
+    for a, b in zip(plain.weights, sharded.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=tol, err_msg=a.name)
+    same_on_all_ranks([w.numpy() for w in sharded.weights])
+    opt, ref = _inner(sharded.optimizer), _inner(plain.optimizer)
+    shards = opt._perseus_shards
+    state = keras_shard.per_variable_state(opt)
+    for v, r in zip(opt.variables, ref.variables):
+        entry = state.get(id(v))
+        if entry is None or shards.owner[entry[1]] == R:
+            np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=0, atol=tol, err_msg=v.name)
+        elif id(v) in shards.slots:
+            assert tuple(v.shape) == (0,), (v.name, v.shape)
+    if shards.slots:
+        assert keras_shard.state_bytes(opt) < keras_shard.state_bytes(ref)
+    return plain, sharded
+
+
+def check_shim_sharded_equals_the_shims_allreduce():
+    import perseus_tf.horovod.keras as hvd
+    shim_compare(lambda: keras.optimizers.Adam(0.01, amsgrad=True))
+
+    def adamw():
+        opt = keras.optimizers.AdamW(0.01, weight_decay=0.1)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        return opt
+    shim_compare(adamw)
+    shim_compare(lambda: keras.optimizers.Adafactor(0.05))
+    # The shim clips the averaged gradients: the norm of every rank's share.
+    shim_compare(lambda: keras.optimizers.SGD(0.05, momentum=0.5, global_clipnorm=0.05))
+    shim_compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
+    shim_compare(lambda: keras.optimizers.SGD(0.05, clipvalue=0.004))
+    # Compression.fp16 travels as the shim's allreduce sends it.
+    # (At 2 ranks each sum is one float16 addition either way: the same bits.)
+    shim_compare(lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+                 compression=hvd.Compression.fp16, tol=TOL if N == 2 else 1e-4)
+
+
+def check_shim_sharded_mixed_precision_skips_an_overflow_everywhere():
+    x = X.copy()
+    x[3 * GLOBAL_BATCH + GLOBAL_BATCH - 1] = 1e6   # the last rank's rows of batch 3
+    plain, sharded = shim_compare(lambda: keras.optimizers.Adam(0.01), tol=1e-5, x=x,
+                                  mixed=True)
+    scales = [float(m.optimizer.dynamic_scale.numpy()) for m in (plain, sharded)]
+    assert scales[0] == scales[1] and scales[0] < 32768.0, scales
+
+
+def check_shim_sharded_saves_whole_and_refuses_what_it_cannot_shard():
+    import perseus_tf.horovod.keras as hvd
+    plain, sharded = shim_compare(lambda: keras.optimizers.Adam(0.01))
+    path = os.path.join(tempfile.mkdtemp(prefix=f"shard{R}-"), "shim.keras")
+    sharded.save(path)
+    loaded = keras.models.load_model(path, compile=True)
+    for i, (a, b) in enumerate(zip(slots(loaded.optimizer), slots(plain.optimizer))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=f"optimizer variable {i}")
+    for kwargs, needle in (({"backward_passes_per_step": 2}, "backward_passes_per_step"),
+                           ({"op": hvd.Adasum}, "op must be")):
+        expect(ValueError, lambda: hvd.DistributedOptimizer(
+            keras.optimizers.Adam(0.01), shard_optimizer_state=True, **kwargs),
+            needle, "shard_optimizer_state")

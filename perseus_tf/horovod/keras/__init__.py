@@ -32,7 +32,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True,
+                         shard_optimizer_state=False):
     """A copy of a Keras optimizer that averages gradients across ranks before applying them.
 
     Args: as `perseus_tf.horovod.DistributedOptimizer` (compression,
@@ -41,6 +42,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     scale_local_gradients). The result is an instance of a subclass of the
     optimizer's class, built from its config (its state is not copied: wrap
     before training).
+    shard_optimizer_state: Perseus-TF's own (Keras 3): each rank keeps the
+    optimizer's slots of the variables it owns only; gradients are
+    reduce-scattered and the owners' weights allgathered
+    (docs/sharding.md). Op Average or Sum, Compression.none or fp16, the
+    global process set, backward_passes_per_step=1.
 
     Example:
       opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
@@ -57,8 +63,32 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          device_sparse, compression, sparse_as_dense, gradient_predivide_factor,
                          op, backward_passes_per_step, average_aggregated_gradients, groups,
                          process_set, scale_local_gradients)
+    if shard_optimizer_state:
+        _check_shardable(optimizer, compression, op, backward_passes_per_step, process_set)
+        settings.shard = True
     cls = distributed_class(type(optimizer), settings)
     return cls.from_config(optimizer.get_config())
+
+
+def _check_shardable(optimizer, compression, op, backward_passes_per_step, process_set):
+    """What hvd.DistributedOptimizer(shard_optimizer_state=True) cannot honour,
+    refused by name."""
+    from perseus_tf.horovod.keras._optimizer import _is_keras3
+    why = None
+    if not _is_keras3(type(optimizer)):
+        why = (f"{type(optimizer).__module__}.{type(optimizer).__name__} is not a Keras 3 "
+               "optimizer (Keras 2 and tf_keras optimizers are not sharded)")
+    elif op not in (Average, Sum):
+        why = "op must be hvd.Average or hvd.Sum"
+    elif compression not in (Compression.none, Compression.fp16):
+        why = "compression must be hvd.Compression.none or hvd.Compression.fp16"
+    elif backward_passes_per_step != 1:
+        why = "backward_passes_per_step must be 1"
+    elif process_set is not global_process_set and getattr(process_set, "process_set_id", 0):
+        why = "the process set must be the global one"
+    if why:
+        raise ValueError(f"hvd.DistributedOptimizer(shard_optimizer_state=True): {why}; or "
+                         "leave shard_optimizer_state=False")
 
 
 def _settings(name, device_dense='', device_sparse='', compression=Compression.none,

@@ -45,10 +45,12 @@ def _is_keras3(cls):
 class _Settings:
     """The DistributedOptimizer arguments a wrapped class is built with."""
 
-    def __init__(self, reducer_args, backward_passes_per_step, average_aggregated_gradients):
+    def __init__(self, reducer_args, backward_passes_per_step, average_aggregated_gradients,
+                 shard=False):
         self.reducer_args = reducer_args
         self.backward_passes_per_step = backward_passes_per_step
         self.average_aggregated_gradients = average_aggregated_gradients
+        self.shard = shard  # shard_optimizer_state (perseus_tf/strategy/keras_shard.py)
 
 
 class _State:
@@ -65,6 +67,9 @@ class _State:
         # > 0 while a LossScaleOptimizer around this optimizer applies
         # gradients it has already reduced through it.
         self.reduced_outside = 0
+        # Sharded: the step's variables, while a LossScaleOptimizer applies
+        # this rank's share of them.
+        self.step_variables = None
 
 
 class _DistributedMixin:
@@ -120,11 +125,17 @@ class _Keras3Mixin(_DistributedMixin):
         state = self._perseus()
         if trainable_variables is not None:
             variables = list(trainable_variables)
-            if state.accumulator is not None and not self.built:
+            if (state.accumulator is not None or self._perseus_settings.shard) and \
+                    not self.built:
                 self.build(variables)  # outside the tf.cond that applies
         else:
             variables = state.variables
         base_apply = super().apply
+        if self._perseus_settings.shard:
+            from perseus_tf.strategy import keras_shard
+            return keras_shard.shim_apply(self, grads, variables, base_apply, state.reducer,
+                                          reduced=state.reduced_outside > 0,
+                                          all_variables=state.step_variables)
         return self._perseus_apply(
             grads, variables, lambda reduced: base_apply(reduced, trainable_variables))
 
@@ -169,10 +180,34 @@ def _keras3_loss_scale_apply(original):
         if not self.built:  # its variables, outside the tf.cond of accumulation
             self.build(variables)
             self.built = True
+        if inner._perseus_settings.shard:
+            return _sharded_loss_scale_apply(self, original, inner, grads, variables)
         return inner._perseus_apply(grads, variables, _reduced_through(
             inner, lambda reduced: original(self, reduced, trainable_variables)))
     apply.__doc__ = original.__doc__
     return apply
+
+
+def _sharded_loss_scale_apply(lso, original, inner, grads, variables):
+    """A LossScaleOptimizer around a sharded DistributedOptimizer: each rank
+    checks its share of the reduced gradients, the ranks agree (one
+    allreduce: any share not finite skips the step everywhere), and the
+    inner optimizer applies the shares and gathers the weights."""
+    from perseus_tf.strategy import keras_shard
+    state = inner._perseus()
+    shards = keras_shard._shards(inner)
+    pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    owned = keras_shard.shim_reduce(inner, shards, pairs, state.reducer)
+    finite = keras_shard.all_finite([g for g, _ in owned])
+    lso.__dict__["check_finite"] = lambda _grads: finite
+    state.step_variables = [v for _, v in pairs]
+    state.reduced_outside += 1
+    try:
+        return original(lso, [g for g, _ in owned], [v for _, v in owned])
+    finally:
+        state.reduced_outside -= 1
+        state.step_variables = None
+        del lso.__dict__["check_finite"]
 
 
 def _keras2_loss_scale_apply_gradients(original):

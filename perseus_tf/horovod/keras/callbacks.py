@@ -45,7 +45,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def _broadcast(self, with_optimizer):
         variables = self._shared(_variables_of(self.model))
         if with_optimizer and getattr(self.model, "optimizer", None) is not None:
-            variables += self._shared(_variables_of(self.model.optimizer))
+            # A sharded optimizer's slots differ by rank (each its own share).
+            from perseus_tf.strategy import keras_shard
+            sharded = keras_shard.sharded_state_ids(self.model.optimizer)
+            variables += [v for v in self._shared(_variables_of(self.model.optimizer))
+                          if id(v) not in sharded]
         with tf.device(self.device) if self.device else _nothing():
             broadcast_variables(variables, root_rank=self.root_rank)
 
