@@ -325,19 +325,26 @@ def reducescatter(tensor, op=Sum, prescale_factor=1.0, postscale_factor=1.0, nam
 
 
 def shard_reducescatter(tensors, offsets, total, op=Sum, prescale_factor=1.0,
-                        postscale_factor=1.0, name=None, compression="none"):
+                        postscale_factor=1.0, name=None, compression="none", owned=None):
     """reducescatter of the vector of `total` elements that the tensors make,
     each flattened at its element offset (increasing, not overlapping; zeros
     between them), without concatenating them first: this rank's 1/size of
     it (`total` must divide by the world size). Host tensors of one dtype;
-    a sharded optimizer's gradients (perseus_tf/strategy/keras_shard.py)."""
+    a sharded optimizer's gradients (perseus_tf/strategy/keras_shard.py).
+
+    owned: indices of the tensors inside this rank's part; then the result
+    is the list of their sums, each shaped as its tensor (written into the
+    tensor's own buffer when nothing else reads it), instead of the part."""
     tensors = list(tensors)
     _check_dtypes("shard_reducescatter", tensors, name)
     _native.ensure_initialized()
-    return _LIB.perseus_shard_reducescatter(
+    block_start = rank() * (int(total) // max(1, size()))
+    out = _LIB.perseus_shard_reducescatter(
         tensors, offsets=[int(o) for o in offsets], total=int(total),
         tensor_name=_name(name), reduce_op=_native_op(op), prescale=float(prescale_factor),
-        postscale=float(postscale_factor), compression=_compression(compression))
+        postscale=float(postscale_factor), compression=_compression(compression),
+        owned=[int(i) for i in owned or []], M=len(owned or []), block_start=block_start)
+    return out.output if owned is None else list(out.owned_sums)
 
 
 def barrier(name=None, process_set_id=0):

@@ -93,8 +93,19 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
   const int64_t my_rows = base + (me < extra ? 1 : 0);
   std::vector<int64_t> shape{my_rows};
   shape.insert(shape.end(), trailing.begin(), trailing.end());
-  void* out = q.allocate(shape);
-  if (out == nullptr && counts[me] > 0) throw std::runtime_error("could not allocate the output");
+  void* out = nullptr;
+  if (q.out_pieces.empty()) {
+    out = q.allocate(shape);
+    if (out == nullptr && counts[me] > 0) throw std::runtime_error("could not allocate the output");
+  }
+  for (const OutputPiece& p : q.out_pieces) {
+    if (p.offset < 0 || static_cast<size_t>(p.offset + p.count) > counts[me]) {
+      throw std::invalid_argument("reducescatter '" + m.name + "': an output of " +
+                                  std::to_string(p.count) + " elements at " +
+                                  std::to_string(p.offset) + " is outside this rank's " +
+                                  std::to_string(counts[me]));
+    }
+  }
   const size_t most = *std::max_element(counts.begin(), counts.end());
   const size_t chunk = std::max<size_t>(1, kReducescatterChunkBytes / (size * esize));
   const char* in = static_cast<const char*>(q.input);
@@ -152,6 +163,26 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
       at += take;
     }
   };
+  // Elements [lo, lo + n) of this rank's block, from `src` (the wire type),
+  // to the output or the output pieces. A piece may be its own input's
+  // buffer: this chunk read that span already, and later chunks read later
+  // spans only.
+  auto get = [&](const char* src, size_t n, char* to) {
+    if (half) {
+      HalfToFloatScaled(reinterpret_cast<const uint16_t*>(src), reinterpret_cast<float*>(to), n,
+                        1.0f / scale);
+    } else if (n) {
+      std::memcpy(to, src, n * esize);
+    }
+  };
+  auto write = [&](size_t lo, size_t n, const char* src) {
+    if (q.out_pieces.empty()) return get(src, n, mine + lo * esize);
+    for (const OutputPiece& p : q.out_pieces) {
+      const size_t a = std::max(lo, static_cast<size_t>(p.offset));
+      const size_t b = std::min(lo + n, static_cast<size_t>(p.offset + p.count));
+      if (a < b) get(src + (a - lo) * wsize, b - a, static_cast<char*>(p.data) + (a - p.offset) * esize);
+    }
+  };
   for (size_t from = 0; from < most; from += chunk) {
     std::vector<size_t> part(size);
     size_t total = 0, before_me = 0;
@@ -173,15 +204,13 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
     } else {
       c_.world->ReduceScatter(stream, buf.data(), part, wire, wire_op);
     }
-    if (half) {
-      HalfToFloatScaled(reinterpret_cast<const uint16_t*>(buf.data()) + before_me,
-                        reinterpret_cast<float*>(mine) + from, part[me], 1.0f / scale);
-    } else if (part[me]) {
-      std::memcpy(mine + from * esize, buf.data() + before_me * esize, part[me] * esize);
-    }
+    write(from, part[me], buf.data() + before_me * wsize);
   }
   const double post = m.postscale * (m.reduce_op == ReduceOp::kAverage ? 1.0 / size : 1.0);
-  ScaleBuffer(out, dtype, counts[me], post);
+  if (q.out_pieces.empty()) ScaleBuffer(out, dtype, counts[me], post);
+  for (const OutputPiece& p : q.out_pieces) {
+    ScaleBuffer(p.data, dtype, static_cast<size_t>(p.count), post);
+  }
 }
 
 }  // namespace perseus

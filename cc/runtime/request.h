@@ -26,12 +26,24 @@ struct InputPiece {
   int64_t count = 0;
 };
 
+// Where a part of this rank's reducescatter result goes instead of one
+// allocated output: `count` elements at element `offset` of this rank's
+// block (a sharded optimizer's own gradients, often in their own buffers).
+struct OutputPiece {
+  void* data = nullptr;
+  int64_t offset = 0;
+  int64_t count = 0;
+};
+
 struct Request {
   TensorMeta meta;
   const void* input = nullptr;
   // Reducescatter on the host only: the input in pieces (sorted by offset,
   // not overlapping) instead of `input`.
   std::vector<InputPiece> pieces;
+  // Reducescatter with pieces: this rank's result goes here (sorted by
+  // offset) instead of `allocate`; elements no piece covers are dropped.
+  std::vector<OutputPiece> out_pieces;
   // Allreduce and broadcast write here (may equal input). Ops whose output
   // shape depends on other ranks leave it null and provide `allocate`.
   void* output = nullptr;

@@ -492,6 +492,8 @@ class ShardReducescatterKernel : public CollectiveKernel {
     OP_REQUIRES_OK(c, reduce_.Read(c));
     OP_REQUIRES_OK(c, c->GetAttr("offsets", &offsets_));
     OP_REQUIRES_OK(c, c->GetAttr("total", &total_));
+    OP_REQUIRES_OK(c, c->GetAttr("owned", &owned_));
+    OP_REQUIRES_OK(c, c->GetAttr("block_start", &block_start_));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -519,6 +521,24 @@ class ShardReducescatterKernel : public CollectiveKernel {
       if (n) req->pieces.push_back({DataOf(in), offsets_[i], n});
     }
     reduce_.Apply(req.get());
+    // This rank's own tensors' sums, each into its input's buffer when TF
+    // lets it go (no other reader), else a new one.
+    for (size_t k = 0; k < owned_.size(); ++k) {
+      const int i = static_cast<int>(owned_[k]);
+      OP_REQUIRES_ASYNC(ctx, i >= 0 && i < ctx->num_inputs(),
+                        errors::InvalidArgument("owned index ", i, " is not an input"), done);
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output(
+                                    {i}, static_cast<int>(1 + k), ctx->input(i).shape(), &out),
+                           done);
+      const int64_t n = out->NumElements();
+      if (n) req->out_pieces.push_back({DataOf(*out), offsets_[i] - block_start_, n});
+    }
+    if (!owned_.empty()) {
+      Tensor* empty = nullptr;
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, TensorShape({0}), &empty), done);
+      if (req->out_pieces.empty()) req->out_pieces.push_back({nullptr, 0, 0});
+    }
     req->allocate = [ctx](const std::vector<int64_t>& shape) -> void* {
       TensorShape ts;
       for (int64_t d : shape) ts.AddDim(d);
@@ -537,6 +557,8 @@ class ShardReducescatterKernel : public CollectiveKernel {
   ReduceAttrs reduce_;
   std::vector<int64> offsets_;
   int64 total_ = 0;
+  std::vector<int64> owned_;
+  int64 block_start_ = 0;
 };
 REGISTER_KERNEL_BUILDER(Name("PerseusShardReducescatter").Device(DEVICE_CPU),
                         ShardReducescatterKernel);

@@ -129,15 +129,30 @@ REGISTER_OP("PerseusShardReducescatter")
     .Attr("postscale: float = 1.0")
     .Attr("offsets: list(int)")
     .Attr("total: int >= 1")
+    .Attr("owned: list(int) = []")
+    .Attr("block_start: int = 0")
+    .Attr("M: int >= 0 = 0")
     .Input("tensors: N * T")
     .Output("output: T")
+    .Output("owned_sums: M * T")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Vector(c->UnknownDim()));
+      std::vector<int64_t> owned;
+      TF_RETURN_IF_ERROR(c->GetAttr("owned", &owned));
+      for (size_t k = 0; k < owned.size(); ++k) {
+        if (owned[k] < 0 || owned[k] >= c->num_inputs()) {
+          return errors::InvalidArgument("owned index ", owned[k], " is not an input");
+        }
+        c->set_output(static_cast<int>(1 + k), c->input(static_cast<int>(owned[k])));
+      }
       return OkStatus();
     })
     .Doc("A reducescatter of one vector of `total` elements made of the tensors, each "
-         "flattened at its element offset (zeros elsewhere), without a copy of them.");
+         "flattened at its element offset (zeros elsewhere), without a copy of them. With "
+         "`owned` (inputs inside this rank's block, which starts at element `block_start`), "
+         "their sums come out as `owned_sums`, in their inputs' buffers where TF allows, and "
+         "`output` is empty.");
 
 REGISTER_OP("PerseusBarrier")
     .Attr("tensor_name: string = ''")

@@ -13,7 +13,8 @@ has the same variables in the same order and files keep their layout. A step:
    variable, which needs no state);
 2. the gradients are summed by reduce-scatters (compressed as
    PERSEUS_ALLREDUCE_DTYPE says), each rank receiving the sums of the
-   variables it owns; the runtime reads the gradients in place
+   variables it owns; the runtime reads the gradients in place and writes
+   each rank's sums into its own gradients' buffers
    (ops.shard_reducescatter), in buckets of at most 64 MiB;
 3. each rank runs the user's optimizer on the variables it owns;
 4. allgathers, bucket by bucket, hand every rank the owners' new values.
@@ -266,17 +267,21 @@ def _compression_for(dtype):
     return _native.COMPRESS_NONE
 
 
-def _reduce_scatter(grads, per_rank, segment, dtype, tag, **kwargs):
-    """This rank's segment of the summed gradients: one reducescatter of the
-    vector they make at their layout's places, read by the runtime from the
-    gradients themselves (ops.shard_reducescatter: no concatenated copy)."""
+def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, **kwargs):
+    """The sums of this rank's own gradients, in its layout's order: one
+    reducescatter of the vector the gradients make at their layout's places,
+    read by the runtime from the gradients themselves, and written into this
+    rank's own gradients' buffers (ops.shard_reducescatter: no concatenated
+    copy, no new buffer when nothing else reads them)."""
     placed = [(r * segment + offset, pos) for r, mine in enumerate(per_rank)
               for pos, offset, _ in mine]
+    first = sum(len(mine) for mine in per_rank[:rank])
     kwargs.setdefault("compression", _compression_for(dtype))
     with tf.device("/cpu:0"):
         return perseus_ops.shard_reducescatter(
             [grads[pos] for _, pos in placed], [at for at, _ in placed], len(per_rank) * segment,
-            name=f"perseus.shard.gradients.{tag}", **kwargs)
+            name=f"perseus.shard.gradients.{tag}",
+            owned=list(range(first, first + len(per_rank[rank]))), **kwargs)
 
 
 def _sharded_step(optimizer, shards, variables, learning_rate, distribution, grads):
@@ -285,10 +290,9 @@ def _sharded_step(optimizer, shards, variables, learning_rate, distribution, gra
     mine = []
     for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
         cast = [tf.cast(g, dtype) if g.dtype != dtype else g for g in grads]
-        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag)
-        for pos, offset, count in per_rank[shards.rank]:
-            mine.append((tf.reshape(summed[offset:offset + count], variables[pos].shape),
-                         variables[pos]))
+        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank)
+        for (pos, _, _), g in zip(per_rank[shards.rank], summed):
+            mine.append((g, variables[pos]))
     # The user's optimizer, on the variables this rank owns.
     optimizer._distributed_tf_update_step(distribution, mine, learning_rate)
     _gather_weights(optimizer, shards, variables,
@@ -470,11 +474,11 @@ def shim_reduce(optimizer, shards, pairs, reducer):
         compression, pre, post = "none", reducer.prescale, reducer.postscale
         if reducer.compression is Compression.fp16 and dtype == tf.float32:
             compression, pre, post = runtime_fp16(pre, post)
-        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, op=op, prescale_factor=pre,
-                                 postscale_factor=post, compression=compression)
-        for pos, offset, count in per_rank[shards.rank]:
-            owned.append((tf.reshape(summed[offset:offset + count], variables[pos].shape),
-                          variables[pos]))
+        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank, op=op,
+                                 prescale_factor=pre, postscale_factor=post,
+                                 compression=compression)
+        for (pos, _, _), g in zip(per_rank[shards.rank], summed):
+            owned.append((tf.reshape(g, variables[pos].shape), variables[pos]))
     return owned
 
 

@@ -620,3 +620,19 @@ def check_shard_reducescatter_reads_pieces_at_their_offsets():
     expect(Exception, lambda: perseus_ops.shard_reducescatter(
         [tf.constant(p.astype(np.float32)) for p in pieces], [0, 5, 12, 14], total),
         "overlaps")
+    # owned=: the sums of the tensors inside this rank's part, shaped as they
+    # are (rank 0 holds tensors 0 and 1, rank 1 tensors 2 and 3, the rest none),
+    # also through a tf.function where TF may hand their buffers over.
+    owned = {0: [0, 1], 1: [2, 3]}.get(R, [])
+    for compression, tol in (("none", 0), ("fp16", 2e-3)):
+        @tf.function
+        def sums(scale):
+            tensors = [tf.constant(p.astype(np.float32)) * scale for p in pieces]
+            return perseus_ops.shard_reducescatter(tensors, offsets, total, op=ptf.Sum,
+                                                   compression=compression, owned=owned)
+        got = sums(tf.constant(1e-2 * (R + 1), tf.float32))
+        assert len(got) == len(owned)
+        for g, i in zip(got, owned):
+            assert tuple(g.shape) == pieces[i].shape, (g.shape, pieces[i].shape)
+            np.testing.assert_allclose(g.numpy(), pieces[i] * 1e-2 * N * (N + 1) / 2,
+                                       rtol=tol or 1e-6, atol=1e-4 if tol else 0)
