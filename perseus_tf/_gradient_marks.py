@@ -144,9 +144,10 @@ def _wrap_update(patching, cls, attr):
 
 
 def _refuse_unsharded(optimizer):
-    """Under PerseusStrategy(shard_optimizer_state=True) only Keras 3's
-    optimizers are sharded (perseus_tf/strategy/keras_shard.py): any other
-    would keep its whole state on every rank, so it is refused."""
+    """Under PerseusStrategy(shard_optimizer_state=True) the optimizers of
+    Keras 3 and Keras 2's `keras.optimizers.Optimizer` are sharded
+    (perseus_tf/strategy/keras_shard.py): any other (Keras 2's legacy
+    optimizers) would keep its whole state on every rank, so it is refused."""
     import tensorflow as tf
 
     if tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy():
@@ -154,12 +155,13 @@ def _refuse_unsharded(optimizer):
     strategy = tf.distribute.get_strategy()
     if not getattr(strategy, "_shard_optimizer_state", False):
         return
-    if not any(c.__module__.endswith("backend.tensorflow.optimizer")
+    if not any(c.__module__.endswith(("backend.tensorflow.optimizer", "src.optimizers.optimizer"))
                for c in type(optimizer).__mro__):
         raise ValueError(
             f"{type(optimizer).__module__}.{type(optimizer).__name__} cannot shard its state: "
             "PerseusStrategy(shard_optimizer_state=True) (PERSEUS_SHARD_OPTIMIZER_STATE=1) "
-            "shards Keras 3 optimizers only; use one, or set shard_optimizer_state=False")
+            "shards Keras 3's optimizers and Keras 2's keras.optimizers (not "
+            "keras.optimizers.legacy); use one, or set shard_optimizer_state=False")
 
 
 def _wrap(patching, cls):

@@ -53,11 +53,20 @@ PATCHES = (
            "{keras}.src.backend.tensorflow.optimizer.TFOptimizer._distributed_tf_update_step"),
           _K3, after=("gradients.merge_call_carries_mark",),
           doc="reductions inside apply_gradients are gradient reductions; accumulation"),
+    # (Keras 2: before the marks, which wrap it: accumulation happens outside it.)
+    Patch("shard.optimizer_state_keras2", "perseus_tf.strategy.keras_shard:shard_optimizer_state_keras2",
+          ("{keras}.src.optimizers.optimizer._BaseOptimizer._build_index_dict",
+           "{keras}.src.optimizers.optimizer.Optimizer.add_variable_from_reference",
+           "{keras}.src.optimizers.optimizer.Optimizer.apply_gradients",
+           "{keras}.src.optimizers.optimizer._BaseOptimizer.save_own_variables",
+           "{keras}.src.optimizers.optimizer._BaseOptimizer.load_own_variables"), _K2,
+          after=("gradients.merge_call_carries_mark",),
+          doc="shard_optimizer_state on Keras 2: the same, and checkpoints written whole"),
     Patch("gradients.optimizer_apply_keras2", "perseus_tf._gradient_marks:mark_optimizer_apply",
           ("{keras}.optimizers.Optimizer.apply_gradients",
            "{keras}.optimizers.legacy.Optimizer.apply_gradients",
            "{keras}.optimizers.Optimizer._distributed_apply_gradients_fn"),
-          _K2, after=("gradients.merge_call_carries_mark",),
+          _K2, after=("gradients.merge_call_carries_mark", "shard.optimizer_state_keras2"),
           doc="reductions inside apply_gradients are gradient reductions; accumulation"),
     Patch("gradients.tf1_optimizer_apply", "perseus_tf._gradient_marks:mark_tf1_optimizer_apply",
           ("tensorflow.python.training.optimizer.Optimizer.apply_gradients",), None,
@@ -177,7 +186,7 @@ STRATEGY = ("gradients.merge_call_carries_mark", "gradients.optimizer_apply",
             "gradients.tf1_optimizer_apply", "backports.scale_fit_loss",
             "backports.sum_gradients", "backports.metric_variables",
             "backports.metric_variables_initializer", "shard.optimizer_state",
-            "mixed.agree_on_skipped_steps", "xla.off_around_collectives",
+            "shard.optimizer_state_keras2", "mixed.agree_on_skipped_steps", "xla.off_around_collectives",
             "strategy.batch_norm_statistics", "save.local_reads", "save.epoch_end_averages",
             "predict.gather_rows", "predict.gather_rows_keras2", "predict.concatenate",
             "input.no_autotune_thread", "files.step_resume", "files.batch_skip_enumerate_epoch",
@@ -189,7 +198,7 @@ STEP_RESUME = ("files.step_resume", "files.batch_skip_enumerate_epoch", "files.b
 BACKPORTS = ("backports.scale_fit_loss", "backports.sum_gradients", "backports.metric_variables",
              "backports.metric_variables_initializer")
 SHIM = ("shim.reduce_before_loss_scaling", "shim.reduce_before_loss_scaling_keras2",
-        "xla.off_around_collectives", "shard.optimizer_state")
+        "xla.off_around_collectives", "shard.optimizer_state", "shard.optimizer_state_keras2")
 
 
 def applies(patch, flavour):

@@ -52,7 +52,7 @@ BETWEEN = ["check_keras_patches_in_order_found_and_undone",
            "check_backup_and_restore_resumes_on_every_rank",
            "check_batch_norm_moving_statistics_are_averaged_when_read",
            "check_predict_returns_every_row_in_order_on_every_rank",
-           "check_sharded_optimizer_state_equals_unsharded_or_is_refused"]
+           "check_sharded_optimizer_state_equals_unsharded"]
 ENDS = ("keras-3.0.5", "tf_keras")
 
 

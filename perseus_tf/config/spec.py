@@ -121,7 +121,7 @@ SETTINGS = (
        "and applied once."),
     _s("shard_optimizer_state", "PERSEUS_SHARD_OPTIMIZER_STATE", "flag", 0, ("choice", 0, 1),
        "python", False, COMPRESSION, "0", "0, 1",
-       "PerseusStrategy, Keras 3: 1 keeps each optimizer slot on one rank only "
+       "PerseusStrategy: 1 keeps each optimizer slot on one rank only "
        "([Sharded optimizer state](sharding.md)): gradients are reduce-scattered, each rank "
        "updates the weights it owns, and the updated weights are allgathered."),
 

@@ -323,11 +323,6 @@ class PerseusStrategy(tf.distribute.MirroredStrategy):
         tf.distribute.Strategy.__init__(self, extended)
         self._accumulate_n_steps = cfg.accumulate_n_steps
         self._shard_optimizer_state = bool(cfg.shard_optimizer_state)
-        if self._shard_optimizer_state and (not _keras.keras3() or _keras.legacy_requested()):
-            raise ValueError(
-                "shard_optimizer_state=True (PERSEUS_SHARD_OPTIMIZER_STATE=1) needs Keras 3; "
-                f"this process uses {_keras.in_use()!r} (Keras 2 and tf_keras optimizers are "
-                "not sharded yet): set it to 0")
         self._preemption_check_seconds = cfg.preemption_check_seconds
         # Before any dataset is distributed: TF 2.21's input iterator would
         # otherwise leave every large malloc of the step an mmap (_malloc).

@@ -1,5 +1,5 @@
-"""Sharded optimizer state under PerseusStrategy, Keras 3 (ZeRO stage 1 with
-stage 2's gradient sharding).
+"""Sharded optimizer state under PerseusStrategy and the Horovod shim, Keras 3
+and Keras 2 (ZeRO stage 1 with stage 2's gradient sharding).
 
 `PerseusStrategy(shard_optimizer_state=True)` (PERSEUS_SHARD_OPTIMIZER_STATE=1)
 gives each trainable variable one owner rank. Only the owner keeps that
@@ -18,6 +18,10 @@ has the same variables in the same order and files keep their layout. A step:
    (ops.shard_reducescatter), in buckets of at most 64 MiB;
 3. each rank runs the user's optimizer on the variables it owns;
 4. allgathers, bucket by bucket, hand every rank the owners' new values.
+
+Keras 2 (TF 2.15's keras, tf_keras) has its own section below: its
+apply_gradients sums, clips and decays in another order, and its optimizers
+are saved in TensorFlow checkpoints too.
 
 The Horovod shim's `hvd.DistributedOptimizer(..., shard_optimizer_state=True)`
 does the same without a strategy (shim_apply, at the end): its reducer's op,
@@ -78,7 +82,7 @@ class _Shards:
 
     def __init__(self, optimizer, rank, size):
         self.rank, self.size = rank, size
-        variables = list(optimizer._trainable_variables)
+        variables = list(_model_variables(optimizer))
         self.owner = owners([_nbytes(v) for v in variables], self.size)
         self.slots = {}   # id(slot) -> (slot, index of its variable)
 
@@ -94,6 +98,10 @@ def _refuse(optimizer, strategy):
                 "PERSEUS_ACCUMULATE_N_STEPS (PerseusStrategy(accumulate_n_steps=N)) instead"
                 if strategy is not None else
                 f"{name}(gradient_accumulation_steps=...), which keeps full-size accumulators")
+    elif hasattr(optimizer, "_u_product_counter"):
+        what = (f"Keras 2's {name}, whose one u_product advances once for each variable "
+                "it updates (each rank updates different variables); use Keras 3's or another "
+                "optimizer")
     elif strategy is not None and len(strategy.extended._devices) > 1:
         what = f"a strategy with {len(strategy.extended._devices)} devices in one process"
     else:
@@ -140,7 +148,7 @@ def _shards(optimizer):
         if strategy is None:
             return None
         rank, size = strategy.extended._rank, strategy.extended._size
-    if not getattr(optimizer, "_trainable_variables", None):
+    if not _model_variables(optimizer):
         return None
     shards = getattr(optimizer, "_perseus_shards", None)
     if shards is None:
@@ -150,11 +158,21 @@ def _shards(optimizer):
     return shards
 
 
+def _model_variables(optimizer):
+    """The model variables an optimizer was built for, in its order (Keras 3
+    keeps them; Keras 2's are recorded as it builds: _recorder)."""
+    found = getattr(optimizer, "_trainable_variables", None)
+    return found if found is not None else _keras2_variables(optimizer)
+
+
 def _index_of(optimizer, variable):
-    try:
-        return optimizer._get_variable_index(variable)
-    except KeyError:
-        return None
+    if hasattr(optimizer, "_get_variable_index"):        # Keras 3
+        try:
+            return optimizer._get_variable_index(variable)
+        except KeyError:
+            return None
+    index = getattr(optimizer, "_index_dict", None)      # Keras 2
+    return None if index is None else index.get(optimizer._var_key(variable))
 
 
 # -- the patches -----------------------------------------------------------------
@@ -356,7 +374,7 @@ def per_variable_state(optimizer):
     model variable (a list as long as the model's, such as Adafactor's
     factored rows and columns: only the owner updates those)."""
     shards = optimizer._perseus_shards
-    variables = optimizer._trainable_variables
+    variables = _model_variables(optimizer)
     mine = {id(v): v for v in optimizer.variables}
     out = {}
     for name, value in vars(optimizer).items():
@@ -425,6 +443,206 @@ def state_bytes(optimizer):
     """The bytes of an optimizer's variables on this rank (its slots, sharded
     or not, and its counters)."""
     return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in optimizer.variables)
+
+
+# -- Keras 2 (TF 2.15's keras, tf_keras) ------------------------------------------
+#
+# Keras 2's optimizers sum the gradients, then clip the sums and decay the
+# weights, in apply_gradients; a LossScaleOptimizer sums them itself and asks
+# its inner optimizer to skip that. The sharded apply_gradients does the same
+# steps on the variables this rank owns: the sums by reduce-scatter (or this
+# rank's share of sums already made), clipping (global_clipnorm's norm over
+# every rank's share), weight decay and the update, then the allgather; the
+# constraints run on every variable afterwards, as unsharded.
+#
+# Keras 2 also saves optimizers in TensorFlow checkpoints (save_weights'
+# default format, SavedModel, BackupAndRestore, tf.train.Checkpoint), which
+# write each variable as it is. Each variable of per_variable_state serializes
+# to its whole value (the first one a save reaches gathers them all, once
+# per save, on every rank alike), and a rank restores only the slots it owns.
+
+
+class _Recorded:
+    """The model variables of a Keras 2 optimizer (not a tracked attribute:
+    a checkpoint's object graph stays the unsharded one)."""
+
+    def __init__(self, variables):
+        self.variables = list(variables)
+
+
+def shard_optimizer_state_keras2(patching, flavour):
+    base = "{keras}.src.optimizers.optimizer"
+    patching.wrap(base + "._BaseOptimizer._build_index_dict", _recorder)
+    patching.wrap(base + ".Optimizer.add_variable_from_reference", _slot_maker_keras2)
+    patching.wrap(base + ".Optimizer.apply_gradients", _apply_keras2)
+    patching.wrap(base + "._BaseOptimizer.save_own_variables", _saver)
+    patching.wrap(base + "._BaseOptimizer.load_own_variables", _loader)
+
+
+def _recorder(original):
+    @functools.wraps(original)
+    def _build_index_dict(self, var_list):
+        self._perseus_recorded = _Recorded(var_list)
+        return original(self, var_list)
+    return _build_index_dict
+
+
+def _keras2_variables(optimizer):
+    recorded = getattr(optimizer, "_perseus_recorded", None)
+    return None if recorded is None else recorded.variables
+
+
+def _slot_maker_keras2(original):
+    @functools.wraps(original)
+    def add_variable_from_reference(self, model_variable, variable_name, shape=None,
+                                    initial_value=None):
+        shards = _shards(self)
+        index = None if shards is None else _index_of(self, model_variable)
+        if index is None:
+            return original(self, model_variable, variable_name, shape, initial_value)
+        _creating.on = True
+        try:
+            if shards.owner[index] == shards.rank:
+                slot = original(self, model_variable, variable_name, shape, initial_value)
+            else:
+                slot = self.add_variable(shape=(0,), dtype=model_variable.dtype,
+                                         name=f"{variable_name}/{model_variable._shared_name}")
+        finally:
+            _creating.on = False
+        shards.slots[id(slot)] = (slot, index)
+        _checkpoint_whole(self, slot, owned=shards.owner[index] == shards.rank)
+        return slot
+    return add_variable_from_reference
+
+
+def _apply_keras2(original):
+    @functools.wraps(original)
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
+                        **kwargs):
+        if (_strategy(self) is None or self._mesh or self._run_with_dtensor or
+                tf.distribute.in_cross_replica_context()):
+            return original(self, grads_and_vars, name=name,
+                            skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)
+        reduce = (not skip_gradients_aggregation and
+                  kwargs.pop("experimental_aggregate_gradients", True))
+        self._compute_current_learning_rate()
+        pairs = [(g, v) for g, v in grads_and_vars]
+        if not pairs:
+            return self._iterations
+        with tf.name_scope(name or self.name or "optimizer"):
+            with tf.init_scope():
+                self.build([v for _, v in pairs])
+            pairs = [(g, v) for g, v in pairs if g is not None]
+            if not pairs:
+                raise ValueError(f"No gradients provided for any variable of {self.name}")
+            shards = _shards(self)
+            _checkpoint_state_whole(self, shards)
+            variables = [v for _, v in pairs]
+            pending = _gradient_marks.pending_step()
+
+            def merged(distribution, grads):
+                def step():
+                    _keras2_step(self, shards, distribution, grads, variables, reduce)
+                    return tf.constant(True)
+                if pending is None:
+                    return step()
+                # Accumulating (PERSEUS_ACCUMULATE_N_STEPS): only apply steps communicate.
+                return tf.cond(pending, step, lambda: tf.constant(False))
+
+            tf.__internal__.distribute.interim.maybe_merge_call(
+                merged, self._distribution_strategy, [g for g, _ in pairs])
+            for variable in variables:
+                if variable.constraint is not None:
+                    variable.assign(variable.constraint(variable))
+            return self._iterations
+    return apply_gradients
+
+
+def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
+    grads = [tf.convert_to_tensor(_local(distribution, g)) for g in grads]
+    owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
+    if reduce:
+        owned = []
+        for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
+            cast = [tf.cast(g, dtype) if g.dtype != dtype else g for g in grads]
+            summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank)
+            for (pos, _, _), g in zip(per_rank[shards.rank], summed):
+                owned.append((tf.reshape(g, variables[pos].shape), variables[pos]))
+    else:   # summed already (a LossScaleOptimizer): this rank's share
+        owned = [(g, v) for g, v, r in zip(grads, variables, owner) if r == shards.rank]
+    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+        owned = _clip_globally(optimizer, owned)
+    elif owned:
+        owned = list(zip(optimizer._clip_gradients([g for g, _ in owned]), [v for _, v in owned]))
+    if optimizer.weight_decay is not None:
+        def decay(variable):
+            if optimizer._use_weight_decay(variable):
+                lr = tf.cast(optimizer.learning_rate, variable.dtype)
+                wd = tf.cast(optimizer.weight_decay, variable.dtype)
+                variable.assign_sub(variable * wd * lr)
+        for _, v in owned:
+            distribution.extended.update(v, decay, group=False)
+
+    def update(variable, grad):
+        if optimizer.jit_compile:
+            return optimizer._update_step_xla(grad, variable, id(optimizer._var_key(variable)))
+        return optimizer._update_step(grad, variable)
+
+    for g, v in owned:
+        distribution.extended.update(v, update, args=(g,), group=False)
+    optimizer.iterations.assign_add(1)
+    _gather_weights(optimizer, shards, variables,
+                    lambda v, value: distribution.experimental_local_results(
+                        distribution.extended.update(v, _assign, args=(value,), group=False)))
+
+
+def _checkpoint_state_whole(optimizer, shards):
+    """Every variable of per_variable_state checkpoints whole (once built)."""
+    if getattr(shards, "checkpoint_hooked", False):
+        return
+    for variable, index, _ in per_variable_state(optimizer).values():
+        if id(variable) not in shards.slots:
+            _checkpoint_whole(optimizer, variable, owned=shards.owner[index] == shards.rank)
+    shards.checkpoint_hooked = True
+
+
+def _checkpoint_whole(optimizer, variable, owned):
+    """`variable` (a slot or per-variable state of a sharded Keras 2
+    optimizer) writes its whole value to TensorFlow checkpoints, and restores
+    only where this rank owns it (elsewhere it is a placeholder)."""
+    from tensorflow.python.trackable import base as trackable
+
+    def serialize():
+        if not tf.executing_eagerly():
+            raise ValueError(
+                f"optimizer {optimizer.name}'s state is sharded "
+                "(PERSEUS_SHARD_OPTIMIZER_STATE=1) and is saved whole only by eager saves "
+                "(model.save, save_weights, BackupAndRestore, tf.train.Checkpoint.save)")
+        return {trackable.VARIABLE_VALUE_KEY: _whole_value(optimizer, variable)}
+
+    def restore(restored):
+        if owned:
+            value = restored[trackable.VARIABLE_VALUE_KEY]
+            for component in getattr(variable, "_values", None) or (variable,):
+                component.assign(value, read_value=False)
+        return tf.no_op()
+
+    # Per instance, not per class: only these variables (TensorFlow's
+    # checkpointing looks for both on the instance first).
+    variable.__dict__["_serialize_to_tensors"] = serialize
+    variable.__dict__["_restore_from_tensors"] = restore
+
+
+def _whole_value(optimizer, variable):
+    """The whole value of one of per_variable_state's variables, from its
+    owner. The first such variable a save reaches gathers every one of them
+    (every rank saves the same variables in the same order); later ones take
+    theirs from that gather."""
+    shards = optimizer._perseus_shards
+    gathered = getattr(shards, "gathered", None)
+    if not gathered or id(variable) not in gathered:
+        gathered = shards.gathered = _gathered_slots(optimizer, shards)
+    return tf.constant(gathered.pop(id(variable)), dtype=variable.dtype)
 
 
 # -- the Horovod shim (no strategy) ----------------------------------------------

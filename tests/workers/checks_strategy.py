@@ -828,16 +828,12 @@ def check_distributed_datasets_start_no_tf_data_autotuning_thread():
     next(kept)
 
 
-def check_sharded_optimizer_state_equals_unsharded_or_is_refused():
-    """PerseusStrategy(shard_optimizer_state=True) on this Keras: where it is
-    Keras 3, Adam's weights and slots equal the unsharded strategy's, each
-    rank keeps only its own slots, and a saved file loads unsharded whole
-    (tests/test_shard.py covers every optimizer and option at 2 to 4 ranks on
-    the newest Keras 3); where it is Keras 2, construction refuses it."""
-    if not KERAS3 or os.environ.get("TF_USE_LEGACY_KERAS") == "1":
-        expect(ValueError, lambda: ptf.PerseusStrategy(shard_optimizer_state=True),
-               "needs Keras 3", "PERSEUS_SHARD_OPTIMIZER_STATE")
-        return
+def check_sharded_optimizer_state_equals_unsharded():
+    """PerseusStrategy(shard_optimizer_state=True) on this Keras (3, or 2:
+    TF 2.15's and tf_keras): Adam's weights and slots equal the unsharded
+    strategy's, each rank keeps only its own slots, and a saved file loads
+    unsharded whole (tests/test_shard.py covers every optimizer and option at
+    2 to 4 ranks on the newest Keras 3 and on TF 2.15's Keras 2)."""
     from perseus_tf.strategy import keras_shard
     sharded_strategy = ptf.PerseusStrategy(shard_optimizer_state=True)
     models = []

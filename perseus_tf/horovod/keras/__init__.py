@@ -75,9 +75,10 @@ def _check_shardable(optimizer, compression, op, backward_passes_per_step, proce
     refused by name."""
     from perseus_tf.horovod.keras._optimizer import _is_keras3
     why = None
-    if not _is_keras3(type(optimizer)):
-        why = (f"{type(optimizer).__module__}.{type(optimizer).__name__} is not a Keras 3 "
-               "optimizer (Keras 2 and tf_keras optimizers are not sharded)")
+    if not _is_keras3(type(optimizer)) and not any(
+            c.__module__.endswith("src.optimizers.optimizer") for c in type(optimizer).__mro__):
+        why = (f"{type(optimizer).__module__}.{type(optimizer).__name__} is a legacy "
+               "optimizer (keras.optimizers.legacy: not sharded); use keras.optimizers'")
     elif op not in (Average, Sum):
         why = "op must be hvd.Average or hvd.Sum"
     elif compression not in (Compression.none, Compression.fp16):

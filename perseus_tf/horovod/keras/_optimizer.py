@@ -149,9 +149,31 @@ class _Keras2Mixin(_DistributedMixin):
             return super().apply_gradients(grads_and_vars, *args, **kwargs)
         grads, variables = (list(x) for x in zip(*grads_and_vars))
         base_apply = super().apply_gradients
+        if self._perseus_settings.shard:
+            return self._perseus_sharded_apply(grads, variables, base_apply, args, kwargs)
         return self._perseus_apply(
             grads, variables,
             lambda reduced: base_apply(list(zip(reduced, variables)), *args, **kwargs))
+
+    def _perseus_sharded_apply(self, grads, variables, base_apply, args, kwargs):
+        """shard_optimizer_state=True (Keras 2): the shares reduce-scattered,
+        or, inside a LossScaleOptimizer (which reduced them whole to check
+        them), this rank's share of them; applied, then gathered."""
+        from perseus_tf.strategy import keras_shard
+        state = self._perseus()
+        with tf.init_scope():
+            self.build(variables)
+        shards = keras_shard._shards(self)
+        keras_shard._checkpoint_state_whole(self, shards)
+        apply = lambda gs, vs: base_apply(list(zip(gs, vs)), *args, **kwargs)  # noqa: E731
+        if not state.reduced_outside:
+            return keras_shard.shim_apply(self, grads, variables, apply, state.reducer)
+        pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        owned = [(g, v) for g, v in pairs
+                 if shards.owner[keras_shard._index_of(self, v)] == shards.rank]
+        return keras_shard.shim_apply(self, [g for g, _ in owned], [v for _, v in owned],
+                                      apply, state.reducer, reduced=True,
+                                      all_variables=[v for _, v in pairs])
 
 
 def _reduced_through(inner, apply_fn):
