@@ -23,7 +23,7 @@ import perseus_tf as ptf
 from perseus_tf.strategy import keras_shard
 
 from perseus_tf import _keras
-from rank_checks import expect, same_on_all_ranks
+from rank_checks import expect, same_on_all_ranks, shared_tempdir
 
 if _keras.legacy_requested():
     import tf_keras as keras
@@ -303,6 +303,40 @@ def check_keras2_tensorflow_checkpoints_hold_the_whole_state():
     for key in state:
         np.testing.assert_allclose(reader.get_tensor(key), readers["plain"].get_tensor(key),
                                    rtol=0, atol=TOL, err_msg=key)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def check_backup_and_restore_resumes_sharded_as_unsharded():
+    # BackupAndRestore (Keras 3: .weights.h5; Keras 2: a TensorFlow
+    # checkpoint) saves the sharded state at epoch 0's end; a new sharded
+    # model resumes from it, and its epoch 1 ends where two unsharded epochs
+    # end (Adam: slots restored wrong or not at all would show).
+    directory = shared_tempdir("perseus-shard-backup-")
+    make = lambda: keras.optimizers.Adam(0.01)  # noqa: E731
+    with SHARDED.scope():
+        model = make_model()
+        model.compile(optimizer=make(), loss="mse")
+    expect(RuntimeError, lambda: model.fit(
+        dataset(), epochs=2, verbose=0,
+        callbacks=[keras.callbacks.BackupAndRestore(directory), _Interrupt()]), "interrupted")
+    ptf.barrier()
+    with SHARDED.scope():
+        resumed = make_model()
+        resumed.compile(optimizer=make(), loss="mse")
+    history = resumed.fit(dataset(), epochs=2, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(directory)])
+    assert history.epoch == [1], history.epoch
+    with PLAIN.scope():
+        plain = make_model()
+        plain.compile(optimizer=make(), loss="mse")
+    plain.fit(dataset(), epochs=2, verbose=0)
+    for a, b in zip(plain.weights, resumed.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=TOL, err_msg=a.name)
 
 
 def _resume_at_another_world_size(sharded):

@@ -19,7 +19,7 @@ import perseus_tf as ptf
 from perseus_tf import _native
 
 import overlap_graph
-from rank_checks import expect, same_on_all_ranks
+from rank_checks import expect, same_on_all_ranks, shared_tempdir
 
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
     import tf_keras as keras    # Keras 2 on TF >= 2.16 (tests/test_keras_versions.py)
@@ -349,14 +349,6 @@ def check_strategy_with_two_local_devices_per_process():
 KERAS3 = keras.__version__.startswith("3.")
 
 
-def _shared_tempdir(prefix):
-    """A directory named by rank 0 (every rank gets the same path)."""
-    mine = tempfile.mkdtemp(prefix=prefix) if R == 0 else ""
-    raw = list(mine.encode()) + [0] * (200 - len(mine))
-    name = ptf.broadcast(tf.constant(raw, tf.uint8), root_rank=0).numpy()
-    return bytes(name).rstrip(b"\0").decode()
-
-
 def check_mixed_precision_overflow_on_one_rank_skips_step_everywhere():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -429,7 +421,7 @@ def check_model_save_and_reload_continue_training():
 
 
 def check_tensorboard_logs_written_by_rank0_only():
-    directory = _shared_tempdir("perseus-tb-")
+    directory = shared_tempdir("perseus-tb-")
     with STRATEGY.scope():
         model = make_model(seed=R)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
@@ -447,7 +439,7 @@ class _Interrupt(keras.callbacks.Callback):
 
 
 def check_backup_and_restore_resumes_on_every_rank():
-    directory = _shared_tempdir("perseus-backup-")
+    directory = shared_tempdir("perseus-backup-")
     with STRATEGY.scope():
         model = make_model(seed=R)
         model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")

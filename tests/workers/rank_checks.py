@@ -55,6 +55,17 @@ def same_on_all_ranks(arrays, tol=0.0):
                                    rtol=0, atol=tol, equal_nan=False)
 
 
+def shared_tempdir(prefix):
+    """A directory named by rank 0 (every rank gets the same path)."""
+    import tempfile
+
+    import tensorflow as tf
+    mine = tempfile.mkdtemp(prefix=prefix) if ptf.rank() == 0 else ""
+    raw = list(mine.encode()) + [0] * (200 - len(mine))
+    name = ptf.broadcast(tf.constant(raw, tf.uint8), root_rank=0).numpy()
+    return bytes(name).rstrip(b"\0").decode()
+
+
 def expect(error, fn, *needles):
     """fn() raises `error` (or a subclass) with every needle in its message."""
     try:
