@@ -13,6 +13,8 @@ compute). Every rank reports:
              weight, and a counter)
   peak       its process's peak resident memory after the steps (ru_maxrss)
   step       the median time of --steps steps after --warmup
+  wire       (sharded) the elements its reduce-scatters and allgathers carry
+             over those of an allreduce of the weights
 
 The table prints the largest rank's state and peak, the median step, and
 the ratios: state against 1/N of unsharded, the peak saving against the
@@ -92,7 +94,17 @@ def worker(args):
         float(weights[0][0].numpy())   # the step's updates are done
         times.append(time.perf_counter() - start)
     ptf.barrier()
-    result = {"rank": rank, "state": keras_shard.state_bytes(optimizer),
+    # The elements a sharded step's reduce-scatters (the ranks times each
+    # bucket's largest part: whole variables make the parts uneven) and
+    # allgathers (the parts as they are) carry, over an allreduce's (twice
+    # the weights: its reduce-scatter and allgather).
+    shards = getattr(optimizer, "_perseus_shards", None)
+    wire = None
+    if shards is not None:
+        buckets = keras_shard._buckets(optimizer, shards, [w.value for w in weights])
+        wire = sum(shards.size * segment + sum(keras_shard._parts(per_rank, 16)[1])
+                   for _, _, per_rank, segment, _ in buckets) / (2 * sum(sizes))
+    result = {"rank": rank, "state": keras_shard.state_bytes(optimizer), "wire": wire,
               "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "peak_before_steps": before,
               # TensorFlow's allocator: the tensors alone (weights, slots,
@@ -129,8 +141,8 @@ def main():
     print("| profile | ranks | state unsharded | state sharded (largest rank) | "
           "sharded / (unsharded / N) | peak unsharded | peak sharded | "
           "peak saving / state saving | tensor peak saving / state saving | "
-          "step unsharded | step sharded | sharded / unsharded |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "step unsharded | step sharded | sharded / unsharded | sharded wire / unsharded |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     mib = 1 << 20
     for profile in args.profiles.split(","):
         for np_ in [int(n) for n in args.np.split(",")]:
@@ -152,13 +164,14 @@ def main():
                    "peak_saving_ratio": (peak0 - peak1) / max(1, state0 - state1),
                    "tensor_peak": [tensors0, tensors1],
                    "tensor_peak_saving_ratio": (tensors0 - tensors1) / max(1, state0 - state1),
-                   "step_unsharded": step0, "step_sharded": step1, "step_ratio": step1 / step0}
+                   "step_unsharded": step0, "step_sharded": step1, "step_ratio": step1 / step0,
+                   "wire_ratio": sharded[0]["wire"]}
             rows.append(row)
             print(f"| {profile} | {np_} | {state0 / mib:.1f} MiB | {state1 / mib:.1f} MiB | "
                   f"{row['share']:.3f} | {peak0 / mib:.0f} MiB | {peak1 / mib:.0f} MiB | "
                   f"{row['peak_saving_ratio']:.2f} | {row['tensor_peak_saving_ratio']:.2f} | "
                   f"{step0 * 1e3:.0f} ms | {step1 * 1e3:.0f} ms | "
-                  f"{row['step_ratio']:.2f} |", flush=True)
+                  f"{row['step_ratio']:.2f} | {row['wire_ratio']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -47,6 +47,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from perseus_tf import _backprop_order
 from perseus_tf import _gradient_marks
 from perseus_tf import _native
 from perseus_tf import ops as perseus_ops
@@ -230,38 +231,57 @@ _BUCKET_BYTES = 64 << 20
 
 def _layout(variables, owner, ranks, limit=None):
     """The buckets a step's variables travel in: [(tag, dtype, per_rank,
-    segment)], per_rank[r] = [(position in `variables`, offset in rank r's
-    segment, elements)]. Each dtype's variables, in each owner's order, are
-    cut into buckets at the same per-rank byte marks, so each bucket's ranks
-    carry about the same bytes (the owners hold about the same)."""
+    segment, run)], per_rank[r] = [(position in `variables`, offset in rank
+    r's segment, elements)], `run` numbering them in order. Each rank's
+    variables of one dtype are taken in the order backprop produces their
+    gradients (the last layers' first) and cut at the same per-rank byte
+    marks: about a quarter of the rank's share (as the unsharded strategy's
+    backprop groups, _backprop_order: at least 1 MiB in all), at most
+    `limit` / ranks (64 MiB in all). So bucket k holds the k-th stretch of
+    every rank's variables, its ranks' parts about even (owners() balances
+    the shares), and its reduce-scatter can start while backprop computes
+    the earlier layers' gradients."""
     limit = _BUCKET_BYTES if limit is None else limit
-    out = []
     by_dtype = {}
     for pos, v in enumerate(variables):
         by_dtype.setdefault(tf.as_dtype(v.dtype), []).append(pos)
+    out = []
     for dtype, positions in by_dtype.items():
         align = max(1, _ALIGN_BYTES // dtype.size)
-        per_rank_limit = max(align, limit // ranks // dtype.size)
+        counts = {p: int(np.prod(variables[p].shape)) for p in positions}
+        run = max(_backprop_order._MIN_GROUP_BYTES // dtype.size,
+                  sum(counts.values()) // _backprop_order._GROUPS)
+        mark = max(align, min(limit // ranks // dtype.size, run // ranks))
         buckets = {}
         for r in range(ranks):
             at = 0
-            for pos in (p for p in positions if owner[p] == r):
-                count = int(np.prod(variables[pos].shape))
-                mine = buckets.setdefault(at // per_rank_limit, [[] for _ in range(ranks)])[r]
+            for pos in (p for p in reversed(positions) if owner[p] == r):
+                mine = buckets.setdefault(at // mark, [[] for _ in range(ranks)])[r]
                 end = mine[-1][1] + mine[-1][2] if mine else 0
-                mine.append((pos, -(-end // align) * align, count))
-                at += count
+                mine.append((pos, -(-end // align) * align, counts[pos]))
+                at += counts[pos]
         for k in sorted(buckets):
             per_rank = buckets[k]
             segment = max((m[-1][1] + m[-1][2]) if m else 0 for m in per_rank)
             out.append((f"{dtype.name}.{k}", dtype, per_rank,
-                        max(align, -(-segment // align) * align)))
+                        max(align, -(-segment // align) * align), len(out)))
     return out
+
+
+def _in_backprop_order(grads, buckets):
+    """Each run's gradients computed before backprop goes on past it
+    (_backprop_order), so that its reduce-scatter overlaps the rest."""
+    stages = {}
+    for _, _, per_rank, _, n in buckets:
+        stages.setdefault(n, []).extend(grads[pos] for mine in per_rank for pos, _, _ in mine)
+    _backprop_order.order([stages[n] for n in sorted(stages)])
 
 
 def _segment(parts, placed, length, dtype):
     """The parts flattened at their offsets (`placed`: the layout's entries),
     zeros between them and to `length`."""
+    if not placed:
+        return tf.zeros([length], dtype)
     flat, at = [], 0
     for part, (_, offset, count) in zip(parts, placed):
         if offset > at:
@@ -302,21 +322,49 @@ def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, **kwargs):
             owned=list(range(first, first + len(per_rank[rank]))), **kwargs)
 
 
+def _buckets(optimizer, shards, variables):
+    return _layout(variables, [shards.owner[_index_of(optimizer, v)] for v in variables],
+                   shards.size)
+
+
+def _bucket_sums(shards, grads, variables, bucket, options):
+    """[(the sum of a variable's gradient over the ranks, the variable)] for
+    the variables of `bucket` this rank owns: one reduce-scatter.
+    options(dtype): its keyword arguments."""
+    tag, dtype, per_rank, segment, _ = bucket
+    cast = {pos: grads[pos] if grads[pos].dtype == dtype else tf.cast(grads[pos], dtype)
+            for mine in per_rank for pos, _, _ in mine}
+    summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank, **options(dtype))
+    return [(tf.reshape(g, variables[pos].shape), variables[pos])
+            for (pos, _, _), g in zip(per_rank[shards.rank], summed)]
+
+
+def _owned_sums(optimizer, shards, grads, variables, options=lambda dtype: {}):
+    """_bucket_sums of every bucket of the step, each run's gradients
+    computed before backprop goes on past it."""
+    buckets = _buckets(optimizer, shards, variables)
+    _in_backprop_order(grads, buckets)
+    return [pair for bucket in buckets
+            for pair in _bucket_sums(shards, grads, variables, bucket, options)]
+
+
 def _sharded_step(optimizer, shards, variables, learning_rate, distribution, grads):
     grads = [tf.convert_to_tensor(_local(distribution, g)) for g in grads]
-    owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
-    mine = []
-    for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
-        cast = [tf.cast(g, dtype) if g.dtype != dtype else g for g in grads]
-        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank)
-        for (pos, _, _), g in zip(per_rank[shards.rank], summed):
-            mine.append((g, variables[pos]))
-    # The user's optimizer, on the variables this rank owns.
+    # The user's optimizer, on the variables this rank owns. (TensorFlow runs
+    # a function's collectives in the order they are made: every
+    # reduce-scatter, in backprop's order, then the allgathers. Made bucket
+    # by bucket instead, a bucket's reduce-scatter would wait for the
+    # previous bucket's allgather, which waits for its update, which a busy
+    # executor runs only once backprop is done.)
+    mine = _owned_sums(optimizer, shards, grads, variables)
     optimizer._distributed_tf_update_step(distribution, mine, learning_rate)
-    _gather_weights(optimizer, shards, variables,
-                    lambda v, value: distribution.experimental_local_results(
-                        distribution.extended.update(v, _assign, args=(value,), group=False)))
+    _gather_weights(optimizer, shards, variables, _strategy_assign(distribution))
     return tf.constant(True)
+
+
+def _strategy_assign(distribution):
+    return lambda v, value: distribution.experimental_local_results(
+        distribution.extended.update(v, _assign, args=(value,), group=False))
 
 
 def _assign(variable, value):
@@ -412,14 +460,15 @@ def _gathered_slots(optimizer, shards):
     stand_ins = [tf.zeros(shape, v.dtype) for v, _, shape in entries]
     full = {}
     with tf.device("/cpu:0"):
-        for tag, dtype, per_rank, segment in _layout(stand_ins, owner, shards.size):
+        for tag, dtype, per_rank, segment, _ in _layout(stand_ins, owner, shards.size):
+            starts, lengths = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
             placed = per_rank[shards.rank]
             own = [tf.convert_to_tensor(entries[pos][0]) for pos, _, _ in placed]
-            gathered = perseus_ops.allgather(_segment(own, placed, segment, dtype),
+            gathered = perseus_ops.allgather(_segment(own, placed, lengths[shards.rank], dtype),
                                              name=f"perseus.shard.save.{tag}").numpy()
             for r in range(shards.size):
                 for pos, offset, count in per_rank[r]:
-                    start = r * segment + offset
+                    start = starts[r] + offset
                     full[id(entries[pos][0])] = \
                         gathered[start:start + count].reshape(entries[pos][2])
     return full
@@ -560,40 +609,42 @@ def _apply_keras2(original):
 
 def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
     grads = [tf.convert_to_tensor(_local(distribution, g)) for g in grads]
-    owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
-    if reduce:
-        owned = []
-        for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
-            cast = [tf.cast(g, dtype) if g.dtype != dtype else g for g in grads]
-            summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank)
-            for (pos, _, _), g in zip(per_rank[shards.rank], summed):
-                owned.append((tf.reshape(g, variables[pos].shape), variables[pos]))
-    else:   # summed already (a LossScaleOptimizer): this rank's share
-        owned = [(g, v) for g, v, r in zip(grads, variables, owner) if r == shards.rank]
-    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
-        owned = _clip_globally(optimizer, owned)
-    elif owned:
-        owned = list(zip(optimizer._clip_gradients([g for g, _ in owned]), [v for _, v in owned]))
-    if optimizer.weight_decay is not None:
-        def decay(variable):
-            if optimizer._use_weight_decay(variable):
-                lr = tf.cast(optimizer.learning_rate, variable.dtype)
-                wd = tf.cast(optimizer.weight_decay, variable.dtype)
-                variable.assign_sub(variable * wd * lr)
-        for _, v in owned:
-            distribution.extended.update(v, decay, group=False)
 
-    def update(variable, grad):
+    def decay(variable):
+        if optimizer._use_weight_decay(variable):
+            lr = tf.cast(optimizer.learning_rate, variable.dtype)
+            wd = tf.cast(optimizer.weight_decay, variable.dtype)
+            variable.assign_sub(variable * wd * lr)
+
+    def update_one(variable, grad):
         if optimizer.jit_compile:
             return optimizer._update_step_xla(grad, variable, id(optimizer._var_key(variable)))
         return optimizer._update_step(grad, variable)
 
-    for g, v in owned:
-        distribution.extended.update(v, update, args=(g,), group=False)
+    def update(pairs, clipped=False):
+        # Keras 2 clips the sums (clipnorm, clipvalue: each variable's own),
+        # decays the weights, then updates.
+        if not clipped:
+            pairs = list(zip(optimizer._clip_gradients([g for g, _ in pairs]),
+                             [v for _, v in pairs]))
+        for _, v in pairs:
+            if optimizer.weight_decay is not None:
+                distribution.extended.update(v, decay, group=False)
+        for g, v in pairs:
+            distribution.extended.update(v, update_one, args=(g,), group=False)
+
+    if reduce:
+        owned = _owned_sums(optimizer, shards, grads, variables)
+    else:   # summed already (a LossScaleOptimizer): this rank's share
+        owned = [(g, v) for g, v in zip(grads, variables)
+                 if shards.owner[_index_of(optimizer, v)] == shards.rank]
+    global_clip = optimizer.global_clipnorm and optimizer.global_clipnorm > 0
+    if global_clip:
+        owned = _clip_globally(optimizer, owned)
+    if owned:
+        update(owned, clipped=global_clip)
+    _gather_weights(optimizer, shards, variables, _strategy_assign(distribution))
     optimizer.iterations.assign_add(1)
-    _gather_weights(optimizer, shards, variables,
-                    lambda v, value: distribution.experimental_local_results(
-                        distribution.extended.update(v, _assign, args=(value,), group=False)))
 
 
 def _checkpoint_state_whole(optimizer, shards):
@@ -680,24 +731,18 @@ def shim_reduce(optimizer, shards, pairs, reducer):
     """[(this rank's share of the reduced gradient, its variable)]."""
     from perseus_tf.horovod._collectives import Average, runtime_fp16
     from perseus_tf.horovod.compression import Compression
-    grads = [tf.convert_to_tensor(g) for g, _ in pairs]
-    variables = [v for _, v in pairs]
-    owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
     op = perseus_ops.Average if reducer.op == Average else perseus_ops.Sum
-    owned = []
-    for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
-        cast = [tf.cast(g, dtype) if g.dtype != dtype else g for g in grads]
+
+    def options(dtype):
         # Compression.fp16 of float32, as the shim's allreduce does it: float16(x)
         # on the wire, summed in float16 (the runtime's scale cancelled).
         compression, pre, post = "none", reducer.prescale, reducer.postscale
         if reducer.compression is Compression.fp16 and dtype == tf.float32:
             compression, pre, post = runtime_fp16(pre, post)
-        summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank, op=op,
-                                 prescale_factor=pre, postscale_factor=post,
-                                 compression=compression)
-        for (pos, _, _), g in zip(per_rank[shards.rank], summed):
-            owned.append((tf.reshape(g, variables[pos].shape), variables[pos]))
-    return owned
+        return dict(op=op, prescale_factor=pre, postscale_factor=post, compression=compression)
+
+    return _owned_sums(optimizer, shards, [tf.convert_to_tensor(g) for g, _ in pairs],
+                       [v for _, v in pairs], options)
 
 
 def all_finite(grads):
@@ -725,25 +770,42 @@ def _clip_globally(optimizer, owned):
 
 def _gather_weights(optimizer, shards, variables, assign):
     """Every rank's owned variables' values, allgathered and assigned on the
-    ranks that do not own them."""
-    owner = [shards.owner[_index_of(optimizer, v)] for v in variables]
+    ranks that do not own them, one bucket at a time."""
     assigned = []
-    for tag, dtype, per_rank, segment in _layout(variables, owner, shards.size):
-        # One bucket at a time: the next is gathered once this one is
-        # assigned, so that one bucket's weights are in flight, not the model's.
-        with tf.control_dependencies(assigned):
-            placed = per_rank[shards.rank]
-            own = [tf.convert_to_tensor(variables[pos]) for pos, _, _ in placed]
-            gathered = perseus_ops.allgather(_segment(own, placed, segment, dtype),
-                                             name=f"perseus.shard.weights.{tag}")
-        assigned = []
-        for r in range(shards.size):
-            if r == shards.rank:
-                continue
-            for pos, offset, count in per_rank[r]:
-                start = r * segment + offset
-                done = assign(variables[pos],
-                              tf.reshape(gathered[start:start + count], variables[pos].shape))
-                assigned.extend(x for x in tf.nest.flatten(done)
-                                if isinstance(x, (tf.Operation, tf.Tensor)) and
-                                not tf.executing_eagerly())
+    for bucket in _buckets(optimizer, shards, variables):
+        assigned = _bucket_gather(shards, variables, bucket, assign, assigned)
+
+
+def _parts(per_rank, align):
+    """Where each rank's part of a bucket starts in the parts laid end to end
+    (each rounded up to `align`), and each part's length: an allgather of
+    the parts as they are, not padded to the largest."""
+    lengths = [-(-(m[-1][1] + m[-1][2]) // align) * align if m else 0 for m in per_rank]
+    starts = [sum(lengths[:r]) for r in range(len(per_rank))]
+    return starts, lengths
+
+
+def _bucket_gather(shards, variables, bucket, assign, after):
+    """The allgather of one bucket's owned values, assigned where this rank
+    does not own them; it starts once `after` (the previous bucket's assigns)
+    ran, so that one bucket's weights are in flight, not the model's.
+    Returns this bucket's assigns."""
+    tag, dtype, per_rank, segment, _ = bucket
+    starts, lengths = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
+    with tf.control_dependencies(after):
+        placed = per_rank[shards.rank]
+        own = [tf.convert_to_tensor(variables[pos]) for pos, _, _ in placed]
+        gathered = perseus_ops.allgather(_segment(own, placed, lengths[shards.rank], dtype),
+                                         name=f"perseus.shard.weights.{tag}")
+    assigned = []
+    for r in range(shards.size):
+        if r == shards.rank:
+            continue
+        for pos, offset, count in per_rank[r]:
+            start = starts[r] + offset
+            done = assign(variables[pos],
+                          tf.reshape(gathered[start:start + count], variables[pos].shape))
+            assigned.extend(x for x in tf.nest.flatten(done)
+                            if isinstance(x, (tf.Operation, tf.Tensor)) and
+                            not tf.executing_eagerly())
+    return assigned

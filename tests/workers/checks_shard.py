@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 import perseus_tf as ptf
+from perseus_tf import _backprop_order
 from perseus_tf.strategy import keras_shard
 
 from perseus_tf import _keras
@@ -121,7 +122,7 @@ def check_buckets_cover_every_variable_once_aligned_and_balanced():
     owner = keras_shard.owners([int(np.prod(v.shape)) * v.dtype.size for v in variables], N)
     buckets = keras_shard._layout(variables, owner, N, limit=256 * N)
     seen = []
-    for tag, dtype, per_rank, segment in buckets:
+    for tag, dtype, per_rank, segment, _ in buckets:
         align = 64 // dtype.size
         assert segment % align == 0, (tag, segment)
         for r, placed in enumerate(per_rank):
@@ -137,14 +138,42 @@ def check_buckets_cover_every_variable_once_aligned_and_balanced():
 
 
 def check_adam_in_small_buckets():
-    # Several reduce-scatters and allgathers a step (keras_shard._BUCKET_BYTES).
-    saved = keras_shard._BUCKET_BYTES
-    keras_shard._BUCKET_BYTES = 512
+    # Several reduce-scatters and allgathers a step: backprop runs of a few
+    # variables each (_backprop_order._MIN_GROUP_BYTES), cut into buckets
+    # (keras_shard._BUCKET_BYTES).
+    saved = keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES
+    keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES = 512, 256
     try:
         compare(lambda: keras.optimizers.Adam(0.01))
         shim_compare(lambda: keras.optimizers.Adam(0.01))
     finally:
-        keras_shard._BUCKET_BYTES = saved
+        keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES = saved
+
+
+def check_buckets_follow_backprop():
+    # A step's buckets come in the order backprop makes the gradients (the
+    # last layers' first), so each one's reduce-scatter can start while the
+    # earlier layers' gradients are computed: bucket k holds the k-th stretch
+    # of every rank's variables, taken from the last.
+    sizes = [4000, 40, 4000, 40, 2400, 24, 2400, 24, 4000, 40, 800, 8]   # kernels, biases
+    variables = [tf.zeros((s // 4,), tf.float32) for s in sizes]
+    owner = keras_shard.owners(sizes, N)
+    saved = _backprop_order._MIN_GROUP_BYTES
+    _backprop_order._MIN_GROUP_BYTES = 1000
+    try:
+        buckets = keras_shard._layout(variables, owner, N)
+    finally:
+        _backprop_order._MIN_GROUP_BYTES = saved
+    assert [b[4] for b in buckets] == list(range(len(buckets)))
+    assert len(buckets) >= 2, buckets
+    seen = []
+    for r in range(N):
+        mine = [pos for b in buckets for pos, _, _ in b[2][r]]
+        assert mine == sorted((p for p in range(len(sizes)) if owner[p] == r), reverse=True), \
+            (r, mine)
+        seen += mine
+    assert sorted(seen) == list(range(len(sizes))), seen
+    same_on_all_ranks([np.array(owner)])
 
 
 def check_sgd_momentum_nesterov():
