@@ -202,6 +202,21 @@ def _variables_of(optimizer):
     return list(variables() if callable(variables) else variables)
 
 
+def _refuse_sharded(optimizer):
+    """A sharded optimizer's state is each rank's share alone: a lost rank's
+    share cannot come back from memory, so hvd.elastic refuses it."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    settings = getattr(type(inner), "_perseus_settings", None)
+    if getattr(settings, "shard", False):
+        raise ValueError(
+            "hvd.elastic state: this DistributedOptimizer was made with "
+            "shard_optimizer_state=True, so each rank holds only its share of the optimizer's "
+            "state, and a lost rank's share cannot be restored from memory. Leave "
+            "shard_optimizer_state=False under hvd.elastic, or train under "
+            "PerseusStrategy(shard_optimizer_state=True) with BackupAndRestore, whose files "
+            "load at any world size")
+
+
 class TensorFlowKerasState(ObjectState):
     """A Keras model and its optimizer (their variables, kept in memory at
     each commit) plus any keyword attributes (epoch, batch, ...)."""
@@ -209,6 +224,7 @@ class TensorFlowKerasState(ObjectState):
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
         self.model = model
         self.optimizer = optimizer if optimizer is not None else model.optimizer
+        _refuse_sharded(self.optimizer)
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=_broadcast_object, get_rank=_rank, **kwargs)

@@ -422,7 +422,7 @@ def check_float16_compression_as_unsharded():
 # -- the Horovod shim: hvd.DistributedOptimizer(..., shard_optimizer_state=True) --
 
 
-def shim_train(make_optimizer, sharded, x=X, y=Y, compression=None, mixed=False):
+def shim_train(make_optimizer, sharded, x=X, y=Y, compression=None, mixed=False, options=None):
     """The shim's `fit`, outside any strategy: each rank trains on its own
     rows of every global batch, as Horovod scripts shard their data."""
     import perseus_tf.horovod.keras as hvd
@@ -430,7 +430,9 @@ def shim_train(make_optimizer, sharded, x=X, y=Y, compression=None, mixed=False)
         keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = make_model()
-        kwargs = {} if compression is None else {"compression": compression}
+        kwargs = dict(options or {})
+        if compression is not None:
+            kwargs["compression"] = compression
         model.compile(optimizer=hvd.DistributedOptimizer(
             make_optimizer(), shard_optimizer_state=sharded, **kwargs), loss="mse")
     finally:
@@ -484,6 +486,17 @@ def check_shim_sharded_equals_the_shims_allreduce():
                  compression=hvd.Compression.fp16, tol=TOL if N == 2 else 1e-4)
 
 
+def check_shim_sharded_accumulates_backward_passes_as_unsharded():
+    # backward_passes_per_step=2: each rank sums two passes locally, and every
+    # second pass reduce-scatters the sums (averaged over the passes, or not).
+    for average in (False, True):
+        plain, sharded = shim_compare(
+            lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+            options={"backward_passes_per_step": 2, "average_aggregated_gradients": average})
+        counted = [int(_inner(m.optimizer).iterations.numpy()) for m in (plain, sharded)]
+        assert counted[0] == counted[1], counted
+
+
 def check_shim_sharded_mixed_precision_skips_an_overflow_everywhere():
     x = X.copy()
     x[3 * GLOBAL_BATCH + GLOBAL_BATCH - 1] = 1e6   # the last rank's rows of batch 3
@@ -501,12 +514,14 @@ def check_shim_sharded_saves_whole_and_refuses_what_it_cannot_shard():
     loaded = keras.models.load_model(path, compile=True)
     for i, (a, b) in enumerate(zip(slots(loaded.optimizer), slots(plain.optimizer))):
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=f"optimizer variable {i}")
-    for kwargs, needle in (({"backward_passes_per_step": 2}, "backward_passes_per_step"),
-                           ({"op": hvd.Adasum}, "op must be")):
-        expect(ValueError, lambda: hvd.DistributedOptimizer(
-            keras.optimizers.Adam(0.01), shard_optimizer_state=True, **kwargs),
-            needle, "shard_optimizer_state")
+    expect(ValueError, lambda: hvd.DistributedOptimizer(
+        keras.optimizers.Adam(0.01), shard_optimizer_state=True, op=hvd.Adasum),
+        "op must be", "shard_optimizer_state")
     if KERAS2:
         expect(ValueError, lambda: hvd.DistributedOptimizer(
             keras.optimizers.legacy.Adam(0.01), shard_optimizer_state=True),
             "legacy", "shard_optimizer_state")
+    # hvd.elastic keeps state in memory: a lost rank's share would be gone.
+    expect(ValueError, lambda: hvd.elastic.KerasState(sharded, batch=0, epoch=0),
+           "shard_optimizer_state=True", "BackupAndRestore")
+    hvd.elastic.KerasState(plain, batch=0, epoch=0)   # unsharded: as before

@@ -83,8 +83,6 @@ def _check_shardable(optimizer, compression, op, backward_passes_per_step, proce
         why = "op must be hvd.Average or hvd.Sum"
     elif compression not in (Compression.none, Compression.fp16):
         why = "compression must be hvd.Compression.none or hvd.Compression.fp16"
-    elif backward_passes_per_step != 1:
-        why = "backward_passes_per_step must be 1"
     elif process_set is not global_process_set and getattr(process_set, "process_set_id", 0):
         why = "the process set must be the global one"
     if why:

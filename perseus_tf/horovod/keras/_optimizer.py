@@ -88,15 +88,26 @@ class _DistributedMixin:
         """Keeps `var`'s gradient local (not reduced across ranks)."""
         self._perseus().reducer.register_local_var(var)
 
-    def _perseus_apply(self, grads, variables, apply_fn):
+    def _perseus_apply(self, grads, variables, apply_fn, reduce=True):
         """Reduces `grads` and calls `apply_fn(reduced)`; with local
-        accumulation, only every k-th call (the others count an iteration)."""
+        accumulation, only every k-th call (the others count an iteration).
+        reduce=False: apply_fn reduces (sharded: a reduce-scatter) and gets
+        this rank's gradients, or their accumulated sums (averaged over the
+        passes when average_aggregated_gradients)."""
         state = self._perseus()
         if state.reduced_outside:
             return apply_fn(grads)
         if state.accumulator is None:
-            return apply_fn(state.reducer(grads, variables))
-        is_step, summed = state.accumulator.accumulate(grads, variables)
+            return apply_fn(state.reducer(grads, variables) if reduce else grads)
+        if reduce:
+            is_step, summed = state.accumulator.accumulate(grads, variables)
+        else:
+            acc = state.accumulator
+            is_step, totals = acc.sums.add(
+                [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads], variables)
+            summed = [None if t is None else
+                      t / tf.cast(acc.k, t.dtype) if acc.average else t for t in totals]
 
         def step():
             applied = apply_fn(summed)
@@ -133,9 +144,12 @@ class _Keras3Mixin(_DistributedMixin):
         base_apply = super().apply
         if self._perseus_settings.shard:
             from perseus_tf.strategy import keras_shard
-            return keras_shard.shim_apply(self, grads, variables, base_apply, state.reducer,
-                                          reduced=state.reduced_outside > 0,
-                                          all_variables=state.step_variables)
+            if state.reduced_outside:
+                return keras_shard.shim_apply(self, grads, variables, base_apply, state.reducer,
+                                              reduced=True, all_variables=state.step_variables)
+            return self._perseus_apply(
+                grads, variables, lambda summed: keras_shard.shim_apply(
+                    self, summed, variables, base_apply, state.reducer), reduce=False)
         return self._perseus_apply(
             grads, variables, lambda reduced: base_apply(reduced, trainable_variables))
 
@@ -167,7 +181,9 @@ class _Keras2Mixin(_DistributedMixin):
         keras_shard._checkpoint_state_whole(self, shards)
         apply = lambda gs, vs: base_apply(list(zip(gs, vs)), *args, **kwargs)  # noqa: E731
         if not state.reduced_outside:
-            return keras_shard.shim_apply(self, grads, variables, apply, state.reducer)
+            return self._perseus_apply(
+                grads, variables, lambda summed: keras_shard.shim_apply(
+                    self, summed, variables, apply, state.reducer), reduce=False)
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
         owned = [(g, v) for g, v in pairs
                  if shards.owner[keras_shard._index_of(self, v)] == shards.rank]
@@ -217,6 +233,11 @@ def _sharded_loss_scale_apply(lso, original, inner, grads, variables):
     inner optimizer applies the shares and gathers the weights."""
     from perseus_tf.strategy import keras_shard
     state = inner._perseus()
+    if state.accumulator is not None:
+        raise ValueError(
+            "a LossScaleOptimizer around hvd.DistributedOptimizer(shard_optimizer_state=True, "
+            "backward_passes_per_step=k > 1) is not supported: set backward_passes_per_step=1, "
+            "or shard_optimizer_state=False")
     shards = keras_shard._shards(inner)
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     owned = keras_shard.shim_reduce(inner, shards, pairs, state.reducer)
