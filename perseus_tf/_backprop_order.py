@@ -39,24 +39,18 @@ def backprop_groups(indices, tensors):
     for i in indices:
         n = tensors[i].shape.num_elements()
         sizes.append((n if n is not None else 0) * tensors[i].dtype.size)
-    return [[indices[p] for p in run] for run in backprop_runs(sizes)]
-
-
-def backprop_runs(sizes):
-    """The positions 0..len(sizes)-1 (forward order, `sizes` in bytes) in up
-    to _GROUPS runs of similar bytes, none under _MIN_GROUP_BYTES but the
-    first layers' run, the last layers' run first."""
-    target = max(_MIN_GROUP_BYTES, sum(sizes) // _GROUPS + 1)
-    runs, current, acc = [], [], 0
-    for p in reversed(range(len(sizes))):
-        current.append(p)
-        acc += sizes[p]
+    total = sum(sizes)
+    target = max(_MIN_GROUP_BYTES, total // _GROUPS + 1)
+    groups, current, acc = [], [], 0
+    for i, b in zip(reversed(indices), reversed(sizes)):
+        current.append(i)
+        acc += b
         if acc >= target:
-            runs.append(current[::-1])
+            groups.append(current[::-1])
             current, acc = [], 0
     if current:
-        runs.append(current[::-1])
-    return runs
+        groups.append(current[::-1])
+    return groups
 
 
 def _region(ops, stop):

@@ -24,7 +24,7 @@ from perseus_tf import _backprop_order
 from perseus_tf.strategy import keras_shard
 
 from perseus_tf import _keras
-from rank_checks import expect, same_on_all_ranks, shared_tempdir
+from rank_checks import expect, interrupting_callback, same_on_all_ranks, shared_tempdir
 
 if _keras.legacy_requested():
     import tf_keras as keras
@@ -334,12 +334,6 @@ def check_keras2_tensorflow_checkpoints_hold_the_whole_state():
                                    rtol=0, atol=TOL, err_msg=key)
 
 
-class _Interrupt(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == 1:
-            raise RuntimeError("interrupted")
-
-
 def check_backup_and_restore_resumes_sharded_as_unsharded():
     # BackupAndRestore (Keras 3: .weights.h5; Keras 2: a TensorFlow
     # checkpoint) saves the sharded state at epoch 0's end; a new sharded
@@ -352,7 +346,8 @@ def check_backup_and_restore_resumes_sharded_as_unsharded():
         model.compile(optimizer=make(), loss="mse")
     expect(RuntimeError, lambda: model.fit(
         dataset(), epochs=2, verbose=0,
-        callbacks=[keras.callbacks.BackupAndRestore(directory), _Interrupt()]), "interrupted")
+        callbacks=[keras.callbacks.BackupAndRestore(directory), interrupting_callback(keras)]),
+        "interrupted")
     ptf.barrier()
     with SHARDED.scope():
         resumed = make_model()

@@ -19,7 +19,7 @@ import perseus_tf as ptf
 from perseus_tf import _native
 
 import overlap_graph
-from rank_checks import expect, same_on_all_ranks, shared_tempdir
+from rank_checks import expect, interrupting_callback, same_on_all_ranks, shared_tempdir
 
 if os.environ.get("TF_USE_LEGACY_KERAS") == "1":
     import tf_keras as keras    # Keras 2 on TF >= 2.16 (tests/test_keras_versions.py)
@@ -432,12 +432,6 @@ def check_tensorboard_logs_written_by_rank0_only():
     assert len(events) == 1, events  # one writer (rank 0), one run ("train")
 
 
-class _Interrupt(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == 1:
-            raise RuntimeError("interrupted")
-
-
 def check_backup_and_restore_resumes_on_every_rank():
     directory = shared_tempdir("perseus-backup-")
     with STRATEGY.scope():
@@ -452,7 +446,8 @@ def check_backup_and_restore_resumes_on_every_rank():
                "BackupAndRestore (resuming at the saved epoch) needs Keras 3.1 or newer")
         return
     expect(RuntimeError, lambda: model.fit(dataset(), epochs=3, verbose=0,
-                                           callbacks=[backup, _Interrupt()]), "interrupted")
+                                           callbacks=[backup, interrupting_callback(keras)]),
+           "interrupted")
     ptf.barrier()
     assert os.listdir(directory), "rank 0 wrote no backup"
     after_one = [w.numpy() for w in model.weights]

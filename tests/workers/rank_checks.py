@@ -66,6 +66,16 @@ def shared_tempdir(prefix):
     return bytes(name).rstrip(b"\0").decode()
 
 
+def interrupting_callback(keras, epoch=1):
+    """A Keras callback that raises RuntimeError("interrupted") as `epoch`
+    begins: a job stopped there, for BackupAndRestore to resume."""
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, at, logs=None):
+            if at == epoch:
+                raise RuntimeError("interrupted")
+    return Interrupt()
+
+
 def expect(error, fn, *needles):
     """fn() raises `error` (or a subclass) with every needle in its message."""
     try:
