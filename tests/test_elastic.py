@@ -130,7 +130,12 @@ def _keras_run(args, out, epochs, steps, kills="", env=None):
 
 def _same_as_one_process(results):
     for worker, r in results.items():
+        assert len(r["weights"]) == len(r["reference"]), worker
         for got, want in zip(r["weights"], r["reference"]):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=worker)
+        # The optimizer's state (sharded: gathered whole) is one process's too.
+        assert len(r["whole_state"]) == len(r["reference_state"]), worker
+        for got, want in zip(r["whole_state"], r["reference_state"]):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, err_msg=worker)
 
 
@@ -154,7 +159,29 @@ def test_keras_fit_resumes_an_interrupted_epoch_at_its_next_batch(tmp_path):
     assert "resumed at epoch 1, batch 4" in text, text[-3000:]
 
 
-def test_a_keras_worker_joining_before_its_first_step_syncs_at_once(tmp_path):
+@pytest.mark.parametrize("np_,kill", [(3, "localhost:0@1.5"), (2, "localhost:1@1.5")],
+                         ids=["3to2_rank0_dies", "2to1"])
+def test_keras_sharded_state_is_shared_out_again_when_a_worker_dies(tmp_path, np_, kill):
+    # shard_optimizer_state=True under hvd.elastic: every commit keeps the
+    # whole state on every rank, so the survivors of rank 0's death hold
+    # its share; the reset shares the state out for the new world (other
+    # owners, at 1 rank none) and fit traces its step again. Adam's moments
+    # and weights end as one process's.
+    proc, results = _keras_run(["-np", str(np_), "--min-np", "1", "--max-np", str(np_)],
+                               tmp_path, epochs=3, steps=8, kills=kill,
+                               env={"SHARD": "1", "OPTIMIZER": "adam"})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert len(results) == np_ - 1, text[-3000:]
+    for r in results.values():
+        assert r["resets"] == [np_ - 1] and r["state"] == [3, 0], r
+        placeholders = [s for s in r["state_shapes"] if s == [0]]
+        assert bool(placeholders) == (np_ - 1 > 1), r["state_shapes"]  # sharded at 2, not at 1
+    _same_as_one_process(results)
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "sharded"])
+def test_a_keras_worker_joining_before_its_first_step_syncs_at_once(tmp_path, shard):
     # The joining worker has compiled its model but not trained, so its
     # optimizer has no momentum slots nor step counter yet, while the
     # others have them. Once the state sync broadcast different lists and
@@ -171,7 +198,8 @@ def test_a_keras_worker_joining_before_its_first_step_syncs_at_once(tmp_path):
                                 "--host-discovery-script", str(script),
                                 "--discovery-interval", "0.2"],
                                tmp_path, epochs=400, steps=8,
-                               env={"UNTIL_SIZE": "3", "TOUCH_DIR": str(touch)})
+                               env={"UNTIL_SIZE": "3", "TOUCH_DIR": str(touch),
+                                    **({"SHARD": "1", "OPTIMIZER": "adam"} if shard else {})})
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     assert sorted(results) == ["localhost:0", "localhost:1", "localhost:2"], text[-3000:]

@@ -54,6 +54,7 @@ class State:
 
     def on_reset(self):
         self._host_updates = []
+        self.reset()
         for callback in self._reset_callbacks:
             callback()
 
@@ -202,21 +203,6 @@ def _variables_of(optimizer):
     return list(variables() if callable(variables) else variables)
 
 
-def _refuse_sharded(optimizer):
-    """A sharded optimizer's state is each rank's share alone: a lost rank's
-    share cannot come back from memory, so hvd.elastic refuses it."""
-    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
-    settings = getattr(type(inner), "_perseus_settings", None)
-    if getattr(settings, "shard", False):
-        raise ValueError(
-            "hvd.elastic state: this DistributedOptimizer was made with "
-            "shard_optimizer_state=True, so each rank holds only its share of the optimizer's "
-            "state, and a lost rank's share cannot be restored from memory. Leave "
-            "shard_optimizer_state=False under hvd.elastic, or train under "
-            "PerseusStrategy(shard_optimizer_state=True) with BackupAndRestore, whose files "
-            "load at any world size")
-
-
 class TensorFlowKerasState(ObjectState):
     """A Keras model and its optimizer (their variables, kept in memory at
     each commit) plus any keyword attributes (epoch, batch, ...)."""
@@ -224,9 +210,8 @@ class TensorFlowKerasState(ObjectState):
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
         self.model = model
         self.optimizer = optimizer if optimizer is not None else model.optimizer
-        _refuse_sharded(self.optimizer)
         self.backend = backend
-        self._save_model()
+        self._save_model(gather=False)   # (the first sync saves it whole)
         super().__init__(bcast_object=_broadcast_object, get_rank=_rank, **kwargs)
 
     def save(self):
@@ -237,18 +222,35 @@ class TensorFlowKerasState(ObjectState):
         self._load_model()
         super().restore()
 
+    def reset(self):
+        """After the world changed: a sharded optimizer's state shared out
+        anew (shard_optimizer_state=True: every rank kept all of it at the
+        last commit), and the model's step traced again."""
+        if self.optimizer is None:
+            return
+        from perseus_tf.strategy import keras_shard
+        if keras_shard.reshard(self.optimizer, _variables_of(self.optimizer),
+                               self._saved_optimizer):
+            self.model.train_function = None
+
     def sync(self):
         from perseus_tf.horovod.functions import allgather_object, broadcast_variables
+        from perseus_tf.strategy import keras_shard
         if self.optimizer is not None:
             _build_optimizer(self.optimizer, self.model)
         variables = list(self.model.variables)
+        shapes = [tuple(v.shape) for v in variables]
+        sharded = set()
         if self.optimizer is not None:
-            variables += _variables_of(self.optimizer)
+            optimizer_variables = _variables_of(self.optimizer)
+            variables += optimizer_variables
+            shapes += keras_shard.whole_shapes(self.optimizer, optimizer_variables)
+            sharded = keras_shard.sharded_state_ids(self.optimizer)
         # What each rank would broadcast, compared first: a worker that
         # joins with a model or optimizer built differently would otherwise
         # pair other variables with rank 0's (a stall, or wrong values).
-        mine = [(i, tuple(int(d) for d in v.shape), getattr(v.dtype, "name", str(v.dtype)))
-                for i, v in enumerate(variables)]
+        mine = [(i, tuple(int(d) for d in shape), getattr(v.dtype, "name", str(v.dtype)))
+                for i, (v, shape) in enumerate(zip(variables, shapes))]
         everyone = allgather_object(mine)
         if any(theirs != everyone[0] for theirs in everyone):
             differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
@@ -259,21 +261,37 @@ class TensorFlowKerasState(ObjectState):
                     f"{[s for _, s, _ in everyone[r][:3]]}" for r in [0] + differ) +
                 "). Build the model (call it once, or give it an Input) and compile it "
                 "the same way on every worker before hvd.elastic.run")
-        broadcast_variables(variables, root_rank=0)
+        broadcast_variables([v for v in variables if id(v) not in sharded], root_rank=0)
+        if sharded:
+            # Rank 0's whole sharded state, as its last commit (or restore)
+            # holds it, and each rank keeps its share: a rank that has just
+            # joined holds none of it.
+            from perseus_tf.horovod.functions import broadcast_object
+            saved = self._saved_optimizer
+            whole = broadcast_object(
+                [value if id(v) in sharded else None
+                 for v, value in zip(optimizer_variables, saved)]
+                if len(saved) == len(optimizer_variables) else [],   # (saved before a build)
+                root_rank=0, name="perseus.elastic.sharded_state")
+            keras_shard.assign_whole(optimizer_variables, whole)
         self._save_model()
         super().sync()
 
-    def _save_model(self):
+    def _save_model(self, gather=True):
+        # A sharded optimizer's state is kept whole (its owners' shares
+        # gathered: collective), so that the survivors of a failure hold it all.
+        from perseus_tf.strategy import keras_shard
         self._saved_model = [v.numpy() for v in self.model.variables]
-        self._saved_optimizer = ([v.numpy() for v in _variables_of(self.optimizer)]
-                                 if self.optimizer is not None else [])
+        self._saved_optimizer = (
+            keras_shard.whole_values(self.optimizer, _variables_of(self.optimizer), gather)
+            if self.optimizer is not None else [])
 
     def _load_model(self):
+        from perseus_tf.strategy import keras_shard
         for v, value in zip(self.model.variables, self._saved_model):
             v.assign(value)
         if self.optimizer is not None:
-            for v, value in zip(_variables_of(self.optimizer), self._saved_optimizer):
-                v.assign(value)
+            keras_shard.assign_whole(_variables_of(self.optimizer), self._saved_optimizer)
 
 
 class TensorFlowState(ObjectState):

@@ -39,6 +39,9 @@ closer for models of many variables (docs/sharding.md has the figures).
 Saving writes what an unsharded run writes: the owners' slots are gathered
 (allgathers), so every rank must call the save, as every worker
 does under MultiWorkerMirroredStrategy. Loading keeps the slots each rank owns.
+
+Under hvd.elastic (KerasState), each commit keeps the whole state on every
+rank and each reset shares it out again for the new world (the last section).
 """
 
 import functools
@@ -86,6 +89,9 @@ class _Shards:
         variables = list(_model_variables(optimizer))
         self.owner = owners([_nbytes(v) for v in variables], self.size)
         self.slots = {}   # id(slot) -> (slot, index of its variable)
+        # How many times hvd.elastic shared the state out again before this
+        # layout (reshard): a step traced for an earlier one fails (_same_world).
+        self.generation = optimizer.__dict__.get("_perseus_reshards_", 0)
 
 
 def _refuse(optimizer, strategy):
@@ -156,6 +162,12 @@ def _shards(optimizer):
         _refuse(optimizer, strategy)
         shards = _Shards(optimizer, rank, size)
         optimizer._perseus_shards = shards
+    elif (shards.rank, shards.size) != (rank, size):
+        raise ValueError(
+            f"optimizer {optimizer.name}'s state was sharded for {shards.size} ranks (this "
+            f"process as rank {shards.rank}), and the job now has {size} (this process: rank "
+            f"{rank}). Under hvd.elastic, give the optimizer to hvd.elastic.KerasState (its "
+            "reset shares the state out again for the new world)")
     return shards
 
 
@@ -709,6 +721,13 @@ def shim_apply(optimizer, grads, variables, base_apply, reducer, reduced=False,
     share, for `variables` (a LossScaleOptimizer reduced them to check them);
     `all_variables` are then the step's variables, for the allgather."""
     shards = _shards(optimizer)
+    with tf.control_dependencies([_same_world(optimizer, shards)]):
+        _shim_apply(optimizer, shards, grads, variables, base_apply, reducer, reduced,
+                    all_variables)
+
+
+def _shim_apply(optimizer, shards, grads, variables, base_apply, reducer, reduced,
+                all_variables):
     pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
     if reduced:
         owned = pairs
@@ -729,6 +748,11 @@ def shim_apply(optimizer, grads, variables, base_apply, reducer, reduced=False,
 
 def shim_reduce(optimizer, shards, pairs, reducer):
     """[(this rank's share of the reduced gradient, its variable)]."""
+    with tf.control_dependencies([_same_world(optimizer, shards)]):
+        return _shim_reduce(optimizer, shards, pairs, reducer)
+
+
+def _shim_reduce(optimizer, shards, pairs, reducer):
     from perseus_tf.horovod._collectives import Average, runtime_fp16
     from perseus_tf.horovod.compression import Compression
     op = perseus_ops.Average if reducer.op == Average else perseus_ops.Sum
@@ -809,3 +833,131 @@ def _bucket_gather(shards, variables, bucket, assign, after):
                             if isinstance(x, (tf.Operation, tf.Tensor)) and
                             not tf.executing_eagerly())
     return assigned
+
+
+# -- elastic jobs (hvd.elastic.KerasState) ---------------------------------------
+#
+# A commit keeps every rank's whole state in host memory (whole_values: the
+# owners' shares allgathered), so that whichever ranks survive a failure
+# hold all of it. After the reset, reshard shares it out for the new world:
+# owners are chosen again for the new rank and size, each slot this rank now
+# owns takes its whole value, each it no longer owns becomes a placeholder.
+# A step traced before that fails (_same_world) rather than pair the ranks'
+# parts by the old layout: Keras's fit traces again (KerasState drops the
+# model's train function).
+
+
+def _same_world(optimizer, shards):
+    """[an op that fails a step traced for an earlier layout than the one
+    now in force] (none when eager: the layout is the current one)."""
+    world = optimizer.__dict__.get("_perseus_world_")
+    if world is None:
+        with tf.init_scope():
+            world = tf.Variable(shards.generation, dtype=tf.int64, trainable=False,
+                                name="perseus_shard_layout")
+        optimizer.__dict__["_perseus_world_"] = world
+    if tf.executing_eagerly():
+        return []
+    return [tf.debugging.assert_equal(
+        world, tf.constant(shards.generation, tf.int64), message=(
+            f"this step of optimizer {optimizer.name} was traced for the sharded layout of "
+            f"{shards.size} ranks, and hvd.elastic has shared the state out again since; "
+            "trace the step again (fit does so itself under hvd.elastic.KerasState; create "
+            "a tf.function of your own anew in a reset callback)"))]
+
+
+def whole_values(optimizer, variables, gather=True):
+    """The values `variables` (the optimizer's) hold in an unsharded run:
+    each sharded slot and per-variable state whole, from its owner (an
+    allgather: every rank calls this together), the rest as they are.
+    gather=False: None for the sharded ones (no collective)."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    shards = _sharded_slots(inner)
+    if shards is None:
+        full = {}
+    elif gather:
+        full = _gathered_slots(inner, shards)
+    else:
+        full = dict.fromkeys(per_variable_state(inner))
+    return [full[id(v)] if id(v) in full else v.numpy() for v in variables]
+
+
+def whole_shapes(optimizer, variables):
+    """The shapes `variables` (the optimizer's) have in an unsharded run."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    state = per_variable_state(inner) if _sharded_slots(inner) is not None else {}
+    return [state[id(v)][2] if id(v) in state else tuple(v.shape) for v in variables]
+
+
+def assign_whole(variables, values):
+    """Sets `variables` (an optimizer's) to `values` (whole_values'), but
+    for the placeholders of the slots other ranks own (and values None)."""
+    for variable, value in zip(variables, values):
+        if value is not None and tuple(variable.shape) == np.shape(value):
+            variable.assign(value)
+
+
+def reshard(optimizer, variables, values):
+    """hvd.elastic, after a reset: the sharded state shared out for the
+    world as it is now, each rank's share set from `values` (whole_values'
+    of `variables`, the optimizer's, at the last commit). Returns whether
+    the layout changed (a step traced before must be traced again)."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    old = getattr(inner, "_perseus_shards", None)
+    rank, size = perseus_ops.rank(), perseus_ops.size()
+    if old is None or (old.rank, old.size) == (rank, size):
+        return False   # (a restore has set what it holds)
+    whole = {id(v): value for v, value in zip(variables, values)}
+    inner.__dict__["_perseus_reshards_"] = old.generation + 1
+    new = _Shards(inner, rank, size)
+    keras2 = _keras2_variables(inner) is not None
+    model_variables = _model_variables(inner)
+    for slot, index in list(old.slots.values()):
+        owned = new.owner[index] == rank
+        dtype = tf.as_dtype(slot.dtype).as_numpy_dtype
+        value = whole.get(id(slot)) if owned else np.zeros((0,), dtype)
+        if value is None:   # not saved whole (a failure before the first sync ended)
+            value = np.zeros(tuple(model_variables[index].shape), dtype)
+        value = np.asarray(value)
+        fresh = _holding(inner, slot, value)
+        new.slots[id(fresh)] = (fresh, index)
+        if keras2:
+            _checkpoint_whole(inner, fresh, owned)
+    inner._perseus_shards = new
+    if keras2:
+        _checkpoint_state_whole(inner, new)
+    assign_whole(_variables(optimizer), values)   # positions are as before
+    world = inner.__dict__.get("_perseus_world_")
+    if world is not None:
+        world.assign(new.generation)
+    return True
+
+
+def _variables(optimizer):
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+def _holding(optimizer, slot, value):
+    """`slot` holding `value`, of whatever shape. Keras 3's variable takes a
+    new TensorFlow variable inside (the object in the optimizer's lists
+    stays); Keras 2's is replaced by a new tf.Variable in each of the
+    optimizer's lists that holds it."""
+    if tuple(slot.shape) == value.shape:
+        slot.assign(value)
+        return slot
+    with tf.init_scope():
+        if hasattr(slot, "_initialize") and hasattr(slot, "_shape"):       # Keras 3
+            slot._shape = tuple(value.shape)
+            if hasattr(slot, "_ndim"):
+                slot._ndim = len(value.shape)
+            slot._initialize(value)
+            return slot
+        fresh = tf.Variable(value, dtype=slot.dtype, trainable=False,
+                            name=slot.name.split(":")[0])
+    for held in vars(optimizer).values():
+        if isinstance(held, list):
+            for i, x in enumerate(held):
+                if x is slot:
+                    held[i] = fresh
+    return fresh

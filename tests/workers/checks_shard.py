@@ -516,7 +516,24 @@ def check_shim_sharded_saves_whole_and_refuses_what_it_cannot_shard():
         expect(ValueError, lambda: hvd.DistributedOptimizer(
             keras.optimizers.legacy.Adam(0.01), shard_optimizer_state=True),
             "legacy", "shard_optimizer_state")
-    # hvd.elastic keeps state in memory: a lost rank's share would be gone.
-    expect(ValueError, lambda: hvd.elastic.KerasState(sharded, batch=0, epoch=0),
-           "shard_optimizer_state=True", "BackupAndRestore")
-    hvd.elastic.KerasState(plain, batch=0, epoch=0)   # unsharded: as before
+    # hvd.elastic keeps the state whole at each commit (its reset shares it
+    # out again: test_elastic.py). A step traced for an earlier layout
+    # fails, naming what to do, rather than pair the ranks' parts wrongly.
+    state = hvd.elastic.KerasState(sharded, batch=0, epoch=0)
+    state.save()
+    opt = _inner(sharded.optimizer)
+    whole = [np.asarray(v) for v in state._saved_optimizer]
+    for i, (a, b) in enumerate(zip(whole, slots(plain.optimizer))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOL, err_msg=f"optimizer variable {i}")
+    layout = opt.__dict__["_perseus_world_"]
+    layout.assign_add(1)   # as hvd.elastic's reset does when the world changes
+    expect(tf.errors.InvalidArgumentError,
+           lambda: sharded.train_on_batch(X[:GLOBAL_BATCH // N], Y[:GLOBAL_BATCH // N]),
+           "traced for the sharded layout", "trace the step again")
+    layout.assign_add(-1)
+    opt._perseus_shards.size += 1   # as if the world had grown under it
+    sharded.train_function = None
+    expect(ValueError,
+           lambda: sharded.train_on_batch(X[:GLOBAL_BATCH // N], Y[:GLOBAL_BATCH // N]),
+           f"sharded for {N + 1} ranks", "hvd.elastic.KerasState")
+    opt._perseus_shards.size -= 1

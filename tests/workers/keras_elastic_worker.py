@@ -11,6 +11,8 @@ life only. TOUCH_DIR=dir gets a file epoch<E> at each commit made in epoch
 E or later (for a discovery script); SLOW=seconds sleeps in each batch;
 UNTIL_SIZE=n trains (at most EPOCHS epochs) until an epoch has run at size n,
 and stops at that epoch's end (the state's `sizes` has each epoch's size).
+SHARD=1 shards the optimizer's state (shard_optimizer_state=True), and
+OPTIMIZER=adam trains with Adam instead.
 Every worker that finishes writes OUT_DIR/<worker>.json: the batches it
 trained as (epoch, batch), its final weights, those of one process training
 the same batches uninterrupted, and its resets.
@@ -67,6 +69,17 @@ class Record(keras.callbacks.Callback):
             self.model.stop_training = True  # every rank: the same sizes, synced
 
 
+def optimizer():
+    if os.environ.get("OPTIMIZER") == "adam":
+        return keras.optimizers.Adam(0.05)
+    return keras.optimizers.SGD(0.05, momentum=0.9)
+
+
+def optimizer_variables(model):
+    variables = model.optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
 def main():
     out_dir, epochs, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     me = os.environ["PERSEUS_ELASTIC_WORKER"]
@@ -78,7 +91,8 @@ def main():
     touch_dir = os.environ.get("TOUCH_DIR")
     hvd.init()
     model = make_model()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)),
+    shard = os.environ.get("SHARD") == "1"
+    model.compile(optimizer=hvd.DistributedOptimizer(optimizer(), shard_optimizer_state=shard),
                   loss="mse")
     state = hvd.elastic.KerasState(model, batch=0, epoch=0, sizes=[])
     resets, trained = [], []
@@ -103,13 +117,19 @@ def main():
     start = time.monotonic()
     train(state)
     took = time.monotonic() - start
+    state.save()   # (every rank: the optimizer's state, whole)
+    whole_state = state._saved_optimizer
     ref = make_model()
-    ref.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+    ref.compile(optimizer=optimizer(), loss="mse")
     ref.fit(data(steps), epochs=state.epoch, verbose=0)
     with open(os.path.join(out_dir, me.replace(":", "_") + ".json"), "w") as f:
         json.dump({"trained": trained, "resets": resets, "size": hvd.size(),
                    "rank": hvd.rank(), "seconds": took, "state": [state.epoch, state.batch],
                    "sizes": state.sizes,
+                   "state_shapes": [list(v.shape) for v in optimizer_variables(model)],
+                   "reference_state": [np.asarray(v).tolist()
+                                       for v in optimizer_variables(ref)],
+                   "whole_state": [np.asarray(v).tolist() for v in whole_state],
                    "weights": [w.tolist() for w in model.get_weights()],
                    "reference": [w.tolist() for w in ref.get_weights()]}, f)
 

@@ -42,7 +42,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     scale_local_gradients). The result is an instance of a subclass of the
     optimizer's class, built from its config (its state is not copied: wrap
     before training).
-    shard_optimizer_state: Perseus-TF's own (Keras 3): each rank keeps the
+    shard_optimizer_state: Perseus-TF's own (Keras 3 and 2): each rank keeps the
     optimizer's slots of the variables it owns only; gradients are
     reduce-scattered and the owners' weights allgathered
     (docs/sharding.md). Op Average or Sum, Compression.none or fp16, the

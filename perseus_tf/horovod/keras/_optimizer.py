@@ -84,6 +84,13 @@ class _DistributedMixin:
             self.__dict__["_perseus_state_"] = state
         return state
 
+    def _perseus_sharded(self):
+        """shard_optimizer_state=True in a job of more than one rank (one
+        rank has nothing to share out: it applies as unsharded, as does an
+        elastic job once it shrinks to one)."""
+        from perseus_tf.strategy import keras_shard
+        return keras_shard._shim_sharded(self)
+
     def register_local_var(self, var):
         """Keeps `var`'s gradient local (not reduced across ranks)."""
         self._perseus().reducer.register_local_var(var)
@@ -142,7 +149,7 @@ class _Keras3Mixin(_DistributedMixin):
         else:
             variables = state.variables
         base_apply = super().apply
-        if self._perseus_settings.shard:
+        if self._perseus_sharded():
             from perseus_tf.strategy import keras_shard
             if state.reduced_outside:
                 return keras_shard.shim_apply(self, grads, variables, base_apply, state.reducer,
@@ -163,7 +170,7 @@ class _Keras2Mixin(_DistributedMixin):
             return super().apply_gradients(grads_and_vars, *args, **kwargs)
         grads, variables = (list(x) for x in zip(*grads_and_vars))
         base_apply = super().apply_gradients
-        if self._perseus_settings.shard:
+        if self._perseus_sharded():
             return self._perseus_sharded_apply(grads, variables, base_apply, args, kwargs)
         return self._perseus_apply(
             grads, variables,
@@ -218,7 +225,7 @@ def _keras3_loss_scale_apply(original):
         if not self.built:  # its variables, outside the tf.cond of accumulation
             self.build(variables)
             self.built = True
-        if inner._perseus_settings.shard:
+        if inner._perseus_sharded():
             return _sharded_loss_scale_apply(self, original, inner, grads, variables)
         return inner._perseus_apply(grads, variables, _reduced_through(
             inner, lambda reduced: original(self, reduced, trainable_variables)))
