@@ -143,6 +143,50 @@ def _wrap_update(patching, cls, attr):
     patching.replace(cls, attr, update)
 
 
+def decay_weight(optimizer, variable):
+    """Keras' decoupled weight decay of one variable (Keras 3 and 2 alike)."""
+    import tensorflow as tf
+
+    if optimizer._use_weight_decay(variable):
+        lr = tf.cast(optimizer.learning_rate, variable.dtype)
+        wd = tf.cast(optimizer.weight_decay, variable.dtype)
+        variable.assign_sub(variable * wd * lr)
+
+
+def _wrap_weight_decay(patching, cls):
+    """Makes an optimizer's weight decay (Keras 3's TF optimizer, Keras 2),
+    which runs in a merge call of its own before the update's, decay the
+    weights on apply steps only (accumulating: once per applied step, as
+    one larger batch would). The condition goes inside the merge call: a
+    merge call under a replica's condition is refused."""
+    original = cls.__dict__.get("_apply_weight_decay")
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def _apply_weight_decay(self, variables):
+        import tensorflow as tf
+
+        pred = _mark.pending
+        if pred is None or self.weight_decay is None:
+            return original(self, variables)
+
+        def merged(distribution, variables):
+            def apply():
+                for variable in variables:
+                    if not isinstance(variable, tf.Variable) and hasattr(variable, "value"):
+                        variable = variable.value   # a Keras 3 variable's tf.Variable
+                    distribution.extended.update(
+                        variable, functools.partial(decay_weight, self), group=False)
+                return tf.constant(True)
+            return tf.cond(pred, apply, lambda: tf.constant(False))
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            merged, self._distribution_strategy, variables)
+
+    patching.replace(cls, "_apply_weight_decay", _apply_weight_decay)
+
+
 def _refuse_unsharded(optimizer):
     """Under PerseusStrategy(shard_optimizer_state=True) the optimizers of
     Keras 3 and Keras 2's `keras.optimizers.Optimizer` are sharded
@@ -198,6 +242,10 @@ def mark_optimizer_apply(patching, flavour):
         for cls in bases:
             if attr in cls.__dict__:
                 _wrap_update(patching, cls, attr)
+    # Both decay the weights before that, in a merge call of their own.
+    for cls in bases:
+        if cls.__module__.endswith(("src.optimizers.optimizer", "backend.tensorflow.optimizer")):
+            _wrap_weight_decay(patching, cls)
 
 
 def mark_tf1_optimizer_apply(patching, flavour):

@@ -622,12 +622,6 @@ def _apply_keras2(original):
 def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
     grads = [tf.convert_to_tensor(_local(distribution, g)) for g in grads]
 
-    def decay(variable):
-        if optimizer._use_weight_decay(variable):
-            lr = tf.cast(optimizer.learning_rate, variable.dtype)
-            wd = tf.cast(optimizer.weight_decay, variable.dtype)
-            variable.assign_sub(variable * wd * lr)
-
     def update_one(variable, grad):
         if optimizer.jit_compile:
             return optimizer._update_step_xla(grad, variable, id(optimizer._var_key(variable)))
@@ -641,7 +635,8 @@ def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
                              [v for _, v in pairs]))
         for _, v in pairs:
             if optimizer.weight_decay is not None:
-                distribution.extended.update(v, decay, group=False)
+                distribution.extended.update(
+                    v, functools.partial(_gradient_marks.decay_weight, optimizer), group=False)
         for g, v in pairs:
             distribution.extended.update(v, update_one, args=(g,), group=False)
 

@@ -463,11 +463,12 @@ def check_backup_and_restore_resumes_on_every_rank():
 
 def check_accumulation_equals_a_larger_batch():
     """accumulate_n_steps=2 (PERSEUS_ACCUMULATE_N_STEPS) at global batch 8
-    equals single-process training at batch 16 (SGD with momentum, so a
-    skipped or extra update would show), in fit and in a custom loop, and
-    gradients cross processes on every second step only."""
+    equals single-process training at batch 16 (SGD with momentum and
+    weight decay, so a skipped or extra update or decay would show), in fit
+    and in a custom loop, and gradients cross processes on every second
+    step only."""
     strategy = ptf.PerseusStrategy(accumulate_n_steps=2)
-    momentum = lambda: keras.optimizers.SGD(0.05, momentum=0.9)  # noqa: E731
+    momentum = lambda: keras.optimizers.SGD(0.05, momentum=0.9, weight_decay=0.05)  # noqa: E731
     data = lambda batch: tf.data.Dataset.from_tensor_slices((X, Y)).batch(batch)  # noqa: E731
     with strategy.scope():
         model = make_model(seed=R)
