@@ -33,6 +33,7 @@ import threading
 class _Mark(threading.local):
     depth = 0        # gradient_reduction() scopes this thread is in
     pending = None   # the apply step's predicate of an accumulating apply_gradients
+    plain = False    # inside not_gradients()
 
 
 _mark = _Mark()
@@ -53,6 +54,18 @@ def gradient_reduction(pending=None):
         _mark.depth, _mark.pending = saved
 
 
+@contextlib.contextmanager
+def not_gradients():
+    """Reductions made in this scope carry no gradients, even inside an
+    optimizer's apply (a loss scale's agreement on a step's finiteness)."""
+    saved = _mark.depth, _mark.plain
+    _mark.depth, _mark.plain = 0, True
+    try:
+        yield
+    finally:
+        _mark.depth, _mark.plain = saved
+
+
 def active():
     return _mark.depth > 0
 
@@ -64,29 +77,33 @@ def pending_step():
 
 
 def carry_into_merge_calls(patching, flavour):
-    """A merge call made by a thread inside gradient_reduction() runs its
-    function inside the same scope, in whichever thread the strategy runs it."""
+    """A merge call made by a thread inside gradient_reduction() (or
+    not_gradients()) runs its function inside the same scope, in whichever
+    thread the strategy runs it."""
     from tensorflow.python.autograph.core import ag_ctx
     from tensorflow.python.autograph.impl import api as autograph
 
     def wrap(merge_call):
         @functools.wraps(merge_call)
         def marked_merge_call(self, merge_fn, args=(), kwargs=None):
-            if not active():
+            if not active() and not _mark.plain:
                 return merge_call(self, merge_fn, args, kwargs)
-            depth, pending = _mark.depth, _mark.pending
+            depth, pending, plain = _mark.depth, _mark.pending, _mark.plain
             # Converted as merge_call would, then left alone by it.
             converted = autograph.tf_convert(merge_fn, ag_ctx.control_status_ctx(),
                                              convert_by_default=False)
 
             @autograph.do_not_convert
             def carried(*a, **kw):
-                saved = _mark.depth, _mark.pending
-                _mark.depth, _mark.pending = saved[0] + depth, pending
+                saved = _mark.depth, _mark.pending, _mark.plain
+                if plain:   # (the merging thread may be inside a gradient scope)
+                    _mark.depth, _mark.plain = 0, True
+                else:
+                    _mark.depth, _mark.pending = saved[0] + depth, pending
                 try:
                     return converted(*a, **kw)
                 finally:
-                    _mark.depth, _mark.pending = saved
+                    _mark.depth, _mark.pending, _mark.plain = saved
 
             return merge_call(self, carried, args, kwargs)
         return marked_merge_call
@@ -246,6 +263,25 @@ def mark_optimizer_apply(patching, flavour):
     for cls in bases:
         if cls.__module__.endswith(("src.optimizers.optimizer", "backend.tensorflow.optimizer")):
             _wrap_weight_decay(patching, cls)
+    if flavour.major == 2:
+        # Keras 2's LossScaleOptimizers sum the gradients themselves, before
+        # their inner optimizer's apply_gradients: those sums are gradients.
+        for target in patching.patch.targets:
+            if ".mixed_precision." in target:
+                cls, name, _ = patching.target(target)
+                if name in vars(cls):
+                    _wrap_marking(patching, cls)
+
+
+def _wrap_marking(patching, cls):
+    original = cls.__dict__["apply_gradients"]
+
+    @functools.wraps(original)
+    def apply_gradients(self, *args, **kwargs):
+        with gradient_reduction():
+            return original(self, *args, **kwargs)
+
+    patching.replace(cls, "apply_gradients", apply_gradients)
 
 
 def mark_tf1_optimizer_apply(patching, flavour):

@@ -67,7 +67,10 @@ PATCHES = (
           ("{keras}.optimizers.Optimizer.apply_gradients",
            "{keras}.optimizers.legacy.Optimizer.apply_gradients",
            "{keras}.optimizers.Optimizer._distributed_apply_gradients_fn",
-           "{keras}.optimizers.Optimizer._apply_weight_decay"),
+           "{keras}.optimizers.Optimizer._apply_weight_decay",
+           "{keras}.src.mixed_precision.loss_scale_optimizer.LossScaleOptimizer.apply_gradients",
+           "{keras}.src.mixed_precision.loss_scale_optimizer.LossScaleOptimizerV3"
+           ".apply_gradients"),
           _K2, after=("gradients.merge_call_carries_mark", "shard.optimizer_state_keras2"),
           doc="reductions inside apply_gradients are gradient reductions; accumulation"),
     Patch("gradients.tf1_optimizer_apply", "perseus_tf._gradient_marks:mark_tf1_optimizer_apply",

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness import collect
+from slurm_cluster import free_port
 
 from perseus_tf.common.store import StoreServer
 
@@ -109,7 +110,7 @@ def test_two_processes_claiming_one_rank_fail_at_once(store):
 
 
 def test_second_rank_zero_serving_the_store_gets_a_clear_error():
-    port = 20000 + os.getpid() % 20000
+    port = free_port()   # (a port chosen from the pid was sometimes taken)
     env = {"PERSEUS_RANK": "0", "PERSEUS_SIZE": "2", "PERSEUS_MASTER_ADDR": "127.0.0.1",
            "PERSEUS_MASTER_PORT": str(port)}
     blocker = StoreServer("127.0.0.1", port, SECRET)

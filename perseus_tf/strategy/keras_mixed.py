@@ -12,6 +12,8 @@ before its check, so it needs nothing.
 
 import tensorflow as tf
 
+from perseus_tf import _gradient_marks
+
 
 def agree_on_skipped_steps(patching, flavour, is_perseus):
     """Keras 3's LossScaleOptimizer.check_finite, made global under the
@@ -25,7 +27,11 @@ def agree_on_skipped_steps(patching, flavour, is_perseus):
             if not is_perseus(strategy) or context is None:
                 return finite
             bad = tf.cast(tf.logical_not(tf.convert_to_tensor(finite)), tf.float32)
-            bad_replicas = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
+            # Not a gradient (though made inside the optimizer's apply): it
+            # runs every step, the gradients' reductions after it only on
+            # the steps not skipped, and an offline plan holds only theirs.
+            with _gradient_marks.not_gradients():
+                bad_replicas = context.all_reduce(tf.distribute.ReduceOp.SUM, bad)
             return tf.equal(bad_replicas, 0.0)
         return check_finite
 

@@ -380,6 +380,42 @@ def check_mixed_precision_overflow_on_one_rank_skips_step_everywhere():
         keras.mixed_precision.set_global_policy("float32")
 
 
+def check_mixed_precision_skipped_step_keeps_the_offline_plan():
+    """A step that mixed precision skips (one rank's float16 gradients
+    overflow, after the gradients run from an offline plan) leaves the plan
+    alone: the ranks' agreement to skip is no gradient, and the skipped
+    step reduces no gradients, so the plan does not wait for them (it once
+    waited its 10 s deadline, or voted at once, and left the plan, on every
+    skipped step, to learn the step again)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with STRATEGY.scope():
+            keras.utils.set_random_seed(R)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    opt = model.optimizer
+    scale = (lambda: float(opt.dynamic_scale.numpy())) if KERAS3 else (
+        lambda: float(opt.loss_scale.numpy()))
+    steps, bad = 30, 20
+    x = np.full((steps * N, 6), 0.1, np.float32)
+    x[bad * N + N - 1] = 3000.0   # the last rank's row of batch 20 overflows
+    y = np.zeros((steps * N, 1), np.float32)
+    before = _native.stats()
+    model.fit(x, y, batch_size=N, epochs=1, verbose=0, shuffle=False)
+    after = _native.stats()
+    assert scale() == 2.0 ** 14, scale()   # one step skipped, on every rank
+    plans, timeouts, offline = (after[k] - before[k]
+                                for k in ("plans", "plan_timeouts", "offline_steps"))
+    # The step was learned once and never left (not even at once, by a vote).
+    assert plans == 1, f"{plans} offline plans made for one step"
+    assert timeouts == 0, f"the plan waited out its deadline {timeouts} times"
+    assert offline >= steps - bad, f"{offline} offline steps of {steps}"
+    same_on_all_ranks([w.numpy() for w in model.weights])
+
+
 def check_sync_batch_norm_uses_global_batch_statistics():
     with STRATEGY.scope():
         if KERAS3:
