@@ -184,20 +184,20 @@ def check_names(module):
     return names
 
 
-def four_rank_checks(module):
+def four_rank_checks(module, tuple_name="AT_4_RANKS"):
     """The checks a worker module runs at 4 ranks as well as at 2: the names
     in its AT_4_RANKS tuple (read without importing it), each a check that 4
     ranks test something in that 2 cannot (roots 2 and 3, uneven splits,
     process sets of 2 among 4, several joined ranks). Every name must be a
-    check of the module."""
+    check of the module. tuple_name: another such tuple of the module."""
     import ast
     with open(os.path.join(WORKERS, module + ".py")) as f:
         tree = ast.parse(f.read())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "AT_4_RANKS":
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == tuple_name:
             names = list(ast.literal_eval(node.value))
             unknown = sorted(set(names) - set(check_names(module)))
-            assert not unknown, f"{module}.AT_4_RANKS names no check: {unknown}"
+            assert not unknown, f"{module}.{tuple_name} names no check: {unknown}"
             return names
     return []
 

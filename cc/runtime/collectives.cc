@@ -39,6 +39,8 @@ void Executor::Allgather(int stream, const Response& r, Request& q) {
   shape.insert(shape.end(), trailing.begin(), trailing.end());
   void* out = q.allocate(shape);
   if (out == nullptr && rows * row > 0) throw std::runtime_error("could not allocate the output");
+  // Every rank on this host: through shared memory (copied in and out once).
+  if (c_.topology.one_host_shm && c_.groups.host->Allgatherv(stream, q.input, out, bytes)) return;
   c_.world->Allgatherv(stream, q.input, out, bytes);
 }
 
@@ -68,7 +70,8 @@ void Executor::Alltoall(int stream, const Response& r, Request& q) {
 
 // Each rank gets the reduced rows of its own block. Over TCP a ring
 // reduce-scatter moves each block once per step; when every rank shares this
-// host's memory, the shared-memory allreduce is cheaper than either. A large
+// host's memory, the shared-memory reduce-scatter copies each rank's buffer
+// in once and sums each block where it is wanted. A large
 // tensor (a sharded optimizer's whole gradient) goes in chunks: each takes
 // the same span of every rank's block, so the stream's scratch stays under
 // kReducescatterChunkBytes instead of growing to the tensor.
@@ -120,7 +123,7 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
   const DataType wire = half ? DataType::kFloat16 : dtype;
   const size_t wsize = DataTypeSize(wire);
   const float scale = half ? static_cast<float>(c_.compression.gradient_scale) : 1.0f;
-  const char* what = c_.topology.one_host_shm ? (half ? "shm allreduce (fp16)" : "shm allreduce")
+  const char* what = c_.topology.one_host_shm ? (half ? "shm reduce-scatter (fp16)" : "shm reduce-scatter")
                      : (half ? "gloo reduce-scatter (fp16)" : "gloo reduce-scatter");
   TimelineSpan span(timeline_, 1 + stream, what, "communication");
   // Elements [lo, lo + n) of the input, in the wire type, to `to`: from the
@@ -200,7 +203,7 @@ void Executor::Reducescatter(int stream, const Response& r, Request& q) {
     if (!half) ScaleBuffer(buf.data(), dtype, total, m.prescale);
     const ReduceOp wire_op = half && op == ReduceOp::kAverage ? ReduceOp::kSum : op;
     if (c_.topology.one_host_shm) {
-      c_.groups.host->Allreduce(stream, buf.data(), total, wire, wire_op);
+      c_.groups.host->ReduceScatter(stream, buf.data(), part, wire, wire_op);
     } else {
       c_.world->ReduceScatter(stream, buf.data(), part, wire, wire_op);
     }

@@ -316,6 +316,89 @@ void ShmTransport::Broadcast(int stream, void* data, size_t bytes) {
   }
 }
 
+void ShmTransport::ReduceScatter(int stream, void* data, const std::vector<size_t>& counts,
+                                 DataType dtype, ReduceOp op) {
+  if (size_ == 1) return;
+  if (counts.size() != static_cast<size_t>(size_)) {
+    throw std::invalid_argument("shared-memory reduce-scatter: " +
+                                std::to_string(counts.size()) + " blocks for " +
+                                std::to_string(size_) + " ranks");
+  }
+  Segment& s = *segments_.at(static_cast<size_t>(stream));
+  const ReduceFn fn = HostReduceFn(dtype, op);
+  const size_t esize = DataTypeSize(dtype);
+  const size_t n = static_cast<size_t>(size_);
+  const size_t me = static_cast<size_t>(rank_);
+  // A chunk takes the same span of every block: `per` elements of each
+  // (whole cache lines), side by side in a rank's slot.
+  size_t per = slot_bytes_ / esize / n;
+  if (per > 16) per -= per % 16;
+  std::vector<size_t> start(n);
+  size_t most = 0;
+  for (size_t r = 0, at = 0; r < n; at += counts[r], ++r) {
+    start[r] = at;
+    most = std::max(most, counts[r]);
+  }
+  char* base = static_cast<char*>(data);
+  auto take = [&](size_t r, size_t from) {
+    return std::min(counts[r], from + per) - std::min(counts[r], from);
+  };
+  for (size_t from = 0; from < most; from += per) {
+    char* set = s.slots + static_cast<size_t>(s.set) * n * slot_bytes_;
+    s.set ^= 1;
+    auto piece = [&](size_t slot, size_t block) {
+      return set + slot * slot_bytes_ + block * per * esize;
+    };
+    for (size_t r = 0; r < n; ++r) {
+      std::memcpy(piece(me, r), base + (start[r] + from) * esize, take(r, from) * esize);
+    }
+    Barrier(s);
+    const size_t m = take(me, from);
+    if (m == 0) continue;
+    // In rank order, as Reduction sums.
+    char* out = base + (start[me] + from) * esize;
+    fn(out, piece(0, me), piece(1, me), m);
+    for (size_t r = 2; r < n; ++r) fn(out, out, piece(r, me), m);
+  }
+}
+
+bool ShmTransport::Allgatherv(int stream, const void* in, void* out,
+                              const std::vector<size_t>& bytes_per_rank) {
+  const size_t n = static_cast<size_t>(size_);
+  if (bytes_per_rank.size() != n) {
+    throw std::invalid_argument("shared-memory allgather: " +
+                                std::to_string(bytes_per_rank.size()) + " parts for " +
+                                std::to_string(size_) + " ranks");
+  }
+  const size_t me = static_cast<size_t>(rank_);
+  std::vector<size_t> start(n);
+  size_t most = 0;
+  for (size_t r = 0, at = 0; r < n; at += bytes_per_rank[r], ++r) {
+    start[r] = at;
+    most = std::max(most, bytes_per_rank[r]);
+  }
+  const char* mine = static_cast<const char*>(in);
+  char* base = static_cast<char*>(out);
+  if (bytes_per_rank[me] && base + start[me] != mine) {
+    std::memmove(base + start[me], mine, bytes_per_rank[me]);
+  }
+  if (size_ == 1) return true;
+  Segment& s = *segments_.at(static_cast<size_t>(stream));
+  auto take = [&](size_t r, size_t from) {
+    return std::min(bytes_per_rank[r], from + slot_bytes_) - std::min(bytes_per_rank[r], from);
+  };
+  for (size_t from = 0; from < most; from += slot_bytes_) {
+    char* set = s.slots + static_cast<size_t>(s.set) * n * slot_bytes_;
+    s.set ^= 1;
+    std::memcpy(set + me * slot_bytes_, base + start[me] + from, take(me, from));
+    Barrier(s);
+    for (size_t r = 0; r < n; ++r) {
+      if (r != me) std::memcpy(base + start[r] + from, set + r * slot_bytes_, take(r, from));
+    }
+  }
+  return true;
+}
+
 void ShmTransport::Reduction(int stream, void* data, size_t count, DataType dtype, ReduceFn fn,
                              bool all) {
   if (count == 0 || size_ == 1) return;

@@ -8,7 +8,9 @@
 // written). Per chunk: every rank copies its part into its slot; barrier;
 // rank p adds up portion p of all slots in rank order and publishes it;
 // barrier; every rank copies the other portions out. Each portion is summed
-// by one rank in one order, so every rank gets identical bits.
+// by one rank in one order, so every rank gets identical bits. A
+// reduce-scatter and an allgather take one barrier a chunk: each rank writes
+// its slot, and after the barrier reads what it needs from the others'.
 //
 // Waiting is a short spin and then a futex on the shared generation counter.
 // A wait gives up with an error when a rank's process is gone, when another
@@ -53,6 +55,14 @@ class ShmTransport : public GroupCollectives {
   void Reduce(int stream, void* data, size_t count, DataType dtype, ReduceOp op) override;
   // Local rank 0's bytes to every rank of the host.
   void Broadcast(int stream, void* data, size_t bytes) override;
+  // Each rank copies its buffer's span of every block in, and sums its own
+  // block from every slot, in rank order (the bits the allreduce gives):
+  // one barrier a chunk, nothing copied out.
+  void ReduceScatter(int stream, void* data, const std::vector<size_t>& counts, DataType dtype,
+                     ReduceOp op) override;
+  // Each rank copies its part in and the others' parts out.
+  bool Allgatherv(int stream, const void* in, void* out,
+                  const std::vector<size_t>& bytes_per_rank) override;
   // Wakes every waiting rank with an error (this rank failed or left).
   void Abort() override;
 

@@ -111,6 +111,23 @@ class GroupCollectives {
   virtual void Reduce(int channel, void* data, size_t count, DataType dtype, ReduceOp op) = 0;
   // The leader's bytes to every rank of the host.
   virtual void Broadcast(int channel, void* data, size_t bytes) = 0;
+  // Each member r ends with the reduction over the group of block r of
+  // `data` (counts as Transport::ReduceScatter; other blocks clobbered).
+  // The default reduces the whole buffer.
+  virtual void ReduceScatter(int channel, void* data, const std::vector<size_t>& counts,
+                             DataType dtype, ReduceOp op) {
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    Allreduce(channel, data, total, dtype, op);
+  }
+  // out receives bytes_per_rank[r] bytes from each member r, in order (as
+  // Transport::Allgatherv). Returns false, having done nothing, where the
+  // group has no allgather of its own (the caller uses the world's).
+  virtual bool Allgatherv(int channel, const void* in, void* out,
+                          const std::vector<size_t>& bytes_per_rank) {
+    (void)channel, (void)in, (void)out, (void)bytes_per_rank;
+    return false;
+  }
 };
 
 }  // namespace perseus

@@ -29,6 +29,13 @@ AT_4_RANKS = ("check_unnamed_eager_calls_from_two_threads_fail_on_every_rank",
               "check_barrier", "check_process_sets", "check_process_set_errors",
               "check_join_uneven_steps", "check_fp16_compression_against_numpy_model")
 
+# Shared memory at 3 ranks (tests/test_ops.py): its reduce-scatter and
+# allgather with blocks and parts of three sizes, and process sets beside them.
+AT_3_RANKS_SHM = ("check_allgather_different_first_dims", "check_reducescatter_uneven_rows",
+                  "check_reducescatter_float16_compression",
+                  "check_shard_reducescatter_reads_pieces_at_their_offsets",
+                  "check_process_sets")
+
 R = N = None
 NUMERIC = [np.float16, tf.bfloat16.as_numpy_dtype, np.float32, np.float64, np.int32, np.int64,
            np.uint8, np.int8]
