@@ -18,6 +18,11 @@ VERSIONS = {
     "keras-3.0.5": (["keras==3.0.5", "dm-tree==0.1.10", "numpy==1.26.4"], {}, "2.16"),
     "keras-3.2.1": (["keras==3.2.1", "numpy==1.26.4"], {}, "2.17"),
     "keras-3.5.0": (["keras==3.5.0", "numpy==2.0.2"], {}, "2.18 and 2.19"),
+    # Each side of a backport's end: 3.7 is the last Keras 3 whose fit does
+    # not scale its loss by the replicas itself (keras_backports' fit-loss
+    # patch ends at 3.8), 3.8 the first that does.
+    "keras-3.7.0": (["keras==3.7.0"], {}, "2.18 to 2.20"),
+    "keras-3.8.0": (["keras==3.8.0"], {}, "2.18 to 2.20"),
     # Between the ends: the last Keras 3 whose metric variables are not
     # on-read (keras_backports' metric patch ends at 3.10).
     "keras-3.9.2": (["keras==3.9.2"], {}, "2.18 to 2.20"),

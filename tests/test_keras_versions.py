@@ -1,6 +1,8 @@
 """Every Keras our users run (perseus_tf/_keras.py, tests/keras_versions.py):
 the oldest Keras 3 each supported TensorFlow accepts (3.0, 3.2, 3.5, 3.10,
-3.12), 3.9 (the last whose metric variables need the backport) and tf_keras, each put first on the ranks' PYTHONPATH over the TF 2.21
+3.12), 3.7 and 3.8 (either side of the end of fit's loss-scaling backport),
+3.9 (the last whose metric variables need the backport) and tf_keras, each
+put first on the ranks' PYTHONPATH over the TF 2.21
 venv (the newest Keras 3 is the venv's own: every other test file runs it).
 At 2 ranks, for each: README's two quick starts train with identical weights
 on every rank; PerseusStrategy's checks (tests/workers/checks_strategy.py:
@@ -35,7 +37,7 @@ from test_docs import _quick_start
 
 NAMES = list(VERSIONS)
 
-# The checks run between the ends (3.2, 3.5, 3.9, 3.10, 3.12): that every patch
+# The checks run between the ends (3.2, 3.5, 3.7, 3.8, 3.9, 3.10, 3.12): that every patch
 # target exists and the patches apply in order (perseus_tf/patches.py), and those of the
 # patches whose Keras internals change inside Keras 3 (perseus_tf/_keras.py
 # lists them by release): gradient reduction and fit's loss scaling (3.5,

@@ -115,7 +115,7 @@ FIRST_PASS = [
     Job("test_install.py", 150),
     # The oldest Keras 3 of each TF release, and tf_keras (tests/keras_versions.py).
     Job("test_keras_support.py", 8),
-    Job("test_keras_versions.py", 500, needs=["set-up:keras-versions"]),
+    Job("test_keras_versions.py", 640, needs=["set-up:keras-versions"]),
     # (Its ranks of two TF versions start one rank in the TF 2.15 venv.)
     Job("test_launch_mistakes.py", 6, needs=["set-up:tf2.15-venv+native"]),
     Job("test_layout.py", 1),
