@@ -163,6 +163,17 @@ def test_signals_and_deaths_cross_between_starter_and_rank(folder):
         assert wait_gone(rank) and wait_gone(child), f"the rank's group outlived its starter {env}"
 
 
+def test_a_pid_reply_past_its_deadline_fails_the_start_and_ends_the_rank(folder):
+    path, script = folder
+    proc = start(script, "term", env={"PERSEUS_TEST_ZYGOTE_REPLY_DELAY_S": "4",
+                                      "PERSEUS_TEST_ZYGOTE_REPLY_TIMEOUT_S": "1"})
+    rank = first_line(proc)["pid"]
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 124, (proc.returncode, err)
+    assert "sent no pid within 1 s" in err, err
+    assert wait_gone(rank), "the rank outlived its starter's failed start"
+
+
 def test_without_a_server_folder_a_rank_starts_plainly(folder, monkeypatch):
     path, script = folder
     monkeypatch.delenv(zygote.FOLDER_VARIABLE)

@@ -164,9 +164,20 @@ def client(argv):
     # its pid (the rank may print before the reply arrives) waits, blocked,
     # and is forwarded as soon as the handlers are in.
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    # The pid comes at once from a working server: a deadline, so that a
+    # stuck one fails the rank's start rather than hang it (the server kills
+    # the rank it forked once it finds this process gone).
+    deadline_s = float(os.environ.get("PERSEUS_TEST_ZYGOTE_REPLY_TIMEOUT_S", "120"))
     try:
         socket.send_fds(sock, [struct.pack("!I", len(request)) + request], [0, 1, 2])
+        sock.settimeout(deadline_s)
         line = _recv_line(sock)
+        sock.settimeout(None)
+    except socket.timeout:
+        sys.stderr.write(f"zygote: the fork server sent no pid within {deadline_s:g} s "
+                         "(PERSEUS_TEST_ZYGOTE_REPLY_TIMEOUT_S); giving up on this rank\n")
+        sys.stderr.flush()
+        os._exit(124)
     except OSError:
         line = None
     if line is None:
