@@ -95,15 +95,21 @@ def worker(args):
         times.append(time.perf_counter() - start)
     ptf.barrier()
     # The elements a sharded step's reduce-scatters (the ranks times each
-    # bucket's largest part: whole variables make the parts uneven) and
-    # allgathers (the parts as they are) carry, over an allreduce's (twice
-    # the weights: its reduce-scatter and allgather).
+    # bucket's largest part: whole variables make the parts uneven), its
+    # allreduces of the variables larger than an even share (twice each)
+    # and its allgathers (the parts as they are) carry, over an allreduce's
+    # (twice the weights: its reduce-scatter and allgather).
     shards = getattr(optimizer, "_perseus_shards", None)
     wire = None
     if shards is not None:
-        buckets = keras_shard._buckets(optimizer, shards, [w.value for w in weights])
-        wire = sum(shards.size * segment + sum(keras_shard._parts(per_rank, 16)[1])
-                   for _, _, per_rank, segment, _ in buckets) / (2 * sum(sizes))
+        variables = [w.value for w in weights]
+        whole = keras_shard._oversized(variables, shards.size)
+        scattered = keras_shard._buckets(optimizer, shards, variables, skip=whole)
+        gathered = keras_shard._buckets(optimizer, shards, variables)
+        wire = (sum(shards.size * segment for _, _, _, segment, _ in scattered) +
+                sum(2 * sizes[pos] for pos in whole) +
+                sum(sum(keras_shard._parts(per_rank, 16)[1])
+                    for _, _, per_rank, _, _ in gathered)) / (2 * sum(sizes))
     result = {"rank": rank, "state": keras_shard.state_bytes(optimizer), "wire": wire,
               "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "peak_before_steps": before,

@@ -241,7 +241,35 @@ _ALIGN_BYTES = 64
 _BUCKET_BYTES = 64 << 20
 
 
-def _layout(variables, owner, ranks, limit=None):
+def _mark(dtype, total, ranks, limit):
+    """Elements of one rank's stretch of a bucket (_layout), for `total`
+    elements of `dtype`."""
+    align = max(1, _ALIGN_BYTES // dtype.size)
+    run = max(_backprop_order._MIN_GROUP_BYTES // dtype.size, total // _backprop_order._GROUPS)
+    return max(align, min(limit // ranks // dtype.size, run // ranks))
+
+
+def _oversized(variables, ranks, limit=None):
+    """The positions of the variables whose gradients an allreduce carries
+    in fewer bytes than their bucket's reduce-scatter would (BERT-base's word
+    embedding at 4 ranks, VGG-16's first dense kernel). In a bucket such a
+    variable of c elements is one rank's part and the others' parts are a
+    stretch (_mark, m) at most; a ring reduce-scatter sends the ranks less
+    one times the largest part, (N-1)c, where the bucket without it and an
+    allreduce of it send (N-1)m + 2(N-1)c/N: fewer when c(N-2) > Nm (never at
+    2 ranks). Its owner keeps the sum; the others hold it for the step (the
+    memory of one gradient)."""
+    limit = _BUCKET_BYTES if limit is None else limit
+    totals = {}
+    for v in variables:
+        dtype = tf.as_dtype(v.dtype)
+        totals[dtype] = totals.get(dtype, 0) + int(np.prod(v.shape))
+    marks = {dtype: _mark(dtype, total, ranks, limit) for dtype, total in totals.items()}
+    return {pos for pos, v in enumerate(variables)
+            if int(np.prod(v.shape)) * (ranks - 2) > ranks * marks[tf.as_dtype(v.dtype)]}
+
+
+def _layout(variables, owner, ranks, limit=None, skip=()):
     """The buckets a step's variables travel in: [(tag, dtype, per_rank,
     segment, run)], per_rank[r] = [(position in `variables`, offset in rank
     r's segment, elements)], `run` numbering them in order. Each rank's
@@ -252,18 +280,17 @@ def _layout(variables, owner, ranks, limit=None):
     `limit` / ranks (64 MiB in all). So bucket k holds the k-th stretch of
     every rank's variables, its ranks' parts about even (owners() balances
     the shares), and its reduce-scatter can start while backprop computes
-    the earlier layers' gradients."""
+    the earlier layers' gradients. `skip`: positions left out."""
     limit = _BUCKET_BYTES if limit is None else limit
     by_dtype = {}
     for pos, v in enumerate(variables):
-        by_dtype.setdefault(tf.as_dtype(v.dtype), []).append(pos)
+        if pos not in skip:
+            by_dtype.setdefault(tf.as_dtype(v.dtype), []).append(pos)
     out = []
     for dtype, positions in by_dtype.items():
         align = max(1, _ALIGN_BYTES // dtype.size)
         counts = {p: int(np.prod(variables[p].shape)) for p in positions}
-        run = max(_backprop_order._MIN_GROUP_BYTES // dtype.size,
-                  sum(counts.values()) // _backprop_order._GROUPS)
-        mark = max(align, min(limit // ranks // dtype.size, run // ranks))
+        mark = _mark(dtype, sum(counts.values()), ranks, limit)
         buckets = {}
         for r in range(ranks):
             at = 0
@@ -334,9 +361,9 @@ def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, **kwargs):
             owned=list(range(first, first + len(per_rank[rank]))), **kwargs)
 
 
-def _buckets(optimizer, shards, variables):
+def _buckets(optimizer, shards, variables, skip=()):
     return _layout(variables, [shards.owner[_index_of(optimizer, v)] for v in variables],
-                   shards.size)
+                   shards.size, skip=skip)
 
 
 def _bucket_sums(shards, grads, variables, bucket, options):
@@ -351,13 +378,39 @@ def _bucket_sums(shards, grads, variables, bucket, options):
             for (pos, _, _), g in zip(per_rank[shards.rank], summed)]
 
 
+def _allreduced_sum(optimizer, shards, grads, variables, pos, options):
+    """[(the sum of an _oversized variable's gradient, the variable)] on its
+    owner, [] elsewhere: one allreduce."""
+    variable = variables[pos]
+    dtype = tf.as_dtype(variable.dtype)
+    grad = grads[pos] if grads[pos].dtype == dtype else tf.cast(grads[pos], dtype)
+    kwargs = dict(options(dtype))
+    kwargs.setdefault("compression", _compression_for(dtype))
+    with tf.device("/cpu:0"):
+        summed = perseus_ops.allreduce(grad, name=f"perseus.shard.gradients.whole.{pos}",
+                                       **kwargs)
+    if shards.owner[_index_of(optimizer, variable)] != shards.rank:
+        return []
+    return [(tf.reshape(summed, variable.shape), variable)]
+
+
 def _owned_sums(optimizer, shards, grads, variables, options=lambda dtype: {}):
     """_bucket_sums of every bucket of the step, each run's gradients
-    computed before backprop goes on past it."""
-    buckets = _buckets(optimizer, shards, variables)
+    computed before backprop goes on past it, and the _oversized variables'
+    allreduces; all made in the order backprop produces their gradients
+    (TensorFlow runs a function's collectives in the order they are made)."""
+    whole = _oversized(variables, shards.size)
+    buckets = _buckets(optimizer, shards, variables, skip=whole)
     _in_backprop_order(grads, buckets)
-    return [pair for bucket in buckets
-            for pair in _bucket_sums(shards, grads, variables, bucket, options)]
+    first = [(max(pos for mine in b[2] for pos, _, _ in mine), b) for b in buckets]
+    first += [(pos, pos) for pos in whole]
+    out = []
+    for _, item in sorted(first, key=lambda entry: -entry[0]):
+        if isinstance(item, int):
+            out += _allreduced_sum(optimizer, shards, grads, variables, item, options)
+        else:
+            out += _bucket_sums(shards, grads, variables, item, options)
+    return out
 
 
 def _sharded_step(optimizer, shards, variables, learning_rate, distribution, grads):

@@ -137,13 +137,34 @@ def check_buckets_cover_every_variable_once_aligned_and_balanced():
     assert len(buckets) > 2  # 256 bytes a rank: the float32 variables take several
 
 
+def check_oversized_variables_are_allreduced_where_that_sends_less():
+    # A variable of c elements among stretches of m (keras_shard._mark):
+    # allreduced when c(N-2) > Nm, so never at 2 ranks; the rest in buckets.
+    m = 1 << 20
+    sizes = [12 * m] + [m // 4] * 40
+    variables = [tf.zeros((n,), tf.float32) for n in sizes]
+    saved = _backprop_order._MIN_GROUP_BYTES
+    _backprop_order._MIN_GROUP_BYTES = 4 << 20
+    try:
+        whole = keras_shard._oversized(variables, N, limit=4 * m * N)   # m a stretch
+        assert keras_shard._mark(tf.float32, sum(sizes), N, 4 * m * N) == m
+    finally:
+        _backprop_order._MIN_GROUP_BYTES = saved
+    assert whole == (set() if N == 2 else {0}), whole
+    # (check_adam_in_small_buckets trains through such allreduces at 3 and 4.)
+
+
 def check_adam_in_small_buckets():
     # Several reduce-scatters and allgathers a step: backprop runs of a few
     # variables each (_backprop_order._MIN_GROUP_BYTES), cut into buckets
-    # (keras_shard._BUCKET_BYTES).
+    # (keras_shard._BUCKET_BYTES); at 3 and 4 ranks the two largest kernels
+    # are allreduced (keras_shard._oversized).
     saved = keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES
     keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES = 512, 256
     try:
+        model = make_model()
+        whole = keras_shard._oversized(model.trainable_variables, N)
+        assert len(whole) == (0 if N == 2 else 2), whole
         compare(lambda: keras.optimizers.Adam(0.01))
         shim_compare(lambda: keras.optimizers.Adam(0.01))
     finally:
