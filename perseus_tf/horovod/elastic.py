@@ -231,6 +231,7 @@ class TensorFlowKerasState(ObjectState):
         from perseus_tf.strategy import keras_shard
         if keras_shard.reshard(self.optimizer, _variables_of(self.optimizer),
                                self._saved_optimizer):
+            keras_shard.assign_whole(_variables_of(self.optimizer), self._saved_optimizer)
             self.model.train_function = None
 
     def sync(self):

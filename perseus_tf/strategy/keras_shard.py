@@ -947,9 +947,12 @@ def assign_whole(variables, values):
 
 def reshard(optimizer, variables, values):
     """hvd.elastic, after a reset: the sharded state shared out for the
-    world as it is now, each rank's share set from `values` (whole_values'
-    of `variables`, the optimizer's, at the last commit). Returns whether
-    the layout changed (a step traced before must be traced again)."""
+    world as it is now, each slot this rank now owns set from `values`
+    (whole_values' of `variables`, the optimizer's, at the last commit).
+    Returns whether the layout changed: then a step traced before must be
+    traced again, and the optimizer's other variables are set with
+    assign_whole (Keras 2's replaced slots are new objects at the same
+    positions of its variables)."""
     inner = getattr(optimizer, "inner_optimizer", None) or optimizer
     old = getattr(inner, "_perseus_shards", None)
     rank, size = perseus_ops.rank(), perseus_ops.size()
@@ -974,16 +977,10 @@ def reshard(optimizer, variables, values):
     inner._perseus_shards = new
     if keras2:
         _checkpoint_state_whole(inner, new)
-    assign_whole(_variables(optimizer), values)   # positions are as before
     world = inner.__dict__.get("_perseus_world_")
     if world is not None:
         world.assign(new.generation)
     return True
-
-
-def _variables(optimizer):
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
 
 
 def _holding(optimizer, slot, value):
