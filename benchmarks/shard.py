@@ -105,7 +105,7 @@ def worker(args):
         variables = [w.value for w in weights]
         whole = keras_shard._oversized(variables, shards.size)
         scattered = keras_shard._buckets(optimizer, shards, variables, skip=whole)
-        gathered = keras_shard._buckets(optimizer, shards, variables)
+        gathered = [bucket for bucket, _ in keras_shard._run_layout(optimizer, shards, variables)]
         wire = (sum(shards.size * segment for _, _, _, segment, _ in scattered) +
                 sum(2 * sizes[pos] for pos in whole) +
                 sum(sum(keras_shard._parts(per_rank, 16)[1])

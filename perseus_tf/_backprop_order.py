@@ -69,29 +69,109 @@ def _region(ops, stop):
 def order(groups):
     """groups: lists of gradient tensors, in backprop order. Adds the control
     edges described in the module's doc; returns how many ops got one."""
-    if not ENABLED or tf.executing_eagerly():
-        return 0
-    stages = [[t for t in g if isinstance(t, tf.Tensor)] for g in groups]
-    stages = [s for s in stages if s]
-    if len(stages) < 2:
-        return 0
-    graph = stages[0][0].graph
-    if any(t.graph is not graph for s in stages for t in s):
-        return 0
-    done = set()  # op names that groups 0..k depend on
-    edges = 0
-    for k in range(len(stages) - 1):
-        done.update(_region([t.op for t in stages[k]], done))
-        later = _region([t.op for t in stages[k + 1]], done)
-        frontier = [op for op in later.values()
-                    if any(t.op.name in done for t in op.inputs)
-                    or any(c.name in done for c in op.control_inputs)]
-        if not frontier:
-            continue
-        with graph.as_default(), tf.name_scope("perseus_backprop_order"):
-            ready = tf.group(*[t.op for s in stages[:k + 1] for t in s],
-                             name=f"groups_to_{k}")
-        for op in frontier:
+    stages = staged(groups)
+    return 0 if stages is None else stages.edges
+
+
+class Stages:
+    """What order() did to one traced step: for each stage (a group's new
+    ops) its region and its frontier (the ops that got the control input),
+    so that other work can hold a stage back too (gate)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.regions = []     # stage k: {name: op} that group k needs and no earlier one
+        self.frontiers = []   # stage k: the ops of regions[k] that read an earlier stage
+        self.edges = 0
+
+    def gate(self, stage, ops):
+        """Holds stage `stage` of backprop (and so every later one) until
+        `ops` ran, where that cannot make a cycle: no op of those stages is
+        among the ancestors of `ops` (themselves included), or touches a
+        resource that one of those made after it touches (automatic control
+        dependencies, added once the function is traced, would join them),
+        or is a stateful op that such dependencies chain in program order
+        while one of those made after it is too. Returns whether it gated."""
+        if stage >= len(self.frontiers) or not self.frontiers[stage] or not ops:
+            return False
+        if any(op.graph is not self.graph for op in ops):
+            return False
+        later = {}
+        for region in self.regions[stage:]:
+            later.update(region)
+        before = _region(ops, set())
+        if before.keys() & later.keys():
+            return False
+        # Automatic control dependencies join two ops in program order (made
+        # earlier, made later): only what was made after those stages began
+        # can be held back by them.
+        first = min(op._id for op in later.values())  # pylint: disable=protected-access
+        after = [op for op in before.values() if op._id > first]  # pylint: disable=protected-access
+        if _resources(after) & _resources(later.values()):
+            return False
+        if _chained(after) and _chained(later.values()):
+            return False
+        with self.graph.as_default(), tf.name_scope("perseus_backprop_order"):
+            ready = tf.group(*ops, name=f"gate_{stage}")
+        for op in self.frontiers[stage]:
             op._add_control_input(ready)  # pylint: disable=protected-access
-        edges += len(frontier)
-    return edges
+        return True
+
+
+def _resources(ops):
+    """Names of the resource tensors `ops` take (through Identity ops)."""
+    out = set()
+    for op in ops:
+        for t in op.inputs:
+            while t.dtype == tf.resource and t.op.type == "Identity" and t.op.inputs:
+                t = t.op.inputs[0]
+            if t.dtype == tf.resource:
+                out.add(t.name)
+    return out
+
+
+def _chained(ops):
+    """Whether any of `ops` is a stateful op without resource inputs that
+    automatic control dependencies chain in program order."""
+    try:
+        from tensorflow.python.framework import auto_control_deps as acd
+        unordered = acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS
+    except (ImportError, AttributeError):
+        unordered = frozenset()
+    for op in ops:
+        if (not op._is_stateful or op.type == "NoOp"  # pylint: disable=protected-access
+                or op.type in unordered or "_independent_side_effects" in op.node_def.attr
+                or any(t.dtype == tf.resource for t in op.inputs)):
+            continue
+        return True
+    return False
+
+
+def staged(groups):
+    """order(groups), returning its Stages (None when it did nothing)."""
+    if not ENABLED or tf.executing_eagerly():
+        return None
+    stages = [[t for t in g if isinstance(t, tf.Tensor)] for g in groups]
+    if sum(1 for s in stages if s) < 2:
+        return None
+    graph = next(s for s in stages if s)[0].graph
+    if any(t.graph is not graph for s in stages for t in s):
+        return None
+    out = Stages(graph)
+    done = set()  # op names that groups 0..k depend on
+    for k in range(len(stages)):
+        region = _region([t.op for t in stages[k]], done)
+        frontier = [op for op in region.values()
+                    if any(t.op.name in done for t in op.inputs)
+                    or any(c.name in done for c in op.control_inputs)] if k else []
+        out.regions.append(region)
+        out.frontiers.append(frontier)
+        if frontier:
+            with graph.as_default(), tf.name_scope("perseus_backprop_order"):
+                ready = tf.group(*[t.op for s in stages[:k] for t in s],
+                                 name=f"groups_to_{k - 1}")
+            for op in frontier:
+                op._add_control_input(ready)  # pylint: disable=protected-access
+            out.edges += len(frontier)
+        done.update(region)
+    return out

@@ -16,8 +16,10 @@ has the same variables in the same order and files keep their layout. A step:
    variables it owns; the runtime reads the gradients in place and writes
    each rank's sums into its own gradients' buffers
    (ops.shard_reducescatter), in buckets of at most 64 MiB;
-3. each rank runs the user's optimizer on the variables it owns;
-4. allgathers, bucket by bucket, hand every rank the owners' new values.
+3. each rank runs the user's optimizer on the variables it owns, bucket by
+   bucket as each reduce-scatter ends (_pipelined);
+4. allgathers, bucket by bucket, hand every rank the owners' new values,
+   each as soon as its bucket's update is done.
 
 Keras 2 (TF 2.15's keras, tf_keras) has its own section below: its
 apply_gradients sums, clips and decays in another order, and its optimizers
@@ -307,13 +309,14 @@ def _layout(variables, owner, ranks, limit=None, skip=()):
     return out
 
 
-def _in_backprop_order(grads, buckets):
+def _in_backprop_order(grads, runs):
     """Each run's gradients computed before backprop goes on past it
-    (_backprop_order), so that its reduce-scatter overlaps the rest."""
-    stages = {}
-    for _, _, per_rank, _, n in buckets:
-        stages.setdefault(n, []).extend(grads[pos] for mine in per_rank for pos, _, _ in mine)
-    _backprop_order.order([stages[n] for n in sorted(stages)])
+    (_backprop_order), so that its reduction overlaps the rest. runs:
+    _run_layout's. Returns the _backprop_order.Stages (stage k: run k's), or
+    None."""
+    return _backprop_order.staged(
+        [[grads[pos] for mine in bucket[2] for pos, _, _ in mine] if whole is None
+         else [grads[whole]] for bucket, whole in runs])
 
 
 def _segment(parts, placed, length, dtype):
@@ -355,10 +358,13 @@ def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, **kwargs):
     first = sum(len(mine) for mine in per_rank[:rank])
     kwargs.setdefault("compression", _compression_for(dtype))
     with tf.device("/cpu:0"):
-        return perseus_ops.shard_reducescatter(
+        summed = perseus_ops.shard_reducescatter(
             [grads[pos] for _, pos in placed], [at for at, _ in placed], len(per_rank) * segment,
             name=f"perseus.shard.gradients.{tag}",
             owned=list(range(first, first + len(per_rank[rank]))), **kwargs)
+    if summed and not tf.executing_eagerly():
+        _independent(summed[0].op)
+    return summed
 
 
 def _buckets(optimizer, shards, variables, skip=()):
@@ -389,41 +395,107 @@ def _allreduced_sum(optimizer, shards, grads, variables, pos, options):
     with tf.device("/cpu:0"):
         summed = perseus_ops.allreduce(grad, name=f"perseus.shard.gradients.whole.{pos}",
                                        **kwargs)
+    if not tf.executing_eagerly():
+        _independent(summed.op)
     if shards.owner[_index_of(optimizer, variable)] != shards.rank:
         return []
     return [(tf.reshape(summed, variable.shape), variable)]
 
 
-def _owned_sums(optimizer, shards, grads, variables, options=lambda dtype: {}):
-    """_bucket_sums of every bucket of the step, each run's gradients
-    computed before backprop goes on past it, and the _oversized variables'
-    allreduces; all made in the order backprop produces their gradients
-    (TensorFlow runs a function's collectives in the order they are made)."""
+def _run_layout(optimizer, shards, variables):
+    """The step's runs in the order backprop produces their gradients:
+    [(the run's bucket, the position of its _oversized variable or None)].
+    A run is a bucket's reduce-scatter, or one _oversized variable's
+    allreduce, whose allgather's bucket is that variable alone, from its
+    owner."""
     whole = _oversized(variables, shards.size)
-    buckets = _buckets(optimizer, shards, variables, skip=whole)
-    _in_backprop_order(grads, buckets)
-    first = [(max(pos for mine in b[2] for pos, _, _ in mine), b) for b in buckets]
-    first += [(pos, pos) for pos in whole]
-    out = []
-    for _, item in sorted(first, key=lambda entry: -entry[0]):
-        if isinstance(item, int):
-            out += _allreduced_sum(optimizer, shards, grads, variables, item, options)
-        else:
-            out += _bucket_sums(shards, grads, variables, item, options)
-    return out
+    runs = [(max(pos for mine in b[2] for pos, _, _ in mine), b, None)
+            for b in _buckets(optimizer, shards, variables, skip=whole)]
+    for pos in whole:
+        owner = shards.owner[_index_of(optimizer, variables[pos])]
+        count = int(np.prod(variables[pos].shape))
+        alone = [[(pos, 0, count)] if r == owner else [] for r in range(shards.size)]
+        runs.append((pos, (f"whole.{pos}", tf.as_dtype(variables[pos].dtype), alone, count, -1),
+                     pos))
+    return [(bucket, pos) for _, bucket, pos in sorted(runs, key=lambda run: -run[0])]
+
+
+def _runs(optimizer, shards, grads, variables, options):
+    """([(a run's bucket, a function making its reduction and returning
+    [(the sum of a variable's gradient, the variable)] for the variables of
+    the run this rank owns)], in backprop's order (_run_layout); the
+    _backprop_order.Stages that compute each run's gradients before backprop
+    goes on past it, or None)."""
+    runs = _run_layout(optimizer, shards, variables)
+    stages = _in_backprop_order(grads, runs)
+    return [(bucket, functools.partial(_bucket_sums, shards, grads, variables, bucket, options)
+             if pos is None else
+             functools.partial(_allreduced_sum, optimizer, shards, grads, variables, pos, options))
+            for bucket, pos in runs], stages
+
+
+def _owned_sums(optimizer, shards, grads, variables, options=lambda dtype: {}):
+    """[(the sum of a variable's gradient, the variable)] for every variable
+    this rank owns: every run's reduction (_runs), made in backprop's order."""
+    return [pair for _, sums in _runs(optimizer, shards, grads, variables, options)[0]
+            for pair in sums()]
+
+
+# Backprop's stage k + _LAG waits for run k's update (_pipelined).
+_LAG = 2
+
+
+def _pipelined(optimizer, shards, grads, variables, apply, assign, options=lambda dtype: {}):
+    """The step run by run (_runs): a run's reduction, `apply` of this
+    rank's sums of it, then its allgather of the owners' new values, which
+    waits for that update and for the assigns of the run two before (so
+    that two runs' gathered weights are held at a time). So the first runs'
+    updates and allgathers overlap the rest of backprop and the later runs'
+    reductions, instead of every allgather waiting for the last
+    reduce-scatter. (For optimizers whose update of one variable needs no
+    other's gradient: not global_clipnorm, which needs every sum first.)
+
+    TensorFlow's executor would run an update only once backprop is done
+    (ops made ready by a collective's completion queue behind the ops
+    backprop keeps making ready), so backprop's stage k + _LAG waits for
+    run k's update and its allgather's input, where that cannot make a cycle
+    (_backprop_order.Stages.gate): the update runs, and the allgather starts,
+    while the wire carries the next runs' reductions. (At _LAG 1 a stage
+    would wait for the previous run's reduction too, and backprop with it.)"""
+    runs, stages = _runs(optimizer, shards, grads, variables, options)
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    assigned = [[], []]
+    for k, (bucket, sums) in enumerate(runs):
+        made = len(graph.get_operations()) if graph is not None else 0
+        mine = sums()
+        if mine:
+            apply(mine)
+        own = _own_segment(shards, variables, bucket)
+        if stages is not None and graph is not None and mine:
+            stages.gate(k + _LAG, graph.get_operations()[made:])
+        assigned = [assigned[1], _bucket_gather(shards, variables, bucket, assign, assigned[0],
+                                                own)]
+
+
+def _independent(op):
+    """Lets TensorFlow start `op` (a collective of the sharded step) as soon
+    as its inputs are ready, not after every stateful op made before it
+    (automatic control dependencies chain those in program order): the
+    runtime matches collectives across ranks by name, in any order. A
+    reduce-scatter then does not wait for an earlier run's allgather, nor an
+    allgather for a later run's reduce-scatter."""
+    manager = getattr(op.graph, "experimental_acd_manager", None)
+    if manager is not None and not tf.executing_eagerly():
+        manager.run_independently(op)
 
 
 def _sharded_step(optimizer, shards, variables, learning_rate, distribution, grads):
     grads = [tf.convert_to_tensor(_local(distribution, g)) for g in grads]
-    # The user's optimizer, on the variables this rank owns. (TensorFlow runs
-    # a function's collectives in the order they are made: every
-    # reduce-scatter, in backprop's order, then the allgathers. Made bucket
-    # by bucket instead, a bucket's reduce-scatter would wait for the
-    # previous bucket's allgather, which waits for its update, which a busy
-    # executor runs only once backprop is done.)
-    mine = _owned_sums(optimizer, shards, grads, variables)
-    optimizer._distributed_tf_update_step(distribution, mine, learning_rate)
-    _gather_weights(optimizer, shards, variables, _strategy_assign(distribution))
+    # The user's optimizer, on the variables this rank owns, run by run.
+    _pipelined(optimizer, shards, grads, variables,
+               lambda mine: optimizer._distributed_tf_update_step(distribution, mine,
+                                                                 learning_rate),
+               _strategy_assign(distribution))
     return tf.constant(True)
 
 
@@ -693,12 +765,17 @@ def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
         for g, v in pairs:
             distribution.extended.update(v, update_one, args=(g,), group=False)
 
+    global_clip = optimizer.global_clipnorm and optimizer.global_clipnorm > 0
+    if reduce and not global_clip:
+        # Each variable's clipping, decay and update need its own sum only.
+        _pipelined(optimizer, shards, grads, variables, update, _strategy_assign(distribution))
+        optimizer.iterations.assign_add(1)
+        return
     if reduce:
         owned = _owned_sums(optimizer, shards, grads, variables)
     else:   # summed already (a LossScaleOptimizer): this rank's share
         owned = [(g, v) for g, v in zip(grads, variables)
                  if shards.owner[_index_of(optimizer, v)] == shards.rank]
-    global_clip = optimizer.global_clipnorm and optimizer.global_clipnorm > 0
     if global_clip:
         owned = _clip_globally(optimizer, owned)
     if owned:
@@ -844,7 +921,7 @@ def _gather_weights(optimizer, shards, variables, assign):
     """Every rank's owned variables' values, allgathered and assigned on the
     ranks that do not own them, one bucket at a time."""
     assigned = []
-    for bucket in _buckets(optimizer, shards, variables):
+    for bucket, _ in _run_layout(optimizer, shards, variables):
         assigned = _bucket_gather(shards, variables, bucket, assign, assigned)
 
 
@@ -857,18 +934,31 @@ def _parts(per_rank, align):
     return starts, lengths
 
 
-def _bucket_gather(shards, variables, bucket, assign, after):
-    """The allgather of one bucket's owned values, assigned where this rank
-    does not own them; it starts once `after` (the previous bucket's assigns)
-    ran, so that one bucket's weights are in flight, not the model's.
-    Returns this bucket's assigns."""
-    tag, dtype, per_rank, segment, _ = bucket
-    starts, lengths = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
+def _own_segment(shards, variables, bucket):
+    """This rank's part of a bucket's allgather: its owned variables' values
+    at their places."""
+    _, dtype, per_rank, _, _ = bucket
+    _, lengths = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
+    placed = per_rank[shards.rank]
+    own = [tf.convert_to_tensor(variables[pos]) for pos, _, _ in placed]
+    return _segment(own, placed, lengths[shards.rank], dtype)
+
+
+def _bucket_gather(shards, variables, bucket, assign, after, own=None):
+    """The allgather of one bucket's owned values (`own`: _own_segment's, made
+    here when None), assigned where this rank does not own them; it starts
+    once `after` (an earlier bucket's assigns) ran, so that the gathered
+    weights of a bucket or two are held at a time, not the model's. Returns
+    this bucket's assigns."""
+    tag, dtype, per_rank, _, _ = bucket
+    starts, _ = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
+    if own is None:
+        with tf.control_dependencies(after):
+            own = _own_segment(shards, variables, bucket)
     with tf.control_dependencies(after):
-        placed = per_rank[shards.rank]
-        own = [tf.convert_to_tensor(variables[pos]) for pos, _, _ in placed]
-        gathered = perseus_ops.allgather(_segment(own, placed, lengths[shards.rank], dtype),
-                                         name=f"perseus.shard.weights.{tag}")
+        gathered = perseus_ops.allgather(own, name=f"perseus.shard.weights.{tag}")
+    if not tf.executing_eagerly():
+        _independent(gathered.op)
     assigned = []
     for r in range(shards.size):
         if r == shards.rank:

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import perseus_tf as ptf
 from perseus_tf import _backprop_order
+from perseus_tf import ops as perseus_ops
 from perseus_tf.strategy import keras_shard
 
 from perseus_tf import _keras
@@ -195,6 +196,92 @@ def check_buckets_follow_backprop():
         seen += mine
     assert sorted(seen) == list(range(len(sizes))), seen
     same_on_all_ranks([np.array(owner)])
+
+
+def _ancestors(op):
+    seen, todo = set(), [op]
+    while todo:
+        o = todo.pop()
+        if o.name not in seen:
+            seen.add(o.name)
+            todo.extend(t.op for t in o.inputs)
+            todo.extend(o.control_inputs)
+    return seen
+
+
+def check_allgathers_overlap_backprop():
+    # A traced sharded step, in runs of a few hundred bytes: each run's
+    # allgather waits for its own run's reduction, not for the last one (the
+    # first runs' weights travel while backprop computes the rest), no
+    # reduction waits for an allgather, and on a
+    # rank that owns some of the first run, backprop's third stage waits for
+    # that run's update (TensorFlow would otherwise run it once backprop is
+    # done). Numerics: every other check trains through the same step.
+    saved = _backprop_order._MIN_GROUP_BYTES
+    _backprop_order._MIN_GROUP_BYTES = 64
+    try:
+        with SHARDED.scope():
+            model = make_model()
+            opt = keras.optimizers.Adam(0.01)
+            opt.build(model.trainable_variables)
+        rows = GLOBAL_BATCH // N
+
+        @tf.function
+        def step(x, y):
+            def replica(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+                grads = tape.gradient(loss, model.trainable_variables)
+                opt.apply_gradients(zip(grads, model.trainable_variables))
+            SHARDED.run(replica, args=(x, y))
+
+        graph = step.get_concrete_function(tf.constant(X[:rows]), tf.constant(Y[:rows])).graph
+    finally:
+        _backprop_order._MIN_GROUP_BYTES = saved
+    ops = graph.get_operations()
+
+    def named(prefix):
+        return [op for op in ops if op.type.startswith("Perseus") and
+                op.get_attr("tensor_name").decode().startswith(prefix)]
+
+    gathers = named("perseus.shard.weights.")
+    reductions = named("perseus.shard.gradients.")
+    assert len(gathers) >= 3 and len(reductions) == len(gathers), \
+        ([op.name for op in gathers], [op.name for op in reductions])
+    last = reductions[-1].name
+    for gather in gathers[:-1]:
+        assert last not in _ancestors(gather), (gather.name, "waits for", last)
+    names = {op.name for op in gathers}
+    for reduction in reductions:
+        assert not names & _ancestors(reduction), (reduction.name, "waits for",
+                                                   names & _ancestors(reduction))
+    gated = [op for op in ops if "perseus_backprop_order" in op.name and "/gate_" in op.name]
+    everywhere = perseus_ops.allreduce(tf.constant(float(len(gated))), op=perseus_ops.Sum,
+                                       name="checks_shard.gated").numpy()
+    assert everywhere > 0, "no rank's backprop waits for an update"
+
+
+def check_a_gate_that_would_make_a_cycle_is_refused():
+    # Stages.gate holds a later stage back only when that cannot deadlock
+    # the step: not on ops computed from that stage, nor on ops that write a
+    # variable the stage reads (automatic control dependencies would order
+    # the write after the read).
+    v = tf.Variable(tf.ones([3]))
+    results = {}
+
+    @tf.function
+    def traced(x):
+        a = tf.tanh(x * 2.0)
+        b = tf.tanh(a * 3.0)
+        c = tf.tanh(b * tf.reduce_sum(v.read_value()))   # stage 2 reads v
+        stages = _backprop_order.staged([[a], [b], [c]])
+        results["from_later"] = stages.gate(2, [tf.identity(c * 2.0).op])
+        results["writes_v"] = stages.gate(2, [v.assign_add(tf.reshape(a, [3])).op])
+        results["fine"] = stages.gate(2, [tf.identity(a * 5.0).op])
+        return c
+
+    traced(tf.constant([1.0, 2.0, 3.0]))
+    assert results == {"from_later": False, "writes_v": False, "fine": True}, results
 
 
 def check_sgd_momentum_nesterov():
