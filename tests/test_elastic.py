@@ -180,35 +180,42 @@ def test_keras_sharded_state_is_shared_out_again_when_a_worker_dies(tmp_path, np
     _same_as_one_process(results)
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["unsharded", "sharded"])
-def test_a_keras_worker_joining_before_its_first_step_syncs_at_once(tmp_path, shard):
+@pytest.mark.parametrize("shard,start", [(False, 2), (True, 2), (True, 1)],
+                         ids=["unsharded", "sharded", "sharded_from_1"])
+def test_a_keras_worker_joining_before_its_first_step_syncs_at_once(tmp_path, shard, start):
     # The joining worker has compiled its model but not trained, so its
     # optimizer has no momentum slots nor step counter yet, while the
     # others have them. Once the state sync broadcast different lists and
     # the job stalled (the stall inspector after 60 s); now the newcomer
-    # builds them first and the job goes on at 3.
+    # builds them first and the job goes on with one more. From 1 rank,
+    # sharded: the first rank's whole slots (one rank applies unsharded)
+    # become its share at 2, and its step is traced again.
     script = tmp_path / "discover.sh"
     touch = tmp_path / "commits"
     touch.mkdir()
     script.write_text("#!/bin/sh\n"
-                      f"if [ -e {touch}/epoch1 ]; then echo localhost:3; "
-                      "else echo localhost:2; fi\n")
+                      f"if [ -e {touch}/epoch1 ]; then echo localhost:{start + 1}; "
+                      f"else echo localhost:{start}; fi\n")
     script.chmod(0o755)
-    proc, results = _keras_run(["-np", "2", "--min-np", "2", "--max-np", "3",
+    proc, results = _keras_run(["-np", str(start), "--min-np", str(start),
+                                "--max-np", str(start + 1),
                                 "--host-discovery-script", str(script),
                                 "--discovery-interval", "0.2"],
                                tmp_path, epochs=400, steps=8,
-                               env={"UNTIL_SIZE": "3", "TOUCH_DIR": str(touch),
+                               env={"UNTIL_SIZE": str(start + 1), "TOUCH_DIR": str(touch),
                                     **({"SHARD": "1", "OPTIMIZER": "adam"} if shard else {})})
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
-    assert sorted(results) == ["localhost:0", "localhost:1", "localhost:2"], text[-3000:]
-    assert "joined: localhost:2" in text, text[-3000:]
+    workers = [f"localhost:{i}" for i in range(start + 1)]
+    assert sorted(results) == workers, text[-3000:]
+    assert f"joined: localhost:{start}" in text, text[-3000:]
     sizes = results["localhost:0"]["sizes"]
-    assert sizes[-1] == 3 and sizes[0] == 2, sizes
+    assert sizes[-1] == start + 1 and sizes[0] == start, sizes
     for r in results.values():
         assert r["sizes"] == sizes and r["state"] == [len(sizes), 0], r
-    newcomer = results["localhost:2"]
+        if shard:   # each rank keeps placeholders for the slots it does not own
+            assert [0] in r["state_shapes"], r["state_shapes"]
+    newcomer = results[f"localhost:{start}"]
     assert newcomer["resets"] == [] and newcomer["trained"], newcomer
     assert newcomer["seconds"] < 30, newcomer["seconds"]  # its sync and its epochs
     assert "stall" not in text.lower(), text[-3000:]

@@ -1046,14 +1046,23 @@ def reshard(optimizer, variables, values):
     inner = getattr(optimizer, "inner_optimizer", None) or optimizer
     old = getattr(inner, "_perseus_shards", None)
     rank, size = perseus_ops.rank(), perseus_ops.size()
-    if old is None or (old.rank, old.size) == (rank, size):
+    if old is None:
+        # A job that began at one rank (where the shim applies unsharded)
+        # and has grown: the whole slots it made become the ranks' shares.
+        slots = _whole_slots(inner) if _shim_sharded(inner) else []
+        if not slots:
+            return False
+        generation = inner.__dict__.get("_perseus_reshards_", 0)
+    elif (old.rank, old.size) == (rank, size):
         return False   # (a restore has set what it holds)
+    else:
+        slots, generation = list(old.slots.values()), old.generation
     whole = {id(v): value for v, value in zip(variables, values)}
-    inner.__dict__["_perseus_reshards_"] = old.generation + 1
+    inner.__dict__["_perseus_reshards_"] = generation + 1
     new = _Shards(inner, rank, size)
     keras2 = _keras2_variables(inner) is not None
     model_variables = _model_variables(inner)
-    for slot, index in list(old.slots.values()):
+    for slot, index in slots:
         owned = new.owner[index] == rank
         dtype = tf.as_dtype(slot.dtype).as_numpy_dtype
         value = whole.get(id(slot)) if owned else np.zeros((0,), dtype)
@@ -1071,6 +1080,27 @@ def reshard(optimizer, variables, values):
     if world is not None:
         world.assign(new.generation)
     return True
+
+
+def _whole_slots(optimizer):
+    """[(slot, index of its model variable)] for each per-variable state of an
+    optimizer built unsharded that has its variable's shape (Adam's moments,
+    momentum, accumulators; not Adafactor's factored rows and columns, which
+    every rank keeps, as sharded from the start)."""
+    model_variables = _model_variables(optimizer)
+    if not model_variables:
+        return []
+    out, mine = [], {id(v) for v in optimizer.variables}
+    for name, value in vars(optimizer).items():
+        if name in ("_variables", "_trainable_variables") or not isinstance(value, (list, tuple)):
+            continue
+        if len(value) != len(model_variables):
+            continue
+        for i, x in enumerate(value):
+            if (x is not None and id(x) in mine and
+                    tuple(x.shape) == tuple(model_variables[i].shape)):
+                out.append((x, i))
+    return out
 
 
 def _holding(optimizer, slot, value):
