@@ -347,24 +347,36 @@ def _compression_for(dtype):
     return _native.COMPRESS_NONE
 
 
-def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, **kwargs):
+def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, chain=None, **kwargs):
     """The sums of this rank's own gradients, in its layout's order: one
     reducescatter of the vector the gradients make at their layout's places,
     read by the runtime from the gradients themselves, and written into this
     rank's own gradients' buffers (ops.shard_reducescatter: no concatenated
-    copy, no new buffer when nothing else reads them)."""
+    copy, no new buffer when nothing else reads them). chain: _two_at_a_time's."""
     placed = [(r * segment + offset, pos) for r, mine in enumerate(per_rank)
               for pos, offset, _ in mine]
     first = sum(len(mine) for mine in per_rank[:rank])
     kwargs.setdefault("compression", _compression_for(dtype))
-    with tf.device("/cpu:0"):
+    with tf.device("/cpu:0"), _two_at_a_time(chain):
         summed = perseus_ops.shard_reducescatter(
             [grads[pos] for _, pos in placed], [at for at, _ in placed], len(per_rank) * segment,
             name=f"perseus.shard.gradients.{tag}",
             owned=list(range(first, first + len(per_rank[rank]))), **kwargs)
     if summed and not tf.executing_eagerly():
         _independent(summed[0].op)
+        if chain is not None:
+            chain[:] = chain[-1:] + [summed[0].op]
     return summed
+
+
+def _two_at_a_time(chain):
+    """The reductions of a step two at a time (`chain`: a list holding the
+    last two made, or None): each starts once the one before the previous
+    ended, so that two buckets' reduction buffers are in use at once, not
+    the model's (when every gradient is ready together). (One at a time,
+    a reduction's start would wait for the executor to get round to it
+    after the previous one ends: behind backprop, on a busy core.)"""
+    return tf.control_dependencies((chain or [])[:-1])
 
 
 def _buckets(optimizer, shards, variables, skip=()):
@@ -372,19 +384,20 @@ def _buckets(optimizer, shards, variables, skip=()):
                    shards.size, skip=skip)
 
 
-def _bucket_sums(shards, grads, variables, bucket, options):
+def _bucket_sums(shards, grads, variables, bucket, options, chain=None):
     """[(the sum of a variable's gradient over the ranks, the variable)] for
     the variables of `bucket` this rank owns: one reduce-scatter.
     options(dtype): its keyword arguments."""
     tag, dtype, per_rank, segment, _ = bucket
     cast = {pos: grads[pos] if grads[pos].dtype == dtype else tf.cast(grads[pos], dtype)
             for mine in per_rank for pos, _, _ in mine}
-    summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank, **options(dtype))
+    summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank, chain,
+                             **options(dtype))
     return [(tf.reshape(g, variables[pos].shape), variables[pos])
             for (pos, _, _), g in zip(per_rank[shards.rank], summed)]
 
 
-def _allreduced_sum(optimizer, shards, grads, variables, pos, options):
+def _allreduced_sum(optimizer, shards, grads, variables, pos, options, chain=None):
     """[(the sum of an _oversized variable's gradient, the variable)] on its
     owner, [] elsewhere: one allreduce."""
     variable = variables[pos]
@@ -392,11 +405,13 @@ def _allreduced_sum(optimizer, shards, grads, variables, pos, options):
     grad = grads[pos] if grads[pos].dtype == dtype else tf.cast(grads[pos], dtype)
     kwargs = dict(options(dtype))
     kwargs.setdefault("compression", _compression_for(dtype))
-    with tf.device("/cpu:0"):
+    with tf.device("/cpu:0"), _two_at_a_time(chain):
         summed = perseus_ops.allreduce(grad, name=f"perseus.shard.gradients.whole.{pos}",
                                        **kwargs)
     if not tf.executing_eagerly():
         _independent(summed.op)
+        if chain is not None:
+            chain[:] = chain[-1:] + [summed.op]
     if shards.owner[_index_of(optimizer, variable)] != shards.rank:
         return []
     return [(tf.reshape(summed, variable.shape), variable)]
@@ -428,9 +443,12 @@ def _runs(optimizer, shards, grads, variables, options):
     goes on past it, or None)."""
     runs = _run_layout(optimizer, shards, variables)
     stages = _in_backprop_order(grads, runs)
-    return [(bucket, functools.partial(_bucket_sums, shards, grads, variables, bucket, options)
+    chain = []
+    return [(bucket, functools.partial(_bucket_sums, shards, grads, variables, bucket, options,
+                                       chain)
              if pos is None else
-             functools.partial(_allreduced_sum, optimizer, shards, grads, variables, pos, options))
+             functools.partial(_allreduced_sum, optimizer, shards, grads, variables, pos, options,
+                               chain))
             for bucket, pos in runs], stages
 
 
