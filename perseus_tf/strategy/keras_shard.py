@@ -362,10 +362,8 @@ def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, chain=None, **kw
             [grads[pos] for _, pos in placed], [at for at, _ in placed], len(per_rank) * segment,
             name=f"perseus.shard.gradients.{tag}",
             owned=list(range(first, first + len(per_rank[rank]))), **kwargs)
-    if summed and not tf.executing_eagerly():
-        _independent(summed[0].op)
-        if chain is not None:
-            chain[:] = chain[-1:] + [summed[0].op]
+    if summed:
+        _made(summed[0], chain)
     return summed
 
 
@@ -377,6 +375,17 @@ def _two_at_a_time(chain):
     a reduction's start would wait for the executor to get round to it
     after the previous one ends: behind backprop, on a busy core.)"""
     return tf.control_dependencies((chain or [])[:-1])
+
+
+def _made(output, chain=None):
+    """A collective of the sharded step made (`output`: one of its outputs):
+    TensorFlow may start it as soon as its inputs are ready (_independent),
+    and `chain` (_two_at_a_time's, when given) holds it."""
+    if tf.executing_eagerly():
+        return
+    _independent(output.op)
+    if chain is not None:
+        chain[:] = chain[-1:] + [output.op]
 
 
 def _buckets(optimizer, shards, variables, skip=()):
@@ -408,10 +417,7 @@ def _allreduced_sum(optimizer, shards, grads, variables, pos, options, chain=Non
     with tf.device("/cpu:0"), _two_at_a_time(chain):
         summed = perseus_ops.allreduce(grad, name=f"perseus.shard.gradients.whole.{pos}",
                                        **kwargs)
-    if not tf.executing_eagerly():
-        _independent(summed.op)
-        if chain is not None:
-            chain[:] = chain[-1:] + [summed.op]
+    _made(summed, chain)
     if shards.owner[_index_of(optimizer, variable)] != shards.rank:
         return []
     return [(tf.reshape(summed, variable.shape), variable)]
@@ -503,7 +509,7 @@ def _independent(op):
     reduce-scatter then does not wait for an earlier run's allgather, nor an
     allgather for a later run's reduce-scatter."""
     manager = getattr(op.graph, "experimental_acd_manager", None)
-    if manager is not None and not tf.executing_eagerly():
+    if manager is not None:
         manager.run_independently(op)
 
 
@@ -971,12 +977,10 @@ def _bucket_gather(shards, variables, bucket, assign, after, own=None):
     tag, dtype, per_rank, _, _ = bucket
     starts, _ = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
     if own is None:
-        with tf.control_dependencies(after):
-            own = _own_segment(shards, variables, bucket)
+        own = _own_segment(shards, variables, bucket)
     with tf.control_dependencies(after):
         gathered = perseus_ops.allgather(own, name=f"perseus.shard.weights.{tag}")
-    if not tf.executing_eagerly():
-        _independent(gathered.op)
+    _made(gathered)
     assigned = []
     for r in range(shards.size):
         if r == shards.rank:
