@@ -20,8 +20,15 @@ The table prints the largest rank's state and peak, the median step, and
 the ratios: state against 1/N of unsharded, the peak saving against the
 state saving, and the step time sharded / unsharded.
 
+--placement 8,16,...: instead, where keras_shard.place() puts each profile's
+Adam state at those rank counts (no job runs): the largest rank's share over
+1/N of the state, with whole variables only (what an optimizer that is not
+element-wise gets) and with the largest variables split (Adam, SGD, ...).
+
 Usage: python benchmarks/shard.py [--profiles resnet50,bert_base] [--np 2,4]
            [--steps 5] [--dtype 0] [--json FILE]
+       python benchmarks/shard.py --placement 2,4,8,16,32,64,256
+           [--profiles resnet50,bert_base,vgg16]
 """
 
 import argparse
@@ -46,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--bucket-mib", type=int,
                    help="the sharded step's bucket size (default: keras_shard's 64)")
+    p.add_argument("--placement", help="rank counts: print the placement table only")
     p.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -102,14 +110,11 @@ def worker(args):
     shards = getattr(optimizer, "_perseus_shards", None)
     wire = None
     if shards is not None:
-        variables = [w.value for w in weights]
-        whole = keras_shard._oversized(variables, shards.size)
-        scattered = keras_shard._buckets(optimizer, shards, variables, skip=whole)
-        gathered = [bucket for bucket, _ in keras_shard._run_layout(optimizer, shards, variables)]
-        wire = (sum(shards.size * segment for _, _, _, segment, _ in scattered) +
-                sum(2 * sizes[pos] for pos in whole) +
-                sum(sum(keras_shard._parts(per_rank, 16)[1])
-                    for _, _, per_rank, _, _ in gathered)) / (2 * sum(sizes))
+        runs = keras_shard._run_layout(optimizer, shards, [w.value for w in weights])
+        wire = (sum(shards.size * bucket[3] for bucket, whole, _ in runs if whole is None) +
+                sum(2 * sizes[whole] for _, whole, _ in runs if whole is not None) +
+                sum(sum(keras_shard._parts(bucket[2], 16)[1])
+                    for bucket, _, _ in runs)) / (2 * sum(sizes))
     result = {"rank": rank, "state": keras_shard.state_bytes(optimizer), "wire": wire,
               "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "peak_before_steps": before,
@@ -139,10 +144,37 @@ def job(profile, np_, sharded, args):
         return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(np_)]
 
 
+def placement(args):
+    from perseus_tf.strategy import keras_shard
+
+    print("| profile | variables | largest variable / state | ranks | whole variables: "
+          "largest share / (state / N) | split: largest share / (state / N) | "
+          "variables split |")
+    print("|---|---|---|---|---|---|---|")
+    for profile in args.profiles.split(","):
+        counts = profile_sizes(profile)
+        for np_ in [int(n) for n in args.placement.split(",")]:
+            shares = []
+            for splittable in ((), range(len(counts))):
+                owner, pieces = keras_shard.place(counts, [4] * len(counts), np_, splittable)
+                loads = [0] * np_
+                for i, r in enumerate(owner):
+                    if r >= 0:
+                        loads[r] += counts[i]
+                for each in pieces.values():
+                    for r, (_, count) in enumerate(each):
+                        loads[r] += count
+                shares.append(max(loads) / (sum(counts) / np_))
+            print(f"| {profile} | {len(counts)} | {max(counts) / sum(counts):.3f} | {np_} | "
+                  f"{shares[0]:.3f} | {shares[1]:.3f} | {len(pieces)} |", flush=True)
+
+
 def main():
     args = parse_args()
     if args.worker:
         return worker(args)
+    if args.placement:
+        return placement(args)
     rows = []
     print("| profile | ranks | state unsharded | state sharded (largest rank) | "
           "sharded / (unsharded / N) | peak unsharded | peak sharded | "

@@ -308,6 +308,10 @@ def remove_horovod_hostnames(made):
             os.rmdir(os.path.dirname(path))
 
 
+# A contender's suffix: run from --baseline-tree.
+BASELINE = " @baseline"
+
+
 def run_contender(hosts, contender, args, model, env_extra=None, tree=ROOT):
     """Starts one process per host (pinned to core h) and returns rank 0's result.
     `tree`: the source tree whose perseus_tf the ranks import. Hosts whose
@@ -388,6 +392,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps first")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run")
+    p.add_argument("--baseline-tree",
+                   help="another checkout (its native libraries built or copied in): a "
+                        "contender named with the suffix ' @baseline' imports its perseus_tf, "
+                        "in the same interleaved rounds")
     p.add_argument("--timeline", action="store_true",
                    help="also run each strategy and shim contender once with PERSEUS_TIMELINE "
                         "and print rank 0's communication spans of the last steps, with rank "
@@ -414,7 +422,9 @@ def main(argv=None):
         sys.exit(f"step_overlap.py: {why}")
     contenders = [c.replace("+", ", ") for c in args.contenders.split(",")]
     for c in contenders:
-        if c.replace(", TF order", "") not in CONTENDERS:
+        if c.endswith(BASELINE) and not args.baseline_tree:
+            sys.exit(f"--contenders: {c!r} needs --baseline-tree")
+        if c.replace(", TF order", "").removesuffix(BASELINE) not in CONTENDERS:
             sys.exit(f"--contenders: unknown {c!r}; choose from {', '.join(CONTENDERS)}")
     if tf.__version__ >= "2.16" and "mwms" in contenders:
         contenders.remove("mwms")  # Keras 3's fit fails under MWMS (PerReplica to Tensor)
@@ -440,7 +450,9 @@ def main(argv=None):
                 for r in range(args.rounds):
                     order = contenders if r % 2 == 0 else contenders[::-1]
                     for c in order:
-                        result = run_contender(hosts, c, args, model)
+                        result = run_contender(
+                            hosts, c.removesuffix(BASELINE), args, model,
+                            tree=args.baseline_tree if c.endswith(BASELINE) else ROOT)
                         rounds[c].append(result["ms"])
                         if "core" in result:
                             cores[c].append(result["core"]["busy ms/step"])

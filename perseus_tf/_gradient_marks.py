@@ -160,11 +160,13 @@ def _wrap_update(patching, cls, attr):
     patching.replace(cls, attr, update)
 
 
-def decay_weight(optimizer, variable):
-    """Keras' decoupled weight decay of one variable (Keras 3 and 2 alike)."""
+def decay_weight(optimizer, variable, decide=None):
+    """Keras' decoupled weight decay of one variable (Keras 3 and 2 alike).
+    decide: the variable whose exclusion from weight decay counts (the model
+    variable a sharded optimizer's piece of it stands for)."""
     import tensorflow as tf
 
-    if optimizer._use_weight_decay(variable):
+    if optimizer._use_weight_decay(variable if decide is None else decide):
         lr = tf.cast(optimizer.learning_rate, variable.dtype)
         wd = tf.cast(optimizer.weight_decay, variable.dtype)
         variable.assign_sub(variable * wd * lr)

@@ -2,9 +2,10 @@
 and Keras 2 (ZeRO stage 1 with stage 2's gradient sharding).
 
 `PerseusStrategy(shard_optimizer_state=True)` (PERSEUS_SHARD_OPTIMIZER_STATE=1)
-gives each trainable variable one owner rank. Only the owner keeps that
-variable's optimizer slots (Adam's moments, momentum, accumulators); the other
-ranks hold a slot of shape (0,) in its place, so that every rank's optimizer
+gives each trainable variable one owner rank (or splits it, one piece a
+rank: below). Only the owner keeps that variable's optimizer slots (Adam's
+moments, momentum, accumulators); the other ranks hold a slot of shape (0,)
+in its place, so that every rank's optimizer
 has the same variables in the same order and files keep their layout. A step:
 
 1. Keras unscales, clips and decays as it does unsharded (clipping acts on each
@@ -30,13 +31,17 @@ does the same without a strategy (shim_apply, at the end): its reducer's op,
 scale factors and compression, its LossScaleOptimizer agreeing on skipped
 steps over the ranks' shares, global_clipnorm over every rank's share.
 
-Whole variables are owned, not pieces of them: every optimizer sees each
+Owners are given whole variables (place): every optimizer then sees each
 variable whole, as it does unsharded (Adafactor factors a variable's last two
-dimensions, per-variable norms and weight-decay exclusions need the whole
-variable), so any Keras optimizer gives the unsharded numbers. Owners are
-chosen largest variable first, each to the rank with the fewest bytes so far:
-a rank's share is at most 1/N of the state plus the largest variable, and much
-closer for models of many variables (docs/sharding.md has the figures).
+dimensions, Lamb takes a variable's norm). Owners are chosen largest variable
+first, each to the rank with the fewest bytes so far: a rank's share is at
+most 1/N of the state plus the largest variable. Where that is more than
+_SPLIT_SLACK above 1/N (one large embedding; any model at scale), and the
+optimizer updates each element alone (_ELEMENT_WISE: SGD, Adam, ...), the
+largest variables are split instead, few enough to bring every share within:
+each rank keeps a flat piece of each one's slots, and updates its piece of
+the weights as a variable of its own (_piece_variables); the pieces travel
+in buckets of their own (_split_layout). docs/sharding.md has the figures.
 
 Saving writes what an unsharded run writes: the owners' slots are gathered
 (allgathers), so every rank must call the save, as every worker
@@ -47,6 +52,7 @@ rank and each reset shares it out again for the new world (the last section).
 """
 
 import functools
+import heapq
 import threading
 
 import numpy as np
@@ -70,27 +76,94 @@ def owners(sizes, ranks):
     """The owner rank of each variable, given its bytes: largest first, each
     to the rank with the fewest bytes so far (ties: the lower rank, then the
     earlier variable), so every rank computes the same answer."""
-    loads = [0] * ranks
-    owner = [0] * len(sizes)
+    return _greedy(sizes, [0] * ranks)
+
+
+def _greedy(sizes, loads, skip=()):
+    """owners(), the ranks already holding `loads` bytes; -1 for `skip`."""
+    heap = [(load, r) for r, load in enumerate(loads)]
+    heapq.heapify(heap)
+    owner = [-1] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(ranks), key=lambda r: (loads[r], r))
+        if i in skip:
+            continue
+        load, r = heapq.heappop(heap)
         owner[i] = r
-        loads[r] += sizes[i]
+        heapq.heappush(heap, (load + sizes[i], r))
     return owner
 
 
-def _nbytes(variable):
-    return int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+# A rank's share of the state may exceed 1/N of it by this much before the
+# largest variables are split into pieces (place).
+_SPLIT_SLACK = 0.005
+
+
+def _even_pieces(count, ranks, align):
+    """[(start, elements)] of each rank's piece of a variable of `count`
+    elements split over `ranks`: equal pieces rounded up to `align` elements
+    (each starts aligned, so that slicing it takes no copy), the last ones
+    shorter or empty."""
+    step = -(-count // (ranks * align)) * align
+    return [(min(r * step, count), max(0, min(step, count - r * step))) for r in range(ranks)]
+
+
+def place(counts, itemsizes, ranks, splittable=(), slack=None):
+    """(owner, pieces) for variables of `counts` elements of `itemsizes`
+    bytes. Whole variables go to owners (owners(): a rank's share is then
+    within 1/N of the state plus one variable); where that leaves the
+    largest share more than `slack` above 1/N, the largest `splittable`
+    variables are split instead, few enough (the number bisected: more
+    splits can balance the rest worse) and all of them if need be: each
+    rank keeps a piece of each (pieces[i]: _even_pieces'), and owner[i] is
+    -1."""
+    slack = _SPLIT_SLACK if slack is None else slack
+    sizes = [c * b for c, b in zip(counts, itemsizes)]
+    target = sum(sizes) / ranks * (1 + slack)
+    candidates = [i for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+                  if i in splittable]
+
+    def attempt(k):
+        pieces, loads = {}, [0] * ranks
+        for i in candidates[:k]:
+            pieces[i] = _even_pieces(counts[i], ranks, max(1, _ALIGN_BYTES // itemsizes[i]))
+            for r, (_, count) in enumerate(pieces[i]):
+                loads[r] += count * itemsizes[i]
+        owner = _greedy(sizes, loads, skip=pieces)
+        for i, r in enumerate(owner):
+            if r >= 0:
+                loads[r] += sizes[i]
+        return (owner, pieces), max(loads) <= target
+
+    found, ok = attempt(0)
+    if ok or not candidates:
+        return found
+    lo, hi = 0, len(candidates)     # attempt(lo) fails; the fewest splits that do not
+    best, _ = attempt(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        tried, ok = attempt(mid)
+        if ok:
+            hi, best = mid, tried
+        else:
+            lo = mid
+    return best
 
 
 class _Shards:
-    """Which rank owns each of an optimizer's variables, and its slots."""
+    """Which rank owns each of an optimizer's variables, which are split
+    into pieces (place), and its slots."""
 
     def __init__(self, optimizer, rank, size):
         self.rank, self.size = rank, size
         variables = list(_model_variables(optimizer))
-        self.owner = owners([_nbytes(v) for v in variables], self.size)
+        counts = [int(np.prod(v.shape)) for v in variables]
+        itemsizes = [tf.as_dtype(v.dtype).size for v in variables]
+        splittable = range(len(variables)) if _element_wise(optimizer) else ()
+        self.owner, self.pieces = place(counts, itemsizes, size, splittable)
         self.slots = {}   # id(slot) -> (slot, index of its variable)
+        # index of a split variable -> this rank's piece of its weights (the
+        # variable the optimizer updates; _piece_variables), when not empty.
+        self.piece = _piece_variables(optimizer, variables, self)
         # How many times hvd.elastic shared the state out again before this
         # layout (reshard): a step traced for an earlier one fails (_same_world).
         self.generation = optimizer.__dict__.get("_perseus_reshards_", 0)
@@ -173,6 +246,76 @@ def _shards(optimizer):
     return shards
 
 
+# The optimizers whose update of an element of a variable needs only that
+# element's gradient, weight and slots (and scalars): a rank can update a piece
+# of a variable alone. Not Adafactor (it factors a variable's last two
+# dimensions), Lamb (a variable's norm), nor a subclass (its update may differ).
+_ELEMENT_WISE = frozenset(["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax",
+                           "Nadam", "Lion", "Ftrl"])
+
+
+def _element_wise(optimizer):
+    """Whether place() may split the optimizer's variables into pieces: a
+    Keras optimizer of _ELEMENT_WISE under PerseusStrategy, not Keras 2's
+    with clipnorm (which clips each variable's sum by its norm). The Horovod
+    shim's apply (the Keras optimizer's own) takes whole variables."""
+    cls = type(optimizer)
+    module = cls.__module__ + "."
+    if (cls.__name__ not in _ELEMENT_WISE or module.split(".")[0] not in ("keras", "tf_keras") or
+            ".optimizers." not in module or ".legacy." in module or _shim_sharded(optimizer)):
+        return False
+    keras2 = not hasattr(optimizer, "_get_variable_index")
+    return not (keras2 and getattr(optimizer, "clipnorm", None))
+
+
+def _piece_variables(optimizer, variables, shards):
+    """index -> this rank's piece of the weights of each split variable (when
+    not empty): a flat variable of its own, which the optimizer updates as
+    if it were the model variable (its key in the optimizer's index maps to
+    the variable's index, so it finds the piece's slots); _piece_pair sets it
+    from the weights before each update. Not tracked: saving and loading see
+    only the model variables and the slots."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    out = {}
+    shards.piece_of = {}   # id(piece) -> its model variable
+    for index, pieces in shards.pieces.items():
+        count = pieces[shards.rank][1]
+        if not count:
+            continue
+        variable = variables[index]
+        name = str(getattr(variable, "path", variable.name)).replace("/", "_").replace(":", "_")
+        with tf.init_scope(), tf.device(_device_of(variable)):
+            # (ResourceVariable itself: no strategy's creator makes it mirrored.)
+            piece = resource_variable_ops.ResourceVariable(
+                tf.zeros([count], tf.as_dtype(variable.dtype)), trainable=False,
+                name=f"{name}_piece")
+        key = optimizer._var_key(piece)
+        if hasattr(optimizer, "_trainable_variables_indices"):    # Keras 3
+            optimizer._trainable_variables_indices[key] = index
+        else:                                                     # Keras 2
+            optimizer._index_dict[key] = index
+        out[index] = piece
+        shards.piece_of[id(piece)] = variable
+    return out
+
+
+def _device_of(variable):
+    value = getattr(variable, "_value", None)       # a Keras 3 variable's
+    try:
+        return (value if value is not None else variable).device or "/cpu:0"
+    except (AttributeError, ValueError):
+        return "/cpu:0"
+
+
+def _piece_pair(piece, start, count, grad, variable):
+    """(the sum of a piece's gradient, flat; the piece), the piece first set
+    to `variable`'s weights as they are now (decayed, loaded, broadcast)."""
+    piece.assign(tf.reshape(tf.convert_to_tensor(variable), [-1])[start:start + count],
+                 read_value=False)
+    return tf.reshape(grad, [-1]), piece
+
+
 def _model_variables(optimizer):
     """The model variables an optimizer was built for, in its order (Keras 3
     keeps them; Keras 2's are recorded as it builds: _recorder)."""
@@ -214,9 +357,12 @@ def _slot_maker(original):
             if shards.owner[index] == shards.rank:
                 slot = original(self, reference_variable, name=name, initializer=initializer)
             else:
+                # A piece's slot (flat), or a placeholder where another rank owns it.
+                count = shards.pieces[index][shards.rank][1] if index in shards.pieces else 0
                 label = getattr(reference_variable, "path", reference_variable.name)
                 slot = self.add_variable(
-                    shape=(0,), initializer="zeros", dtype=reference_variable.dtype,
+                    shape=(count,), initializer=initializer if count else "zeros",
+                    dtype=reference_variable.dtype,
                     name=f"{str(label).replace('/', '_').replace(':', '_')}_{name or 'var'}")
         finally:
             _creating.on = False
@@ -309,14 +455,51 @@ def _layout(variables, owner, ranks, limit=None, skip=()):
     return out
 
 
+def _split_layout(variables, pieces, ranks, limit=None):
+    """The buckets of the split variables (`pieces`: position in `variables`
+    -> place()'s pieces), as _layout's: each holds every piece of its
+    variables (rank r's part: their r-th pieces), taken in backprop's order
+    and cut at _layout's marks."""
+    limit = _BUCKET_BYTES if limit is None else limit
+    by_dtype = {}
+    for pos in sorted(pieces):
+        by_dtype.setdefault(tf.as_dtype(variables[pos].dtype), []).append(pos)
+    out = []
+    for dtype, positions in by_dtype.items():
+        align = max(1, _ALIGN_BYTES // dtype.size)
+        mark = _mark(dtype, sum(int(np.prod(variables[p].shape)) for p in positions), ranks,
+                     limit)
+        groups, at = [[]], 0
+        for pos in reversed(positions):
+            if at >= mark:
+                groups.append([])
+                at = 0
+            groups[-1].append(pos)
+            at += pieces[pos][0][1]
+        for k, group in enumerate(groups):
+            per_rank = []
+            for r in range(ranks):
+                mine, end = [], 0
+                for pos in group:
+                    count = pieces[pos][r][1]
+                    if count:
+                        mine.append((pos, -(-end // align) * align, count))
+                        end = mine[-1][1] + count
+                per_rank.append(mine)
+            segment = max((m[-1][1] + m[-1][2]) if m else 0 for m in per_rank)
+            out.append((f"{dtype.name}.split.{k}", dtype, per_rank,
+                        max(align, -(-segment // align) * align), len(out)))
+    return out
+
+
 def _in_backprop_order(grads, runs):
     """Each run's gradients computed before backprop goes on past it
     (_backprop_order), so that its reduction overlaps the rest. runs:
     _run_layout's. Returns the _backprop_order.Stages (stage k: run k's), or
     None."""
     return _backprop_order.staged(
-        [[grads[pos] for mine in bucket[2] for pos, _, _ in mine] if whole is None
-         else [grads[whole]] for bucket, whole in runs])
+        [[grads[pos] for pos in dict.fromkeys(pos for mine in bucket[2] for pos, _, _ in mine)]
+         if whole is None else [grads[whole]] for bucket, whole, _ in runs])
 
 
 def _segment(parts, placed, length, dtype):
@@ -347,19 +530,21 @@ def _compression_for(dtype):
     return _native.COMPRESS_NONE
 
 
-def _reduce_scatter(grads, per_rank, segment, dtype, tag, rank, chain=None, **kwargs):
+def _reduce_scatter(part, per_rank, segment, dtype, tag, rank, chain=None, **kwargs):
     """The sums of this rank's own gradients, in its layout's order: one
     reducescatter of the vector the gradients make at their layout's places,
     read by the runtime from the gradients themselves, and written into this
     rank's own gradients' buffers (ops.shard_reducescatter: no concatenated
-    copy, no new buffer when nothing else reads them). chain: _two_at_a_time's."""
-    placed = [(r * segment + offset, pos) for r, mine in enumerate(per_rank)
+    copy, no new buffer when nothing else reads them). part(r, pos): the
+    gradient (or piece of one) at rank r's entry for `pos`. chain:
+    _two_at_a_time's."""
+    placed = [(r * segment + offset, part(r, pos)) for r, mine in enumerate(per_rank)
               for pos, offset, _ in mine]
     first = sum(len(mine) for mine in per_rank[:rank])
     kwargs.setdefault("compression", _compression_for(dtype))
     with tf.device("/cpu:0"), _two_at_a_time(chain):
         summed = perseus_ops.shard_reducescatter(
-            [grads[pos] for _, pos in placed], [at for at, _ in placed], len(per_rank) * segment,
+            [g for _, g in placed], [at for at, _ in placed], len(per_rank) * segment,
             name=f"perseus.shard.gradients.{tag}",
             owned=list(range(first, first + len(per_rank[rank]))), **kwargs)
     if summed:
@@ -393,17 +578,31 @@ def _buckets(optimizer, shards, variables, skip=()):
                    shards.size, skip=skip)
 
 
-def _bucket_sums(shards, grads, variables, bucket, options, chain=None):
+def _bucket_sums(shards, grads, variables, bucket, split, options, chain=None):
     """[(the sum of a variable's gradient over the ranks, the variable)] for
-    the variables of `bucket` this rank owns: one reduce-scatter.
-    options(dtype): its keyword arguments."""
+    the variables of `bucket` this rank owns, and (the sum of a piece's,
+    the piece: _piece_pair) for the pieces of split ones: one reduce-scatter.
+    split: _run_layout's. options(dtype): its keyword arguments."""
     tag, dtype, per_rank, segment, _ = bucket
     cast = {pos: grads[pos] if grads[pos].dtype == dtype else tf.cast(grads[pos], dtype)
             for mine in per_rank for pos, _, _ in mine}
-    summed = _reduce_scatter(cast, per_rank, segment, dtype, tag, shards.rank, chain,
+
+    def part(r, pos):
+        if pos not in split:
+            return cast[pos]
+        start, count = split[pos][0][r]
+        return tf.reshape(cast[pos], [-1])[start:start + count]
+
+    summed = _reduce_scatter(part, per_rank, segment, dtype, tag, shards.rank, chain,
                              **options(dtype))
-    return [(tf.reshape(g, variables[pos].shape), variables[pos])
-            for (pos, _, _), g in zip(per_rank[shards.rank], summed)]
+    out = []
+    for (pos, _, _), g in zip(per_rank[shards.rank], summed):
+        if pos in split:
+            pieces, piece = split[pos]
+            out.append(_piece_pair(piece, *pieces[shards.rank], g, variables[pos]))
+        else:
+            out.append((tf.reshape(g, variables[pos].shape), variables[pos]))
+    return out
 
 
 def _allreduced_sum(optimizer, shards, grads, variables, pos, options, chain=None):
@@ -425,43 +624,56 @@ def _allreduced_sum(optimizer, shards, grads, variables, pos, options, chain=Non
 
 def _run_layout(optimizer, shards, variables):
     """The step's runs in the order backprop produces their gradients:
-    [(the run's bucket, the position of its _oversized variable or None)].
-    A run is a bucket's reduce-scatter, or one _oversized variable's
+    [(the run's bucket, the position of its _oversized variable or None,
+    split)]. A run is a bucket's reduce-scatter, or one _oversized variable's
     allreduce, whose allgather's bucket is that variable alone, from its
-    owner."""
-    whole = _oversized(variables, shards.size)
-    runs = [(max(pos for mine in b[2] for pos, _, _ in mine), b, None)
-            for b in _buckets(optimizer, shards, variables, skip=whole)]
+    owner. Split variables (place) travel in buckets of their own
+    (_split_layout); split: position -> (its pieces, this rank's piece
+    variable or None) for those of the run's bucket."""
+    split = {}
+    for pos, v in enumerate(variables):
+        index = _index_of(optimizer, v)
+        if index in shards.pieces:
+            split[pos] = (shards.pieces[index], shards.piece.get(index))
+    whole = _oversized(variables, shards.size) - set(split)
+    last = lambda b: max(pos for mine in b[2] for pos, _, _ in mine)  # noqa: E731
+    runs = [(last(b), b, None, {})
+            for b in _buckets(optimizer, shards, variables, skip=whole | set(split))]
+    runs += [(last(b), b, None, {pos: split[pos] for mine in b[2] for pos, _, _ in mine})
+             for b in _split_layout(variables, {pos: p for pos, (p, _) in split.items()},
+                                    shards.size)]
     for pos in whole:
         owner = shards.owner[_index_of(optimizer, variables[pos])]
         count = int(np.prod(variables[pos].shape))
         alone = [[(pos, 0, count)] if r == owner else [] for r in range(shards.size)]
         runs.append((pos, (f"whole.{pos}", tf.as_dtype(variables[pos].dtype), alone, count, -1),
-                     pos))
-    return [(bucket, pos) for _, bucket, pos in sorted(runs, key=lambda run: -run[0])]
+                     pos, {}))
+    return [run[1:] for run in sorted(runs, key=lambda run: -run[0])]
 
 
 def _runs(optimizer, shards, grads, variables, options):
-    """([(a run's bucket, a function making its reduction and returning
-    [(the sum of a variable's gradient, the variable)] for the variables of
-    the run this rank owns)], in backprop's order (_run_layout); the
+    """([(a run's bucket, its split (_run_layout's), a function making its
+    reduction and returning [(the sum of a variable's gradient, the
+    variable)] for the variables of the run this rank owns, and the pieces')],
+    in backprop's order (_run_layout); the
     _backprop_order.Stages that compute each run's gradients before backprop
     goes on past it, or None)."""
     runs = _run_layout(optimizer, shards, variables)
     stages = _in_backprop_order(grads, runs)
     chain = []
-    return [(bucket, functools.partial(_bucket_sums, shards, grads, variables, bucket, options,
-                                       chain)
+    return [(bucket, split,
+             functools.partial(_bucket_sums, shards, grads, variables, bucket, split, options,
+                               chain)
              if pos is None else
              functools.partial(_allreduced_sum, optimizer, shards, grads, variables, pos, options,
                                chain))
-            for bucket, pos in runs], stages
+            for bucket, pos, split in runs], stages
 
 
 def _owned_sums(optimizer, shards, grads, variables, options=lambda dtype: {}):
     """[(the sum of a variable's gradient, the variable)] for every variable
     this rank owns: every run's reduction (_runs), made in backprop's order."""
-    return [pair for _, sums in _runs(optimizer, shards, grads, variables, options)[0]
+    return [pair for _, _, sums in _runs(optimizer, shards, grads, variables, options)[0]
             for pair in sums()]
 
 
@@ -489,16 +701,16 @@ def _pipelined(optimizer, shards, grads, variables, apply, assign, options=lambd
     runs, stages = _runs(optimizer, shards, grads, variables, options)
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     assigned = [[], []]
-    for k, (bucket, sums) in enumerate(runs):
+    for k, (bucket, split, sums) in enumerate(runs):
         made = len(graph.get_operations()) if graph is not None else 0
         mine = sums()
         if mine:
             apply(mine)
-        own = _own_segment(shards, variables, bucket)
+        own = _own_segment(shards, variables, bucket, split)
         if stages is not None and graph is not None and mine:
             stages.gate(k + _LAG, graph.get_operations()[made:])
         assigned = [assigned[1], _bucket_gather(shards, variables, bucket, assign, assigned[0],
-                                                own)]
+                                                own, split)]
 
 
 def _independent(op):
@@ -515,11 +727,17 @@ def _independent(op):
 
 def _sharded_step(optimizer, shards, variables, learning_rate, distribution, grads):
     grads = [tf.convert_to_tensor(_local(distribution, g)) for g in grads]
-    # The user's optimizer, on the variables this rank owns, run by run.
-    _pipelined(optimizer, shards, grads, variables,
-               lambda mine: optimizer._distributed_tf_update_step(distribution, mine,
-                                                                 learning_rate),
-               _strategy_assign(distribution))
+    # The user's optimizer, on the variables this rank owns and its pieces
+    # of split ones, run by run.
+    def apply(mine):
+        whole = [(g, v) for g, v in mine if id(v) not in shards.piece_of]
+        if whole:
+            optimizer._distributed_tf_update_step(distribution, whole, learning_rate)
+        for g, piece in mine:
+            if id(piece) in shards.piece_of:     # (not mirrored: updated as it is)
+                optimizer.update_step(g, piece, learning_rate)
+
+    _pipelined(optimizer, shards, grads, variables, apply, _strategy_assign(distribution))
     return tf.constant(True)
 
 
@@ -617,9 +835,10 @@ def _gathered_slots(optimizer, shards):
     state = per_variable_state(optimizer)
     position = {id(v): i for i, v in enumerate(optimizer.variables)}
     entries = sorted(state.values(), key=lambda e: position[id(e[0])])
+    full = _gathered_pieces(shards, [e for e in entries if e[1] in shards.pieces])
+    entries = [e for e in entries if e[1] not in shards.pieces]
     owner = [shards.owner[index] for _, index, _ in entries]
     stand_ins = [tf.zeros(shape, v.dtype) for v, _, shape in entries]
-    full = {}
     with tf.device("/cpu:0"):
         for tag, dtype, per_rank, segment, _ in _layout(stand_ins, owner, shards.size):
             starts, lengths = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
@@ -635,6 +854,30 @@ def _gathered_slots(optimizer, shards):
     return full
 
 
+def _gathered_pieces(shards, entries):
+    """_gathered_slots' for the slots of split variables (`entries`:
+    per_variable_state's): one allgather per dtype of each rank's pieces,
+    laid end to end in the entries' order."""
+    full, by_dtype = {}, {}
+    for entry in entries:
+        by_dtype.setdefault(tf.as_dtype(entry[0].dtype), []).append(entry)
+    with tf.device("/cpu:0"):
+        for dtype, group in by_dtype.items():
+            own = [tf.reshape(tf.convert_to_tensor(v), [-1]) for v, _, _ in group]
+            gathered = perseus_ops.allgather(
+                tf.concat(own, 0) if len(own) > 1 else own[0],
+                name=f"perseus.shard.save.{dtype.name}.split").numpy()
+            at, parts = 0, {id(v): [] for v, _, _ in group}
+            for r in range(shards.size):
+                for v, index, _ in group:
+                    count = shards.pieces[index][r][1]
+                    parts[id(v)].append(gathered[at:at + count])
+                    at += count
+            for v, _, shape in group:
+                full[id(v)] = np.concatenate(parts[id(v)]).reshape(shape)
+    return full
+
+
 def _loader(original):
     @functools.wraps(original)
     def load_own_variables(self, store):
@@ -644,9 +887,19 @@ def _loader(original):
         for i, variable in enumerate(self.variables):
             entry = shards.slots.get(id(variable))
             if entry is not None and shards.owner[entry[1]] != shards.rank:
-                continue  # another rank owns this slot: a placeholder here
+                # This rank's piece of a split variable's slot, or nothing:
+                # another rank owns it (a placeholder here).
+                if entry[1] in shards.pieces:
+                    variable.assign(_piece_of(shards, entry[1], store[str(i)]))
+                continue
             variable.assign(store[str(i)])
     return load_own_variables
+
+
+def _piece_of(shards, index, whole):
+    """This rank's piece of the whole value of a split variable's slot."""
+    start, count = shards.pieces[index][shards.rank]
+    return np.reshape(np.asarray(whole), [-1])[start:start + count]
 
 
 def state_bytes(optimizer):
@@ -714,13 +967,27 @@ def _slot_maker_keras2(original):
         try:
             if shards.owner[index] == shards.rank:
                 slot = original(self, model_variable, variable_name, shape, initial_value)
+            elif index in shards.pieces and shards.pieces[index][shards.rank][1]:
+                # This rank's piece of a split variable's slot (flat), made
+                # as Keras 2 makes a slot, but restoring its piece of a
+                # checkpoint's whole value: a restore pending for it runs as
+                # it joins the optimizer's variables.
+                start, count = shards.pieces[index][shards.rank]
+                initial_value = (tf.zeros([count], model_variable.dtype) if initial_value is None
+                                 else tf.reshape(initial_value, [-1])[start:start + count])
+                slot = tf.Variable(initial_value=initial_value, trainable=False,
+                                   name=f"{variable_name}/{model_variable._shared_name}",
+                                   dtype=model_variable.dtype)
+                _restoring_piece(slot, model_variable, (start, count))
+                self._variables.append(slot)
             else:
                 slot = self.add_variable(shape=(0,), dtype=model_variable.dtype,
                                          name=f"{variable_name}/{model_variable._shared_name}")
         finally:
             _creating.on = False
         shards.slots[id(slot)] = (slot, index)
-        _checkpoint_whole(self, slot, owned=shards.owner[index] == shards.rank)
+        _checkpoint_whole(self, slot, owned=shards.owner[index] == shards.rank,
+                          piece=shards.pieces.get(index, [None] * shards.size)[shards.rank])
         return slot
     return add_variable_from_reference
 
@@ -783,11 +1050,18 @@ def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
             pairs = list(zip(optimizer._clip_gradients([g for g, _ in pairs]),
                              [v for _, v in pairs]))
         for _, v in pairs:
-            if optimizer.weight_decay is not None:
+            if optimizer.weight_decay is None:
+                break
+            if id(v) in shards.piece_of:     # a piece, decayed as its variable would be
+                _gradient_marks.decay_weight(optimizer, v, decide=shards.piece_of[id(v)])
+            else:
                 distribution.extended.update(
                     v, functools.partial(_gradient_marks.decay_weight, optimizer), group=False)
         for g, v in pairs:
-            distribution.extended.update(v, update_one, args=(g,), group=False)
+            if id(v) in shards.piece_of:     # (not mirrored: updated as it is)
+                optimizer._update_step(g, v)
+            else:
+                distribution.extended.update(v, update_one, args=(g,), group=False)
 
     global_clip = optimizer.global_clipnorm and optimizer.global_clipnorm > 0
     if reduce and not global_clip:
@@ -798,8 +1072,15 @@ def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
     if reduce:
         owned = _owned_sums(optimizer, shards, grads, variables)
     else:   # summed already (a LossScaleOptimizer): this rank's share
-        owned = [(g, v) for g, v in zip(grads, variables)
-                 if shards.owner[_index_of(optimizer, v)] == shards.rank]
+        owned = []
+        for g, v in zip(grads, variables):
+            index = _index_of(optimizer, v)
+            if shards.owner[index] == shards.rank:
+                owned.append((g, v))
+            elif index in shards.piece:
+                start, count = shards.pieces[index][shards.rank]
+                owned.append(_piece_pair(shards.piece[index], start, count,
+                                         tf.reshape(g, [-1])[start:start + count], v))
     if global_clip:
         owned = _clip_globally(optimizer, owned)
     if owned:
@@ -814,14 +1095,34 @@ def _checkpoint_state_whole(optimizer, shards):
         return
     for variable, index, _ in per_variable_state(optimizer).values():
         if id(variable) not in shards.slots:
-            _checkpoint_whole(optimizer, variable, owned=shards.owner[index] == shards.rank)
+            _checkpoint_whole(optimizer, variable, owned=shards.owner[index] == shards.rank,
+                              piece=shards.pieces.get(index, [None] * shards.size)[shards.rank])
     shards.checkpoint_hooked = True
 
 
-def _checkpoint_whole(optimizer, variable, owned):
+def _restoring_piece(slot, model_variable, piece):
+    """Until _checkpoint_whole: a new piece's slot restores its piece of a
+    checkpoint's whole value (TensorFlow asks a restored variable for its
+    tensors first, for their names and types only: zeros here, and no
+    collective)."""
+    from tensorflow.python.trackable import base as trackable
+
+    def restore(restored):
+        value = tf.reshape(restored[trackable.VARIABLE_VALUE_KEY], [-1])
+        for component in getattr(slot, "_values", None) or (slot,):
+            component.assign(value[piece[0]:piece[0] + piece[1]], read_value=False)
+        return tf.no_op()
+
+    slot.__dict__["_serialize_to_tensors"] = lambda: {
+        trackable.VARIABLE_VALUE_KEY: tf.zeros(model_variable.shape, slot.dtype)}
+    slot.__dict__["_restore_from_tensors"] = restore
+
+
+def _checkpoint_whole(optimizer, variable, owned, piece=None):
     """`variable` (a slot or per-variable state of a sharded Keras 2
     optimizer) writes its whole value to TensorFlow checkpoints, and restores
-    only where this rank owns it (elsewhere it is a placeholder)."""
+    only where this rank owns it (elsewhere it is a placeholder), or this
+    rank's piece of it (`piece`: (start, elements), of a split variable's)."""
     from tensorflow.python.trackable import base as trackable
 
     def serialize():
@@ -833,8 +1134,10 @@ def _checkpoint_whole(optimizer, variable, owned):
         return {trackable.VARIABLE_VALUE_KEY: _whole_value(optimizer, variable)}
 
     def restore(restored):
-        if owned:
+        if owned or piece is not None:
             value = restored[trackable.VARIABLE_VALUE_KEY]
+            if not owned:
+                value = tf.reshape(value, [-1])[piece[0]:piece[0] + piece[1]]
             for component in getattr(variable, "_values", None) or (variable,):
                 component.assign(value, read_value=False)
         return tf.no_op()
@@ -945,8 +1248,8 @@ def _gather_weights(optimizer, shards, variables, assign):
     """Every rank's owned variables' values, allgathered and assigned on the
     ranks that do not own them, one bucket at a time."""
     assigned = []
-    for bucket, _ in _run_layout(optimizer, shards, variables):
-        assigned = _bucket_gather(shards, variables, bucket, assign, assigned)
+    for bucket, _, split in _run_layout(optimizer, shards, variables):
+        assigned = _bucket_gather(shards, variables, bucket, assign, assigned, split=split)
 
 
 def _parts(per_rank, align):
@@ -958,40 +1261,46 @@ def _parts(per_rank, align):
     return starts, lengths
 
 
-def _own_segment(shards, variables, bucket):
+def _own_segment(shards, variables, bucket, split=None):
     """This rank's part of a bucket's allgather: its owned variables' values
-    at their places."""
+    (its pieces', for split variables) at their places."""
     _, dtype, per_rank, _, _ = bucket
     _, lengths = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
     placed = per_rank[shards.rank]
-    own = [tf.convert_to_tensor(variables[pos]) for pos, _, _ in placed]
+    own = [tf.convert_to_tensor(split[pos][1] if split and pos in split else variables[pos])
+           for pos, _, _ in placed]
     return _segment(own, placed, lengths[shards.rank], dtype)
 
 
-def _bucket_gather(shards, variables, bucket, assign, after, own=None):
+def _bucket_gather(shards, variables, bucket, assign, after, own=None, split=None):
     """The allgather of one bucket's owned values (`own`: _own_segment's, made
-    here when None), assigned where this rank does not own them; it starts
-    once `after` (an earlier bucket's assigns) ran, so that the gathered
-    weights of a bucket or two are held at a time, not the model's. Returns
-    this bucket's assigns."""
+    here when None), assigned where this rank does not own them, and every
+    split variable's pieces assigned everywhere; it starts once `after` (an
+    earlier bucket's assigns) ran, so that the gathered weights of a bucket
+    or two are held at a time, not the model's. Returns this bucket's
+    assigns."""
     tag, dtype, per_rank, _, _ = bucket
+    split = split or {}
     starts, _ = _parts(per_rank, max(1, _ALIGN_BYTES // dtype.size))
     if own is None:
-        own = _own_segment(shards, variables, bucket)
+        own = _own_segment(shards, variables, bucket, split)
     with tf.control_dependencies(after):
         gathered = perseus_ops.allgather(own, name=f"perseus.shard.weights.{tag}")
     _made(gathered)
-    assigned = []
+    values, pieces = [], {}
     for r in range(shards.size):
-        if r == shards.rank:
-            continue
         for pos, offset, count in per_rank[r]:
             start = starts[r] + offset
-            done = assign(variables[pos],
-                          tf.reshape(gathered[start:start + count], variables[pos].shape))
-            assigned.extend(x for x in tf.nest.flatten(done)
-                            if isinstance(x, (tf.Operation, tf.Tensor)) and
-                            not tf.executing_eagerly())
+            if pos in split:     # its pieces in rank order: the variable, flat
+                pieces.setdefault(pos, []).append(gathered[start:start + count])
+            elif r != shards.rank:
+                values.append((pos, gathered[start:start + count]))
+    values += [(pos, tf.concat(p, 0) if len(p) > 1 else p[0]) for pos, p in pieces.items()]
+    assigned = []
+    for pos, value in values:
+        done = assign(variables[pos], tf.reshape(value, variables[pos].shape))
+        assigned.extend(x for x in tf.nest.flatten(done)
+                        if isinstance(x, (tf.Operation, tf.Tensor)) and not tf.executing_eagerly())
     return assigned
 
 

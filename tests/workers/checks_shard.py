@@ -90,13 +90,18 @@ def compare(make_optimizer, x=X, y=Y, tol=TOL):
     assert len(opt.variables) == len(ref.variables)
     shards = opt._perseus_shards
     owned = [shards.owner[i] == R for i in range(len(shards.owner))]
-    assert any(owned), "this rank owns no variable"
+    assert any(owned) or shards.pieces, "this rank owns no variable and no piece"
     state = keras_shard.per_variable_state(opt)
     for v, r in zip(opt.variables, ref.variables):
         entry = state.get(id(v))
         if entry is None or owned[entry[1]]:
             assert tuple(v.shape) == tuple(r.shape), (v.name, v.shape, r.shape)
             np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=0, atol=tol, err_msg=v.name)
+        elif entry[1] in shards.pieces:   # this rank's piece of a split variable's slot
+            start, count = shards.pieces[entry[1]][R]
+            assert tuple(v.shape) == (count,), (v.name, v.shape, count)
+            np.testing.assert_allclose(v.numpy(), r.numpy().reshape(-1)[start:start + count],
+                                       rtol=0, atol=tol, err_msg=v.name)
         elif id(v) in shards.slots:
             assert tuple(v.shape) == (0,), (v.name, v.shape)  # another rank's slot
     if shards.slots:
@@ -158,15 +163,19 @@ def check_oversized_variables_are_allreduced_where_that_sends_less():
 def check_adam_in_small_buckets():
     # Several reduce-scatters and allgathers a step: backprop runs of a few
     # variables each (_backprop_order._MIN_GROUP_BYTES), cut into buckets
-    # (keras_shard._BUCKET_BYTES); at 3 and 4 ranks the two largest kernels
-    # are allreduced (keras_shard._oversized).
+    # (keras_shard._BUCKET_BYTES), the pieces of split variables in buckets
+    # of their own; at 3 and 4 ranks the two largest kernels are allreduced
+    # (keras_shard._oversized) where they are not split: Adafactor's, the
+    # shim's.
     saved = keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES
     keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES = 512, 256
     try:
         model = make_model()
         whole = keras_shard._oversized(model.trainable_variables, N)
         assert len(whole) == (0 if N == 2 else 2), whole
-        compare(lambda: keras.optimizers.Adam(0.01))
+        _, sharded = compare(lambda: keras.optimizers.Adam(0.01))
+        assert _pieces(sharded)
+        compare(lambda: keras.optimizers.Adafactor(0.05))
         shim_compare(lambda: keras.optimizers.Adam(0.01))
     finally:
         keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES = saved
@@ -289,7 +298,60 @@ def check_sgd_momentum_nesterov():
 
 
 def check_adam_amsgrad():
-    compare(lambda: keras.optimizers.Adam(0.01, amsgrad=True))
+    _, sharded = compare(lambda: keras.optimizers.Adam(0.01, amsgrad=True))
+    # Adam is element-wise: the largest kernels are split into pieces (place);
+    # this small model's share needs every variable split to come within
+    # keras_shard._SPLIT_SLACK of 1/N. With more slack, a step of whole
+    # variables and pieces together:
+    assert _pieces(sharded), "nothing split"
+    counts = [int(np.prod(v.shape)) for v in make_model().trainable_variables]
+    saved = keras_shard._SPLIT_SLACK
+    keras_shard._SPLIT_SLACK = next(
+        slack for slack in (0.05, 0.1, 0.2, 0.3, 0.5) if 0 < len(keras_shard.place(
+            counts, [4] * len(counts), N, range(len(counts)), slack)[1]) < len(counts))
+    try:
+        _, sharded = compare(lambda: keras.optimizers.Adam(0.01, amsgrad=True))
+    finally:
+        keras_shard._SPLIT_SLACK = saved
+    owner = _inner(sharded.optimizer)._perseus_shards.owner
+    assert _pieces(sharded) and max(owner) >= 0, (owner, _pieces(sharded))
+
+
+def _pieces(model):
+    return _inner(model.optimizer)._perseus_shards.pieces
+
+
+def check_place_keeps_every_share_within_1_percent_at_any_size():
+    # The gradient shapes of ResNet-50, BERT-base and VGG-16 (perseus_tf/profiles;
+    # VGG-16's first dense kernel is 74% of its weights) at sizes up to 256:
+    # with whole variables only, a share grows to 1/N plus the largest variable.
+    import json
+    folder = os.path.join(os.path.dirname(ptf.__file__), "profiles")
+    for profile in ("resnet50", "bert_base", "vgg16"):
+        with open(os.path.join(folder, profile + ".json")) as f:
+            counts = [t["elements"] for t in json.load(f)["tensors"]]
+        for ranks in (2, 3, 4, 8, 16, 64, 256):
+            owner, pieces = keras_shard.place(counts, [4] * len(counts), ranks,
+                                              range(len(counts)))
+            loads = [0] * ranks
+            for i, r in enumerate(owner):
+                assert (r == -1) == (i in pieces), (profile, ranks, i)
+                if r >= 0:
+                    loads[r] += counts[i]
+            for i, each in pieces.items():
+                at = 0
+                for r, (start, count) in enumerate(each):
+                    assert start == at and (count == 0 or start % 16 == 0), (i, each)
+                    at += count
+                    loads[r] += count
+                assert at == counts[i], (profile, ranks, i, each)
+            share = max(loads) / (sum(counts) / ranks)
+            assert share <= 1.01, (profile, ranks, share)
+            assert keras_shard.place(counts, [4] * len(counts), ranks,
+                                     range(len(counts))) == (owner, pieces)
+            # Nothing splittable: the whole variables of owners().
+            assert keras_shard.place(counts, [4] * len(counts), ranks) == \
+                (keras_shard.owners([4 * c for c in counts], ranks), {})
 
 
 def check_adamw_excluding_biases_from_weight_decay():
@@ -310,6 +372,7 @@ def check_adagrad():
 
 def check_adafactor_and_its_factored_state_saved_whole():
     plain, sharded = compare(lambda: keras.optimizers.Adafactor(0.05))
+    assert not _pieces(sharded)   # not element-wise: whole variables
     path = os.path.join(tempfile.mkdtemp(prefix=f"shard{R}-"), "adafactor.keras")
     sharded.save(path)
     with PLAIN.scope():
@@ -328,7 +391,8 @@ def check_more_keras_optimizers():
             expect(ValueError, lambda: train(SHARDED, lambda: cls(0.01)), "u_product",
                    "shard_optimizer_state")
             continue
-        compare(lambda: cls(0.01))
+        _, sharded = compare(lambda: cls(0.01))
+        assert bool(_pieces(sharded)) == (name != "Lamb"), name   # Lamb: a variable's norm
 
 
 def check_learning_rate_schedule():
@@ -338,7 +402,9 @@ def check_learning_rate_schedule():
 
 def check_clipnorm_clipvalue_and_global_clipnorm():
     # Small limits, so that clipping acts on every step.
-    compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
+    _, sharded = compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
+    # Keras 2 clips each variable's sum by its norm: whole variables there.
+    assert bool(_pieces(sharded)) != KERAS2
     compare(lambda: keras.optimizers.SGD(0.05, clipvalue=0.005))
     compare(lambda: keras.optimizers.SGD(0.05, momentum=0.5, global_clipnorm=0.05))
 
