@@ -1107,22 +1107,32 @@ def _restoring_piece(slot, model_variable, piece):
     collective)."""
     from tensorflow.python.trackable import base as trackable
 
-    def restore(restored):
-        value = tf.reshape(restored[trackable.VARIABLE_VALUE_KEY], [-1])
-        for component in getattr(slot, "_values", None) or (slot,):
-            component.assign(value[piece[0]:piece[0] + piece[1]], read_value=False)
-        return tf.no_op()
-
     slot.__dict__["_serialize_to_tensors"] = lambda: {
         trackable.VARIABLE_VALUE_KEY: tf.zeros(model_variable.shape, slot.dtype)}
-    slot.__dict__["_restore_from_tensors"] = restore
+    slot.__dict__["_restore_from_tensors"] = _restorer(slot, False, piece)
+
+
+def _restorer(variable, owned, piece):
+    """The _restore_from_tensors of a sharded optimizer's variable: the whole
+    value where this rank owns it, its piece (`piece`: (start, elements), of
+    a split variable's), or nothing (a placeholder)."""
+    from tensorflow.python.trackable import base as trackable
+
+    def restore(restored):
+        if owned or piece is not None:
+            value = restored[trackable.VARIABLE_VALUE_KEY]
+            if not owned:
+                value = tf.reshape(value, [-1])[piece[0]:piece[0] + piece[1]]
+            for component in getattr(variable, "_values", None) or (variable,):
+                component.assign(value, read_value=False)
+        return tf.no_op()
+    return restore
 
 
 def _checkpoint_whole(optimizer, variable, owned, piece=None):
     """`variable` (a slot or per-variable state of a sharded Keras 2
     optimizer) writes its whole value to TensorFlow checkpoints, and restores
-    only where this rank owns it (elsewhere it is a placeholder), or this
-    rank's piece of it (`piece`: (start, elements), of a split variable's)."""
+    what this rank keeps of it (_restorer)."""
     from tensorflow.python.trackable import base as trackable
 
     def serialize():
@@ -1133,19 +1143,10 @@ def _checkpoint_whole(optimizer, variable, owned, piece=None):
                 "(model.save, save_weights, BackupAndRestore, tf.train.Checkpoint.save)")
         return {trackable.VARIABLE_VALUE_KEY: _whole_value(optimizer, variable)}
 
-    def restore(restored):
-        if owned or piece is not None:
-            value = restored[trackable.VARIABLE_VALUE_KEY]
-            if not owned:
-                value = tf.reshape(value, [-1])[piece[0]:piece[0] + piece[1]]
-            for component in getattr(variable, "_values", None) or (variable,):
-                component.assign(value, read_value=False)
-        return tf.no_op()
-
     # Per instance, not per class: only these variables (TensorFlow's
     # checkpointing looks for both on the instance first).
     variable.__dict__["_serialize_to_tensors"] = serialize
-    variable.__dict__["_restore_from_tensors"] = restore
+    variable.__dict__["_restore_from_tensors"] = _restorer(variable, owned, piece)
 
 
 def _whole_value(optimizer, variable):
