@@ -91,7 +91,9 @@ def worker(args):
     @tf.function
     def step():
         def apply():
-            grads = [tf.identity(s) for s in sources]
+            # Fresh buffers, as backprop makes: tf.identity would hand out
+            # the sources' own buffers, which no reduction may write into.
+            grads = [s * 1.0 for s in sources]
             optimizer.apply_gradients(zip(grads, weights))
         strategy.run(apply)
 
