@@ -4,7 +4,9 @@ each supported TensorFlow accepts (its wheel's `keras>=` requirement, as
 perseus_tf/_keras.py lists) and tf_keras. Keras is pure Python: each is
 installed with `pip install --no-deps --target .keras-versions/<name>` and
 put first on the ranks' PYTHONPATH, over the TF 2.21 venv, with the NumPy
-that TensorFlow release allowed (TF 2.16 and 2.17 need NumPy 1).
+that TensorFlow release allowed (TF 2.16 and 2.17 need NumPy 1). Beside
+NumPy 1 goes an ml_dtypes built for it: TF 2.21 accepts ml_dtypes 0.5.1 to
+1.0, and from 0.7.0 ml_dtypes needs NumPy 2 (its import fails on NumPy 1).
 
     python tests/keras_versions.py install DIR    (what `make keras-versions` runs)
 """
@@ -15,8 +17,9 @@ import sys
 
 # name: (pip requirements, extra environment, the TF release it stands for)
 VERSIONS = {
-    "keras-3.0.5": (["keras==3.0.5", "dm-tree==0.1.10", "numpy==1.26.4"], {}, "2.16"),
-    "keras-3.2.1": (["keras==3.2.1", "numpy==1.26.4"], {}, "2.17"),
+    "keras-3.0.5": (["keras==3.0.5", "dm-tree==0.1.10", "numpy==1.26.4", "ml_dtypes==0.5.4"],
+                    {}, "2.16"),
+    "keras-3.2.1": (["keras==3.2.1", "numpy==1.26.4", "ml_dtypes==0.5.4"], {}, "2.17"),
     "keras-3.5.0": (["keras==3.5.0", "numpy==2.0.2"], {}, "2.18 and 2.19"),
     # Each side of a backport's end: 3.7 is the last Keras 3 whose fit does
     # not scale its loss by the replicas itself (keras_backports' fit-loss

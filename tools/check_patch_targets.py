@@ -34,14 +34,14 @@ print(json.dumps({
 """
 
 
-def _install(directory, requirement):
+def _install(directory, *requirements):
     stamp = os.path.join(directory, ".installed")
-    if os.path.exists(stamp) and open(stamp).read() == requirement:
+    if os.path.exists(stamp) and open(stamp).read() == " ".join(requirements):
         return
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                    directory, requirement], check=True)
+                    directory, *requirements], check=True)
     with open(stamp, "w") as f:
-        f.write(requirement)
+        f.write(" ".join(requirements))
 
 
 def main(argv):
@@ -53,7 +53,8 @@ def main(argv):
     extra = []
     if numpy1:
         extra = [os.path.join(cache, "numpy1")]
-        _install(extra[0], "numpy==1.26.4")
+        # (ml_dtypes from 0.7.0 needs NumPy 2: tests/keras_versions.py)
+        _install(extra[0], "numpy==1.26.4", "ml_dtypes==0.5.4")
     failed = False
     for version in versions:
         target = os.path.join(cache, version)
