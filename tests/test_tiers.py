@@ -27,8 +27,37 @@ def test_every_test_file_runs_in_the_first_pass():
     assert sorted(first) == files, (
         f"not in tests/tiers.py FIRST_PASS: {sorted(set(files) - first)}; "
         f"named there but missing: {sorted(first - set(files))}")
-    # One job per file there: a file split into parts would need every part.
-    assert len(tiers.FIRST_PASS) == len(first)
+
+
+def _collected(run, args):
+    env = dict(os.environ, **run.env)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--collect-only"] + args, cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return [l for l in out.stdout.splitlines() if "::" in l]
+
+
+@pytest.mark.parametrize("run", tiers.runs("test"), ids=lambda r: r.name)
+def test_a_file_split_into_parts_runs_each_of_its_tests_once(run):
+    # A file run as several jobs of one pass (tiers.SHARD_JOBS): the parts'
+    # selections together collect every test the file has in that pass, and
+    # none twice. (Collected with this venv's pytest and the pass's
+    # environment: collection imports no TensorFlow.)
+    split = {}
+    for job in run.jobs:
+        split.setdefault(job.file, []).append(job)
+    split = {f: jobs for f, jobs in split.items() if len(jobs) > 1}
+    if run.name == tiers.FIRST:
+        assert "test_shard.py" in split, sorted(split)
+    for file, jobs in split.items():
+        assert all(j.select and j.part for j in jobs), [j.name for j in jobs]
+        whole = _collected(run, [os.path.join("tests", file)])
+        parts = [_collected(run, j.pytest_args()) for j in jobs]
+        together = [i for p in parts for i in p]
+        assert sorted(together) == sorted(whole), (
+            f"{file}: in no part {sorted(set(whole) - set(together))}; "
+            f"in more than one {sorted(i for i in set(together) if together.count(i) > 1)}")
 
 
 @pytest.mark.parametrize("tier", ["check", "test"])

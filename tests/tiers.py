@@ -47,14 +47,17 @@ def second_pass():
 
 class Job:
     """A test file, or the part of it that `select` (pytest -k) picks; it
-    starts once the set-up phases it `needs` have passed."""
+    starts once the set-up phases it `needs` have passed, and is killed
+    after `timeout` seconds (None: run_tests.py's PERSEUS_TEST_JOB_TIMEOUT)."""
 
-    def __init__(self, file, weight, select=None, part=None, needs=()):
+    def __init__(self, file, weight, select=None, part=None, needs=(), timeout=None):
         self.file = file
         self.weight = weight
         self.select = select
+        self.part = part
         self.name = file + (f"[{part}]" if part else "")
         self.needs = tuple(needs)
+        self.timeout = timeout
 
     def pytest_args(self):
         args = [os.path.join("tests", self.file)]
@@ -74,6 +77,17 @@ class Run:
     def subset(self, names):
         return Run(self.name, self.venv, self.env,
                    [j for j in self.jobs if j.name in names or j.file in names], self.needs)
+
+
+def SHARD_JOBS(weight_3_4, weight_2):
+    """test_shard.py in two jobs of a pass, each with its own deadline, that
+    two lanes can run side by side: 2 ranks (and float16 compression), and 3
+    then 4 ranks (one pytest process: the 4-rank launch goes on from the file
+    the 3-rank one saved). On a slow machine the whole file ran past the
+    1800 s deadline of one job."""
+    return [Job("test_shard.py", weight_3_4, select="np3 or np4", part="np3+np4",
+                timeout=3600),
+            Job("test_shard.py", weight_2, select="np2 or float16", part="np2")]
 
 
 # The fast tier: no multi-rank TensorFlow job. The runtime's own checks
@@ -127,7 +141,7 @@ FIRST_PASS = [
     Job("test_preemption.py", 110),
     Job("test_ray.py", 60, needs=["set-up:ray"]),
     Job("test_runner.py", 42),
-    Job("test_shard.py", 160),
+    *SHARD_JOBS(990, 330),
     Job("test_slurm.py", 36),
     Job("test_soak.py", 83),
     Job("test_store_protocol.py", 1),
@@ -175,7 +189,7 @@ SECOND_PASS = [
     Job("test_strategy.py", 53),
     # Sharded optimizer state under Keras 2 (its own apply_gradients, slots
     # and TensorFlow checkpoints).
-    Job("test_shard.py", 250),
+    *SHARD_JOBS(850, 250),
     # The supported Keras range found and enforced with Keras 2.
     Job("test_keras_support.py", 8),
     # hvd.init() and the strategy's GPU pinning with TF 2.15's tf.config.

@@ -16,8 +16,9 @@ Jobs of one pass share nothing but the machine: each pytest run has its own
 scratch folder (tests/conftest.py), and the files that make network
 namespaces, Slurm clusters or Bazel builds name them per process.
 
-Every job has a deadline (PERSEUS_TEST_JOB_TIMEOUT, 1800 s): one that runs
-past it is killed with what it started and fails.
+Every job has a deadline (PERSEUS_TEST_JOB_TIMEOUT, 1800 s, or a longer one
+of its own in tests/tiers.py): one that runs past it is killed with what it
+started and fails.
 
 What it writes under OUT (default build/ci, removed first):
   phases.txt                 NAME SECONDS STATUS [CPU] per phase (tools/ci_report.py)
@@ -102,6 +103,10 @@ class Job:
     def needs(self):
         return self.run.needs + self.spec.needs
 
+    @property
+    def timeout(self):
+        return max(self.spec.timeout or 0, JOB_TIMEOUT)
+
     def skip(self, lane, why):
         self.lane, self.rc, self.summary = lane, "not run", why
 
@@ -132,7 +137,7 @@ class Job:
                                     start_new_session=True)
             RUNNING.add(proc.pid)
             try:
-                self.rc, self.cpu = wait_with_deadline(proc, start + JOB_TIMEOUT)
+                self.rc, self.cpu = wait_with_deadline(proc, start + self.timeout)
             finally:
                 RUNNING.discard(proc.pid)
             try:
@@ -142,8 +147,9 @@ class Job:
             except (OSError, ValueError):
                 pass
             if self.rc is None:
-                f.write(f"\nrun_tests.py: the job ran past PERSEUS_TEST_JOB_TIMEOUT "
-                        f"({JOB_TIMEOUT:.0f} s) and was killed\n")
+                f.write(f"\nrun_tests.py: the job ran past its deadline ({self.timeout:.0f} s: "
+                        f"PERSEUS_TEST_JOB_TIMEOUT, or its own in tests/tiers.py) "
+                        f"and was killed\n")
                 self.rc = "timeout"
         self.seconds = time.monotonic() - start
         with open(log) as f:
@@ -282,7 +288,8 @@ def main(argv=None):
     parser.add_argument("--lanes", type=int, default=env_number("PERSEUS_TEST_LANES", 3, 1),
                         help="parallel pytest processes (default 3, or PERSEUS_TEST_LANES)")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="job names (test files, e.g. test_core.py) to run, nothing else")
+                        help="jobs to run, nothing else: test files (test_core.py: all their "
+                             "parts) or parts (test_shard.py[np2])")
     parser.add_argument("--no-setup", action="store_true",
                         help="test: skip the set-up phases (venvs and builds exist)")
     parser.add_argument("--out", default=os.path.join(ROOT, "build", "ci"))
@@ -317,7 +324,7 @@ def main(argv=None):
         runs = tiers.runs(args.tier)
         if args.only is not None:
             runs = [r.subset(args.only) for r in runs]
-            unknown = set(args.only) - {j.name for r in runs for j in r.jobs}
+            unknown = set(args.only) - {n for r in runs for j in r.jobs for n in (j.name, j.file)}
             if unknown:
                 parser.error(f"--only: no job named {', '.join(sorted(unknown))} in tier "
                              f"'{args.tier}' (names are test files: test_core.py)")

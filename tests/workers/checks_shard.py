@@ -34,6 +34,22 @@ else:
 
 KERAS2 = keras.__version__.startswith("2.")
 
+# The checks Keras 2 (tests/test_shard.py's second pass) runs at 4 ranks as
+# well as at 2 and 3: where 4 ranks place, split, clip, skip or save
+# differently (owners and pieces over 4 ranks, norms of variables split 4
+# ways, an overflow on rank 3, files going on from 3 ranks' save, Keras 2's
+# TensorFlow checkpoints and the shim's owners). Keras 3 runs every check at 4.
+KERAS2_AT_4_RANKS = ("check_owners_balance_bytes_and_agree",
+                     "check_buckets_cover_every_variable_once_aligned_and_balanced",
+                     "check_oversized_variables_are_allreduced_where_that_sends_less",
+                     "check_place_keeps_every_share_within_1_percent_at_any_size",
+                     "check_adam_in_small_buckets",
+                     "check_clipnorm_clipvalue_and_global_clipnorm",
+                     "check_mixed_precision_with_an_overflow_on_the_last_rank",
+                     "check_saved_sharded_loads_unsharded_and_the_reverse",
+                     "check_keras2_tensorflow_checkpoints_hold_the_whole_state",
+                     "check_shim_sharded_equals_the_shims_allreduce")
+
 R = N = PLAIN = SHARDED = None
 STEPS = 20
 GLOBAL_BATCH = 12          # divides among 2, 3 and 4 ranks
@@ -538,10 +554,11 @@ def check_backup_and_restore_resumes_sharded_as_unsharded():
 
 
 def _resume_at_another_world_size(sharded):
-    """tests/test_shard.py launches 2, 3 and 4 ranks in turn with one shared
-    folder: each writes its sharded file there, and each goes on from the
-    file the previous world size wrote, sharded and unsharded alike (the
-    owners of the slots change with the world size)."""
+    """tests/test_shard.py launches its world sizes in turn with one shared
+    folder (3 then 4 ranks in one job): each writes its sharded file there,
+    and each goes on from the file the previous world size wrote, sharded
+    and unsharded alike (the owners of the slots change with the world
+    size)."""
     folder = os.environ.get("PERSEUS_TEST_SHARD_FILES")
     if not folder:
         return
