@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the rows here too")
     p.add_argument("--bucket-mib", type=int,
                    help="the sharded step's bucket size (default: keras_shard's 64)")
+    p.add_argument("--gather-mib", type=int,
+                   help="the most one weights' allgather carries (default: keras_shard's 16)")
     p.add_argument("--placement", help="rank counts: print the placement table only")
     p.add_argument("--worker", nargs=2, metavar=("PROFILE", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -77,6 +79,8 @@ def worker(args):
     sizes = profile_sizes(profile)
     if args.bucket_mib:
         keras_shard._BUCKET_BYTES = args.bucket_mib << 20
+    if args.gather_mib:
+        keras_shard._GATHER_BYTES = args.gather_mib << 20
     strategy = ptf.PerseusStrategy()
     rank = ptf.rank()
     # The gradients: fixed values, copied each step as backprop would make
@@ -139,6 +143,8 @@ def job(profile, np_, sharded, args):
                "--steps", str(args.steps), "--warmup", str(args.warmup)]
         if args.bucket_mib:
             cmd += ["--bucket-mib", str(args.bucket_mib)]
+        if args.gather_mib:
+            cmd += ["--gather-mib", str(args.gather_mib)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
             raise SystemExit(f"{profile} at {np_} ranks (sharded={sharded}) failed:\n"

@@ -9,6 +9,7 @@ by name, so one launch backs many test items.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -137,6 +138,24 @@ def launch(np_, argv, env=None, timeout=300, hosts=None):
                           timeout=timeout, cwd=ROOT)
 
 
+def launch_report(proc, per_rank=1500):
+    """What a failed launch said, for an assertion message: perseusrun's own
+    lines, then the end of each rank's lines (stdout and stderr), so that the
+    rank that failed first is not lost behind the others' tracebacks."""
+    own, ranks = [], {}
+    for line in (proc.stdout + proc.stderr).splitlines():
+        m = re.match(r"\[(\d+)\] ", line)
+        if m:
+            ranks.setdefault(int(m.group(1)), []).append(line)
+        else:
+            own.append(line)
+    parts = [f"perseusrun rc={proc.returncode}:"] + own[-40:]
+    for rank in sorted(ranks):
+        parts.append(f"-- rank {rank}, last {per_rank} characters:")
+        parts.append("\n".join(ranks[rank])[-per_rank:])
+    return "\n".join(parts)
+
+
 class CheckResults:
     """Results of one batched launch: results[rank][check] == "ok" or an error."""
 
@@ -158,7 +177,7 @@ class CheckResults:
                 f"{check} at {self.np} ranks failed:\n" + "\n".join(problems) +
                 # The ranks' output too: the runtime says there why a plan
                 # was left, what stalled, which rank failed first.
-                "\n--- output tail ---\n" + self.proc.stdout[-3000:] + self.proc.stderr[-3000:])
+                "\n--- output ---\n" + launch_report(self.proc))
 
 
 def run_checks(module, np_, env=None, timeout=600, hosts=None, names=None):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from harness import ROOT, inputs_hash, launch, rank_env, use_examples_packages
+from harness import ROOT, inputs_hash, launch, launch_report, rank_env, use_examples_packages
 
 use_examples_packages()  # the examples' digits data (scikit-learn)
 
@@ -64,7 +64,7 @@ def _digits(env, np_=2, hosts=None):
 def _run_digits(env, np_, hosts):
     proc = launch(np_, [sys.executable, os.path.join(ROOT, "examples", "keras_digits.py"),
                         "--epochs", "12", "--lr", "0.01"], env=env, timeout=300, hosts=hosts)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, launch_report(proc)
     accuracy = [float(m) for m in re.findall(r"\[0\] epoch .* val_accuracy ([\d.]+)", proc.stdout)]
     mib = float(re.search(r"\[0\] perseus: \d+ collectives, ([\d.]+) MiB", proc.stdout).group(1))
     # Mean of the last four epochs, at a learning rate low enough for a

@@ -22,7 +22,7 @@ online negotiation (the sharded reduce-scatter never runs from a plan)."""
 
 import pytest
 
-from harness import check_names, four_rank_checks, run_checks
+from harness import check_names, four_rank_checks, launch_report, run_checks
 from tiers import second_pass
 
 CHECKS = check_names("checks_shard")
@@ -79,11 +79,11 @@ def test_shard(launched, check):
 @pytest.mark.parametrize("launched", SIZES, ids=[f"np{n}" for n in SIZES], indirect=True)
 
 def test_clean_exit(launched):
-    assert launched.proc.returncode == 0, launched.proc.stderr[-3000:]
+    assert launched.proc.returncode == 0, launch_report(launched.proc)
 
 
 def test_float16_compression_at_2_ranks():
     launched = run_checks("checks_shard", 2, timeout=600, names=[FP16],
                           env=dict(ENV, PERSEUS_ALLREDUCE_DTYPE="0"))
     launched.assert_ok(FP16)
-    assert launched.proc.returncode == 0, launched.proc.stderr[-3000:]
+    assert launched.proc.returncode == 0, launch_report(launched.proc)

@@ -182,19 +182,56 @@ def check_adam_in_small_buckets():
     # (keras_shard._BUCKET_BYTES), the pieces of split variables in buckets
     # of their own; at 3 and 4 ranks the two largest kernels are allreduced
     # (keras_shard._oversized) where they are not split: Adafactor's, the
-    # shim's.
-    saved = keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES
-    keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES = 512, 256
+    # shim's. A bucket's weights are gathered in chunks of 128 bytes
+    # (keras_shard._GATHER_BYTES): several a bucket, split ones' too.
+    saved = (keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES,
+             keras_shard._GATHER_BYTES)
+    (keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES,
+     keras_shard._GATHER_BYTES) = 512, 256, 128
     try:
         model = make_model()
         whole = keras_shard._oversized(model.trainable_variables, N)
         assert len(whole) == (0 if N == 2 else 2), whole
         _, sharded = compare(lambda: keras.optimizers.Adam(0.01))
         assert _pieces(sharded)
-        compare(lambda: keras.optimizers.Adafactor(0.05))
+        assert _chunked(sharded, split=True)
+        _, sharded = compare(lambda: keras.optimizers.Adafactor(0.05))
+        assert _chunked(sharded, split=False)
         shim_compare(lambda: keras.optimizers.Adam(0.01))
     finally:
-        keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES = saved
+        (keras_shard._BUCKET_BYTES, _backprop_order._MIN_GROUP_BYTES,
+         keras_shard._GATHER_BYTES) = saved
+
+
+def _chunked(model, split):
+    """Whether some bucket of the model's sharded step (of split variables'
+    pieces, or not) has its weights gathered in several chunks; checks that
+    every bucket's chunks hold each of its entries once."""
+    opt = _inner(model.optimizer)
+    runs = keras_shard._run_layout(opt, opt._perseus_shards, model.trainable_variables)
+    for bucket, _, pieces in runs:
+        _chunks_hold_each_entry_once(bucket, pieces)
+    return any(len(keras_shard._chunks(b)) > 1 for b, _, pieces in runs
+               if bool(pieces) == split)
+
+
+def _chunks_hold_each_entry_once(bucket, split):
+    """The gathers' chunks of a bucket (keras_shard._chunks) hold each of its
+    entries once, in order, at offsets from the chunk's first, every rank's
+    piece of a split variable in the same chunk."""
+    chunks = keras_shard._chunks(bucket)
+    for r, mine in enumerate(bucket[2]):
+        held = [(pos, count) for c in chunks for pos, _, count in c[2][r]]
+        assert held == [(pos, count) for pos, _, count in mine], (r, held, mine)
+        for c in chunks:
+            part = c[2][r]
+            if part:
+                first = [e for e in mine if e[0] == part[0][0]][0][1]
+                assert [(p, o + first) for p, o, _ in part] == \
+                    [(p, o) for p, o, _ in mine if p in {q for q, _, _ in part}], (r, part)
+    for pos in split:
+        where = {j for j, c in enumerate(chunks) for m in c[2] for p, _, _ in m if p == pos}
+        assert len(where) == 1, (pos, where)
 
 
 def check_buckets_follow_backprop():
