@@ -231,7 +231,8 @@ class TensorFlowKerasState(ObjectState):
         from perseus_tf.strategy import keras_shard
         if keras_shard.reshard(self.optimizer, _variables_of(self.optimizer),
                                self._saved_optimizer):
-            keras_shard.assign_whole(_variables_of(self.optimizer), self._saved_optimizer)
+            keras_shard.assign_whole(self.optimizer, _variables_of(self.optimizer),
+                                     self._saved_optimizer)
             self.model.train_function = None
 
     def sync(self):
@@ -274,7 +275,7 @@ class TensorFlowKerasState(ObjectState):
                  for v, value in zip(optimizer_variables, saved)]
                 if len(saved) == len(optimizer_variables) else [],   # (saved before a build)
                 root_rank=0, name="perseus.elastic.sharded_state")
-            keras_shard.assign_whole(optimizer_variables, whole)
+            keras_shard.assign_whole(self.optimizer, optimizer_variables, whole)
         self._save_model()
         super().sync()
 
@@ -292,7 +293,8 @@ class TensorFlowKerasState(ObjectState):
         for v, value in zip(self.model.variables, self._saved_model):
             v.assign(value)
         if self.optimizer is not None:
-            keras_shard.assign_whole(_variables_of(self.optimizer), self._saved_optimizer)
+            keras_shard.assign_whole(self.optimizer, _variables_of(self.optimizer),
+                                     self._saved_optimizer)
 
 
 class TensorFlowState(ObjectState):

@@ -31,7 +31,9 @@ are saved in TensorFlow checkpoints too.
 The Horovod shim's `hvd.DistributedOptimizer(..., shard_optimizer_state=True)`
 does the same without a strategy (shim_apply, at the end): its reducer's op,
 scale factors and compression, its LossScaleOptimizer agreeing on skipped
-steps over the ranks' shares, global_clipnorm over every rank's share.
+steps over the ranks' shares, global_clipnorm over every rank's share. Its
+update is the Keras optimizer's own apply, of this rank's owned variables
+and pieces (a piece decays as its variable: _decays_as_its_variable).
 
 Owners are given whole variables (place): every optimizer then sees each
 variable whole, as it does unsharded (Adafactor factors a variable's last two
@@ -50,7 +52,8 @@ Saving writes what an unsharded run writes: the owners' slots are gathered
 does under MultiWorkerMirroredStrategy. Loading keeps the slots each rank owns.
 
 Under hvd.elastic (KerasState), each commit keeps the whole state on every
-rank and each reset shares it out again for the new world (the last section).
+rank and each reset shares it out again for the new world, split anew (the
+last section).
 """
 
 import functools
@@ -160,7 +163,7 @@ class _Shards:
         variables = list(_model_variables(optimizer))
         counts = [int(np.prod(v.shape)) for v in variables]
         itemsizes = [tf.as_dtype(v.dtype).size for v in variables]
-        splittable = range(len(variables)) if _element_wise(optimizer) else ()
+        splittable = _splittable(optimizer, variables)
         self.owner, self.pieces = place(counts, itemsizes, size, splittable)
         self.slots = {}   # id(slot) -> (slot, index of its variable)
         # index of a split variable -> this rank's piece of its weights (the
@@ -258,16 +261,30 @@ _ELEMENT_WISE = frozenset(["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadel
 
 def _element_wise(optimizer):
     """Whether place() may split the optimizer's variables into pieces: a
-    Keras optimizer of _ELEMENT_WISE under PerseusStrategy, not Keras 2's
-    with clipnorm (which clips each variable's sum by its norm). The Horovod
-    shim's apply (the Keras optimizer's own) takes whole variables."""
+    Keras optimizer of _ELEMENT_WISE, unless clipnorm clips each variable's
+    sum by its norm (Keras 2's optimizers, and the Horovod shim's apply,
+    which is the Keras optimizer's own, clip the sums: a piece's norm is not
+    its variable's). Keras 3 under PerseusStrategy clips each rank's
+    gradients before they are summed, whole."""
     cls = type(optimizer)
     module = cls.__module__ + "."
     if (cls.__name__ not in _ELEMENT_WISE or module.split(".")[0] not in ("keras", "tf_keras") or
-            ".optimizers." not in module or ".legacy." in module or _shim_sharded(optimizer)):
+            ".optimizers." not in module or ".legacy." in module):
         return False
-    keras2 = not hasattr(optimizer, "_get_variable_index")
-    return not (keras2 and getattr(optimizer, "clipnorm", None))
+    sums_clipped = not hasattr(optimizer, "_get_variable_index") or _shim_sharded(optimizer)
+    return not (sums_clipped and getattr(optimizer, "clipnorm", None))
+
+
+def _splittable(optimizer, variables):
+    """The positions of the variables place() may split. The shim's apply
+    runs a variable's constraint on its owner only: a variable with one
+    stays whole there (under PerseusStrategy every rank runs the
+    constraints on the whole variables after the gathers)."""
+    if not _element_wise(optimizer):
+        return ()
+    shim = _shim_sharded(optimizer)
+    return [i for i, v in enumerate(variables)
+            if not (shim and getattr(v, "constraint", None) is not None)]
 
 
 def _piece_variables(optimizer, variables, shards):
@@ -345,6 +362,19 @@ def shard_optimizer_state(patching, flavour):
                   _update_step)
     patching.wrap(base + ".save_own_variables", _saver)
     patching.wrap(base + ".load_own_variables", _loader)
+    patching.wrap(base + "._use_weight_decay", _decays_as_its_variable)
+
+
+def _decays_as_its_variable(original):
+    """A piece of a split variable (_piece_variables) is decayed, or not, as
+    its model variable is (exclude_from_weight_decay names variables and
+    matches their names; the shim's apply decays the pieces it updates)."""
+    @functools.wraps(original)
+    def _use_weight_decay(self, variable):
+        shards = getattr(self, "_perseus_shards", None)
+        model_variable = getattr(shards, "piece_of", {}).get(id(variable))
+        return original(self, variable if model_variable is None else model_variable)
+    return _use_weight_decay
 
 
 def _slot_maker(original):
@@ -951,6 +981,7 @@ def shard_optimizer_state_keras2(patching, flavour):
     patching.wrap(base + ".Optimizer.apply_gradients", _apply_keras2)
     patching.wrap(base + "._BaseOptimizer.save_own_variables", _saver)
     patching.wrap(base + "._BaseOptimizer.load_own_variables", _loader)
+    patching.wrap(base + "._BaseOptimizer._use_weight_decay", _decays_as_its_variable)
 
 
 def _recorder(original):
@@ -1200,6 +1231,10 @@ def _shim_apply(optimizer, shards, grads, variables, base_apply, reducer, reduce
         owned = shim_reduce(optimizer, shards, pairs, reducer)
         everyone = [v for _, v in pairs]
     owned = _clip_globally(optimizer, owned)
+    # This rank's pieces of split variables first: Keras 3.5 to 3.7's apply
+    # reads Keras attributes of the variables unless the first is a
+    # tf.Variable (the pieces are).
+    owned = sorted(owned, key=lambda pair: id(pair[1]) not in shards.piece_of)
     saved = optimizer.global_clipnorm
     optimizer.global_clipnorm = None   # applied above, over every rank's share
     try:
@@ -1208,6 +1243,24 @@ def _shim_apply(optimizer, shards, grads, variables, base_apply, reducer, reduce
         optimizer.global_clipnorm = saved
     _gather_weights(optimizer, shards, everyone,
                     lambda v, value: _assign(v if isinstance(v, tf.Variable) else v.value, value))
+
+
+def owned_share(optimizer, shards, pairs):
+    """[(gradient, variable)] of `pairs` (the reduced gradients, whole) for
+    the variables this rank owns, and (its piece's, its piece: _piece_pair)
+    for the split ones."""
+    out = []
+    for g, v in pairs:
+        index = _index_of(optimizer, v)
+        if index in shards.pieces:
+            piece = shards.piece.get(index)
+            if piece is not None:
+                start, count = shards.pieces[index][shards.rank]
+                out.append(_piece_pair(piece, start, count,
+                                       tf.reshape(g, [-1])[start:start + count], v))
+        elif shards.owner[index] == shards.rank:
+            out.append((g, v))
+    return out
 
 
 def shim_reduce(optimizer, shards, pairs, reducer):
@@ -1413,11 +1466,20 @@ def whole_shapes(optimizer, variables):
     return [state[id(v)][2] if id(v) in state else tuple(v.shape) for v in variables]
 
 
-def assign_whole(variables, values):
-    """Sets `variables` (an optimizer's) to `values` (whole_values'), but
-    for the placeholders of the slots other ranks own (and values None)."""
+def assign_whole(optimizer, variables, values):
+    """Sets `variables` (the optimizer's) to `values` (whole_values'): this
+    rank's piece of each split variable's slot, nothing of the placeholders
+    of the slots other ranks own (nor where a value is None)."""
+    inner = getattr(optimizer, "inner_optimizer", None) or optimizer
+    shards = _sharded_slots(inner)
+    slots = {} if shards is None else shards.slots
     for variable, value in zip(variables, values):
-        if value is not None and tuple(variable.shape) == np.shape(value):
+        if value is None:
+            continue
+        entry = slots.get(id(variable))
+        if entry is not None and entry[1] in shards.pieces:
+            variable.assign(_piece_of(shards, entry[1], value))
+        elif tuple(variable.shape) == np.shape(value):
             variable.assign(value)
 
 
@@ -1450,15 +1512,20 @@ def reshard(optimizer, variables, values):
     model_variables = _model_variables(inner)
     for slot, index in slots:
         owned = new.owner[index] == rank
+        piece = new.pieces[index][rank] if index in new.pieces else None
         dtype = tf.as_dtype(slot.dtype).as_numpy_dtype
-        value = whole.get(id(slot)) if owned else np.zeros((0,), dtype)
+        value = whole.get(id(slot)) if owned or piece else None
         if value is None:   # not saved whole (a failure before the first sync ended)
             value = np.zeros(tuple(model_variables[index].shape), dtype)
-        value = np.asarray(value)
+        value = np.asarray(value, dtype)
+        if piece:           # this rank's piece of a split variable's slot
+            value = np.reshape(value, [-1])[piece[0]:piece[0] + piece[1]]
+        elif not owned:
+            value = np.zeros((0,), dtype)
         fresh = _holding(inner, slot, value)
         new.slots[id(fresh)] = (fresh, index)
         if keras2:
-            _checkpoint_whole(inner, fresh, owned)
+            _checkpoint_whole(inner, fresh, owned, piece=piece)
     inner._perseus_shards = new
     if keras2:
         _checkpoint_state_whole(inner, new)

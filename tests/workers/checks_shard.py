@@ -67,13 +67,15 @@ def setup():
     return R
 
 
-def make_model():
+def make_model(constraint=None):
     # A 4-D kernel (Adafactor factors the last two dimensions), biases that
-    # AdamW's exclusion names, and variables of unequal sizes.
+    # AdamW's exclusion names, and variables of unequal sizes (the largest,
+    # hidden's kernel, is split into pieces by element-wise optimizers).
     keras.utils.set_random_seed(3)
     return keras.Sequential([
         keras.Input((4, 4, 2)), keras.layers.Conv2D(3, 2, activation="tanh", name="conv"),
-        keras.layers.Flatten(), keras.layers.Dense(16, activation="tanh", name="hidden"),
+        keras.layers.Flatten(), keras.layers.Dense(16, activation="tanh", name="hidden",
+                                                   kernel_constraint=constraint),
         keras.layers.Dense(8, activation="tanh", name="narrow"),
         keras.layers.Dense(2, name="out")])
 
@@ -102,7 +104,14 @@ def compare(make_optimizer, x=X, y=Y, tol=TOL):
     for a, b in zip(plain.weights, sharded.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=tol, err_msg=a.name)
     same_on_all_ranks([w.numpy() for w in sharded.weights])
-    opt, ref = _inner(sharded.optimizer), _inner(plain.optimizer)
+    compare_state(_inner(sharded.optimizer), _inner(plain.optimizer), tol)
+    return plain, sharded
+
+
+def compare_state(opt, ref, tol=TOL):
+    """A sharded optimizer's variables against the unsharded one's: the
+    slots of the variables this rank owns equal, its pieces of split ones
+    equal to those pieces of the whole, the others placeholders of shape (0,)."""
     assert len(opt.variables) == len(ref.variables)
     shards = opt._perseus_shards
     owned = [shards.owner[i] == R for i in range(len(shards.owner))]
@@ -122,7 +131,6 @@ def compare(make_optimizer, x=X, y=Y, tol=TOL):
             assert tuple(v.shape) == (0,), (v.name, v.shape)  # another rank's slot
     if shards.slots:
         assert keras_shard.state_bytes(opt) < keras_shard.state_bytes(ref)
-    return plain, sharded
 
 
 def _inner(optimizer):
@@ -645,19 +653,24 @@ def check_float16_compression_as_unsharded():
 # -- the Horovod shim: hvd.DistributedOptimizer(..., shard_optimizer_state=True) --
 
 
-def shim_train(make_optimizer, sharded, x=X, y=Y, compression=None, mixed=False, options=None):
+def shim_train(make_optimizer, sharded, x=X, y=Y, compression=None, mixed=False, options=None,
+               prepare=None, constraint=None):
     """The shim's `fit`, outside any strategy: each rank trains on its own
-    rows of every global batch, as Horovod scripts shard their data."""
+    rows of every global batch, as Horovod scripts shard their data.
+    prepare(model, optimizer) runs before compile."""
     import perseus_tf.horovod.keras as hvd
     if mixed:
         keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        model = make_model()
+        model = make_model(constraint)
         kwargs = dict(options or {})
         if compression is not None:
             kwargs["compression"] = compression
+        optimizer = make_optimizer()
+        if prepare is not None:
+            prepare(model, optimizer)
         model.compile(optimizer=hvd.DistributedOptimizer(
-            make_optimizer(), shard_optimizer_state=sharded, **kwargs), loss="mse")
+            optimizer, shard_optimizer_state=sharded, **kwargs), loss="mse")
     finally:
         keras.mixed_precision.set_global_policy("float32")
     per_rank = GLOBAL_BATCH // N
@@ -675,33 +688,53 @@ def shim_compare(make_optimizer, tol=TOL, **kwargs):
     for a, b in zip(plain.weights, sharded.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=0, atol=tol, err_msg=a.name)
     same_on_all_ranks([w.numpy() for w in sharded.weights])
-    opt, ref = _inner(sharded.optimizer), _inner(plain.optimizer)
-    shards = opt._perseus_shards
-    state = keras_shard.per_variable_state(opt)
-    for v, r in zip(opt.variables, ref.variables):
-        entry = state.get(id(v))
-        if entry is None or shards.owner[entry[1]] == R:
-            np.testing.assert_allclose(v.numpy(), r.numpy(), rtol=0, atol=tol, err_msg=v.name)
-        elif id(v) in shards.slots:
-            assert tuple(v.shape) == (0,), (v.name, v.shape)
-    if shards.slots:
-        assert keras_shard.state_bytes(opt) < keras_shard.state_bytes(ref)
+    compare_state(_inner(sharded.optimizer), _inner(plain.optimizer), tol)
     return plain, sharded
+
+
+def split(model, layer="hidden"):
+    """Whether the sharded optimizer of `model` split the kernel of `layer`
+    into pieces, and how many variables it split."""
+    opt = _inner(model.optimizer)
+    kernel = model.get_layer(layer).kernel
+    pieces = opt._perseus_shards.pieces
+    return any(keras_shard._model_variables(opt)[i] is kernel for i in pieces), len(pieces)
 
 
 def check_shim_sharded_equals_the_shims_allreduce():
     import perseus_tf.horovod.keras as hvd
-    shim_compare(lambda: keras.optimizers.Adam(0.01, amsgrad=True))
+    # Element-wise optimizers split the largest variables, as under the
+    # strategy: each rank keeps, and updates, a piece of hidden's kernel.
+    _, sharded = shim_compare(lambda: keras.optimizers.Adam(0.01, amsgrad=True))
+    assert split(sharded)[0], split(sharded)
 
     def adamw():
         opt = keras.optimizers.AdamW(0.01, weight_decay=0.1)
         opt.exclude_from_weight_decay(var_names=["bias"])
         return opt
     shim_compare(adamw)
+
+    # A split variable excluded from weight decay by itself (not by a name):
+    # its pieces are not decayed either. (The exclusion is made on the
+    # optimizer given to hvd.DistributedOptimizer, which keeps it.)
+    def exclude_hidden_kernel(model, optimizer):
+        optimizer.exclude_from_weight_decay(var_list=[model.get_layer("hidden").kernel])
+    plain, sharded = shim_compare(lambda: keras.optimizers.AdamW(0.01, weight_decay=0.5),
+                                  prepare=exclude_hidden_kernel)
+    assert split(sharded)[0], split(sharded)
+    for model in (plain, sharded):
+        kernels = [model.get_layer(name).kernel for name in ("hidden", "narrow")]
+        assert [_inner(model.optimizer)._use_weight_decay(k) for k in kernels] == [False, True]
+    # A constraint runs on the owner of the whole variable: it is not split.
+    _, sharded = shim_compare(lambda: keras.optimizers.Adam(0.05),
+                              constraint=keras.constraints.MaxNorm(0.3))
+    assert not split(sharded)[0], split(sharded)
     shim_compare(lambda: keras.optimizers.Adafactor(0.05))
     # The shim clips the averaged gradients: the norm of every rank's share.
     shim_compare(lambda: keras.optimizers.SGD(0.05, momentum=0.5, global_clipnorm=0.05))
-    shim_compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
+    # clipnorm clips each variable's sum by its norm: nothing is split.
+    _, sharded = shim_compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
+    assert split(sharded) == (False, 0), split(sharded)
     shim_compare(lambda: keras.optimizers.SGD(0.05, clipvalue=0.004))
     # Compression.fp16 travels as the shim's allreduce sends it.
     # (At 2 ranks each sum is one float16 addition either way: the same bits.)
@@ -725,6 +758,7 @@ def check_shim_sharded_mixed_precision_skips_an_overflow_everywhere():
     x[3 * GLOBAL_BATCH + GLOBAL_BATCH - 1] = 1e6   # the last rank's rows of batch 3
     plain, sharded = shim_compare(lambda: keras.optimizers.Adam(0.01), tol=1e-5, x=x,
                                   mixed=True)
+    assert split(sharded)[0], split(sharded)   # its pieces checked too
     scales = [_loss_scale(m.optimizer) for m in (plain, sharded)]
     assert scales[0] == scales[1] and scales[0] < 32768.0, scales
 

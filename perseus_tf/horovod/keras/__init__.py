@@ -67,7 +67,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         _check_shardable(optimizer, compression, op, backward_passes_per_step, process_set)
         settings.shard = True
     cls = distributed_class(type(optimizer), settings)
-    return cls.from_config(optimizer.get_config())
+    distributed = cls.from_config(optimizer.get_config())
+    # exclude_from_weight_decay is not in an optimizer's config: the copy
+    # excludes what the optimizer given excludes (Horovod's copy does not).
+    for name, value in vars(optimizer).items():
+        if name.startswith("_exclude_from_weight_decay"):
+            setattr(distributed, name, value.copy() if hasattr(value, "copy") else value)
+    return distributed
 
 
 def _check_shardable(optimizer, compression, op, backward_passes_per_step, process_set):

@@ -192,8 +192,7 @@ class _Keras2Mixin(_DistributedMixin):
                 grads, variables, lambda summed: keras_shard.shim_apply(
                     self, summed, variables, apply, state.reducer), reduce=False)
         pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        owned = [(g, v) for g, v in pairs
-                 if shards.owner[keras_shard._index_of(self, v)] == shards.rank]
+        owned = keras_shard.owned_share(self, shards, pairs)
         return keras_shard.shim_apply(self, [g for g, _ in owned], [v for _, v in owned],
                                       apply, state.reducer, reduced=True,
                                       all_variables=[v for _, v in pairs])
