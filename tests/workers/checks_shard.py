@@ -732,10 +732,9 @@ def check_shim_sharded_equals_the_shims_allreduce():
     shim_compare(lambda: keras.optimizers.Adafactor(0.05))
     # The shim clips the averaged gradients: the norm of every rank's share.
     shim_compare(lambda: keras.optimizers.SGD(0.05, momentum=0.5, global_clipnorm=0.05))
-    # clipnorm clips each variable's sum by its norm: a split variable's
-    # pieces by the norm of all of them.
+    # clipnorm clips each variable's sum by its norm: nothing is split.
     _, sharded = shim_compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
-    assert split(sharded)[0], split(sharded)
+    assert split(sharded) == (False, 0), split(sharded)
     shim_compare(lambda: keras.optimizers.SGD(0.05, clipvalue=0.004))
     # Compression.fp16 travels as the shim's allreduce sends it.
     # (At 2 ranks each sum is one float16 addition either way: the same bits.)
