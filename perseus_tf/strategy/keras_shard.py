@@ -1514,13 +1514,14 @@ def reshard(optimizer, variables, values):
         owned = new.owner[index] == rank
         piece = new.pieces[index][rank] if index in new.pieces else None
         dtype = tf.as_dtype(slot.dtype).as_numpy_dtype
-        value = whole.get(id(slot)) if owned or piece else None
-        if value is None:   # not saved whole (a failure before the first sync ended)
-            value = np.zeros(tuple(model_variables[index].shape), dtype)
-        value = np.asarray(value, dtype)
-        if piece:           # this rank's piece of a split variable's slot
-            value = np.reshape(value, [-1])[piece[0]:piece[0] + piece[1]]
-        elif not owned:
+        if owned or piece:
+            value = whole.get(id(slot))
+            if value is None:   # not saved whole (a failure before the first sync ended)
+                value = np.zeros(tuple(model_variables[index].shape), dtype)
+            value = np.asarray(value, dtype)
+            if piece:           # this rank's piece of a split variable's slot
+                value = np.reshape(value, [-1])[piece[0]:piece[0] + piece[1]]
+        else:                   # a placeholder: another rank owns it
             value = np.zeros((0,), dtype)
         fresh = _holding(inner, slot, value)
         new.slots[id(fresh)] = (fresh, index)
