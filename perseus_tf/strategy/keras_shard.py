@@ -261,18 +261,20 @@ _ELEMENT_WISE = frozenset(["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadel
 
 def _element_wise(optimizer):
     """Whether place() may split the optimizer's variables into pieces: a
-    Keras optimizer of _ELEMENT_WISE, unless clipnorm clips each variable's
-    sum by its norm (Keras 2's optimizers, and the Horovod shim's apply,
-    which is the Keras optimizer's own, clip the sums: a piece's norm is not
-    its variable's). Keras 3 under PerseusStrategy clips each rank's
-    gradients before they are summed, whole."""
+    Keras optimizer of _ELEMENT_WISE, unless it is Keras 2's with clipnorm
+    under PerseusStrategy (its step clips each variable's sum by that
+    variable's norm, and a piece's norm is not its variable's). Keras 3
+    under PerseusStrategy clips each rank's gradients before they are
+    summed, whole; the Horovod shim clips the pieces by their variables'
+    norms (_clip_pieces)."""
     cls = type(optimizer)
     module = cls.__module__ + "."
     if (cls.__name__ not in _ELEMENT_WISE or module.split(".")[0] not in ("keras", "tf_keras") or
             ".optimizers." not in module or ".legacy." in module):
         return False
-    sums_clipped = not hasattr(optimizer, "_get_variable_index") or _shim_sharded(optimizer)
-    return not (sums_clipped and getattr(optimizer, "clipnorm", None))
+    keras2_strategy = not hasattr(optimizer, "_get_variable_index") and \
+        not _shim_sharded(optimizer)
+    return not (keras2_strategy and getattr(optimizer, "clipnorm", None))
 
 
 def _splittable(optimizer, variables):
@@ -1230,7 +1232,7 @@ def _shim_apply(optimizer, shards, grads, variables, base_apply, reducer, reduce
     else:
         owned = shim_reduce(optimizer, shards, pairs, reducer)
         everyone = [v for _, v in pairs]
-    owned = _clip_globally(optimizer, owned)
+    owned = _clip_pieces(optimizer, shards, _clip_globally(optimizer, owned))
     # This rank's pieces of split variables first: Keras 3.5 to 3.7's apply
     # reads Keras attributes of the variables unless the first is a
     # tf.Variable (the pieces are).
@@ -1307,6 +1309,28 @@ def _clip_globally(optimizer, owned):
                                          name="perseus.shard.global_norm"))
     scale = clip * tf.minimum(1.0 / norm, 1.0 / clip)
     return [(g * tf.cast(scale, g.dtype), v) for g, v in owned]
+
+
+def _clip_pieces(optimizer, shards, owned):
+    """clipnorm for this rank's pieces of split variables: each scaled by its
+    variable's norm (every rank's pieces' squares summed: one allreduce), as
+    the unsharded optimizer clips the variable's sum. The optimizer's own
+    clipping by the piece's norm then leaves a piece as it is (its norm is
+    at most its clipped variable's, at most clipnorm); it clips the whole
+    variables this rank owns."""
+    clip = getattr(optimizer, "clipnorm", None)
+    if not clip or clip <= 0 or not shards.pieces:
+        return owned
+    order = {index: k for k, index in enumerate(sorted(shards.pieces))}
+    slot = {id(piece): order[index] for index, piece in shards.piece.items()}
+    squares = [tf.constant(0.0)] * len(order)
+    for g, v in owned:
+        if id(v) in slot:
+            squares[slot[id(v)]] = tf.reduce_sum(tf.square(tf.cast(g, tf.float32)))
+    norms = tf.sqrt(perseus_ops.allreduce(tf.stack(squares), op=perseus_ops.Sum,
+                                          name="perseus.shard.piece_norms"))
+    return [(g * tf.cast(clip / tf.maximum(norms[slot[id(v)]], clip), g.dtype), v)
+            if id(v) in slot else (g, v) for g, v in owned]
 
 
 def _gather_weights(optimizer, shards, variables, assign):

@@ -732,9 +732,19 @@ def check_shim_sharded_equals_the_shims_allreduce():
     shim_compare(lambda: keras.optimizers.Adafactor(0.05))
     # The shim clips the averaged gradients: the norm of every rank's share.
     shim_compare(lambda: keras.optimizers.SGD(0.05, momentum=0.5, global_clipnorm=0.05))
-    # clipnorm clips each variable's sum by its norm: nothing is split.
+    # clipnorm clips each variable's sum by its norm: a split variable's
+    # pieces by the norm of all of them.
     _, sharded = shim_compare(lambda: keras.optimizers.Adam(0.01, clipnorm=0.05))
-    assert split(sharded) == (False, 0), split(sharded)
+    assert split(sharded)[0], split(sharded)
+    # A clipnorm that binds on every step, under SGD (whose step, unlike
+    # Adam's, scales with the gradient): clipping each piece by its own norm
+    # instead would move the split kernel further than the unsharded shim.
+    plain, sharded = shim_compare(lambda: keras.optimizers.SGD(0.5, momentum=0.5, clipnorm=1e-3))
+    assert split(sharded)[0], split(sharded)
+    free = shim_train(lambda: keras.optimizers.SGD(0.5, momentum=0.5), False)
+    kernels = [m.get_layer("hidden").kernel.numpy() for m in (plain, free)]
+    moved = float(np.max(np.abs(kernels[0] - kernels[1])))
+    assert moved > 1e-3, ("clipnorm=1e-3 did not bind", moved)
     shim_compare(lambda: keras.optimizers.SGD(0.05, clipvalue=0.004))
     # Compression.fp16 travels as the shim's allreduce sends it.
     # (At 2 ranks each sum is one float16 addition either way: the same bits.)
