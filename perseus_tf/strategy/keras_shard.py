@@ -261,20 +261,14 @@ _ELEMENT_WISE = frozenset(["SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadel
 
 def _element_wise(optimizer):
     """Whether place() may split the optimizer's variables into pieces: a
-    Keras optimizer of _ELEMENT_WISE, unless it is Keras 2's with clipnorm
-    under PerseusStrategy (its step clips each variable's sum by that
-    variable's norm, and a piece's norm is not its variable's). Keras 3
-    under PerseusStrategy clips each rank's gradients before they are
-    summed, whole; the Horovod shim clips the pieces by their variables'
-    norms (_clip_pieces)."""
+    Keras optimizer of _ELEMENT_WISE. (Under clipnorm, Keras 3 under
+    PerseusStrategy clips each rank's gradients before they are summed,
+    whole; Keras 2's step and the Horovod shim clip each variable's sum, so
+    they clip a piece by its variable's norm: _clip_pieces.)"""
     cls = type(optimizer)
     module = cls.__module__ + "."
-    if (cls.__name__ not in _ELEMENT_WISE or module.split(".")[0] not in ("keras", "tf_keras") or
-            ".optimizers." not in module or ".legacy." in module):
-        return False
-    keras2_strategy = not hasattr(optimizer, "_get_variable_index") and \
-        not _shim_sharded(optimizer)
-    return not (keras2_strategy and getattr(optimizer, "clipnorm", None))
+    return (cls.__name__ in _ELEMENT_WISE and module.split(".")[0] in ("keras", "tf_keras") and
+            ".optimizers." in module and ".legacy." not in module)
 
 
 def _splittable(optimizer, variables):
@@ -1108,7 +1102,9 @@ def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
                 distribution.extended.update(v, update_one, args=(g,), group=False)
 
     global_clip = optimizer.global_clipnorm and optimizer.global_clipnorm > 0
-    if reduce and not global_clip:
+    # clipnorm of a split variable needs the norm of every rank's pieces.
+    piece_clip = bool(optimizer.clipnorm and optimizer.clipnorm > 0 and shards.pieces)
+    if reduce and not global_clip and not piece_clip:
         # Each variable's clipping, decay and update need its own sum only.
         _pipelined(optimizer, shards, grads, variables, update, _strategy_assign(distribution))
         optimizer.iterations.assign_add(1)
@@ -1127,6 +1123,7 @@ def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
                                          tf.reshape(g, [-1])[start:start + count], v))
     if global_clip:
         owned = _clip_globally(optimizer, owned)
+    owned = _clip_pieces(optimizer, shards, owned)
     if owned:
         update(owned, clipped=global_clip)
     _gather_weights(optimizer, shards, variables, _strategy_assign(distribution))
