@@ -7,14 +7,16 @@ PerseusStrategy with Adam, unsharded and with shard_optimizer_state=True.
 Each rank makes one variable per tensor of the profile, and each step
 applies a fresh copy of fixed gradients through `optimizer.apply_gradients`
 under the strategy (the collectives and the optimizer's update, no model's
-compute). Every rank reports:
+compute). --api shim runs the Horovod shim instead, outside any strategy:
+hvd.DistributedOptimizer(Adam, shard_optimizer_state=False, then True), its
+`apply` given the same gradients. Every rank reports:
 
   state      the bytes of its optimizer's variables (Adam: two slots per
              weight, and a counter)
   peak       its process's peak resident memory after the steps (ru_maxrss)
   step       the median time of --steps steps after --warmup
-  wire       (sharded) the elements its reduce-scatters and allgathers carry
-             over those of an allreduce of the weights
+  wire       (sharded, under the strategy) the elements its reduce-scatters
+             and allgathers carry over those of an allreduce of the weights
 
 The table prints the largest rank's state and peak, the median step, and
 the ratios: state against 1/N of unsharded, the peak saving against the
@@ -26,7 +28,7 @@ Adam state at those rank counts (no job runs): the largest rank's share over
 element-wise gets) and with the largest variables split (Adam, SGD, ...).
 
 Usage: python benchmarks/shard.py [--profiles resnet50,bert_base] [--np 2,4]
-           [--steps 5] [--dtype 0] [--json FILE]
+           [--steps 5] [--dtype 0] [--api strategy|shim] [--json FILE]
        python benchmarks/shard.py --placement 2,4,8,16,32,64,256
            [--profiles resnet50,bert_base,vgg16]
 """
@@ -51,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--dtype", default="0", help="PERSEUS_ALLREDUCE_DTYPE of both jobs")
     p.add_argument("--json", help="write the rows here too")
+    p.add_argument("--api", choices=("strategy", "shim"), default="strategy",
+                   help="PerseusStrategy, or the Horovod shim's DistributedOptimizer")
     p.add_argument("--bucket-mib", type=int,
                    help="the sharded step's bucket size (default: keras_shard's 64)")
     p.add_argument("--gather-mib", type=int,
@@ -81,15 +85,29 @@ def worker(args):
         keras_shard._BUCKET_BYTES = args.bucket_mib << 20
     if args.gather_mib:
         keras_shard._GATHER_BYTES = args.gather_mib << 20
-    strategy = ptf.PerseusStrategy()
+    shim = args.api == "shim"
+    if shim:
+        import perseus_tf.horovod.keras as hvd
+        hvd.init()
+        strategy = None
+    else:
+        strategy = ptf.PerseusStrategy()
     rank = ptf.rank()
     # The gradients: fixed values, copied each step as backprop would make
     # them (made first, so that their making is not the process's peak).
     sources = [tf.Variable(tf.fill([n], 1e-3 * (1 + i % 7))) for i, n in enumerate(sizes)]
-    with strategy.scope():
+    if shim:
         weights = [keras.Variable(tf.zeros([n]), name=f"w{i}") for i, n in enumerate(sizes)]
-        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer = hvd.DistributedOptimizer(
+            keras.optimizers.Adam(1e-3),
+            shard_optimizer_state=os.environ["PERSEUS_SHARD_OPTIMIZER_STATE"] == "1")
         optimizer.build(weights)
+    else:
+        with strategy.scope():
+            weights = [keras.Variable(tf.zeros([n]), name=f"w{i}")
+                       for i, n in enumerate(sizes)]
+            optimizer = keras.optimizers.Adam(1e-3)
+            optimizer.build(weights)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     @tf.function
@@ -99,7 +117,10 @@ def worker(args):
             # the sources' own buffers, which no reduction may write into.
             grads = [s * 1.0 for s in sources]
             optimizer.apply_gradients(zip(grads, weights))
-        strategy.run(apply)
+        if shim:
+            apply()
+        else:
+            strategy.run(apply)
 
     times = []
     for i in range(args.warmup + args.steps):
@@ -115,7 +136,7 @@ def worker(args):
     # (twice the weights: its reduce-scatter and allgather).
     shards = getattr(optimizer, "_perseus_shards", None)
     wire = None
-    if shards is not None:
+    if shards is not None and not shim:
         runs = keras_shard._run_layout(optimizer, shards, [w.value for w in weights])
         wire = (sum(shards.size * bucket[3] for bucket, whole, _ in runs if whole is None) +
                 sum(2 * sizes[whole] for _, whole, _ in runs if whole is not None) +
@@ -140,7 +161,7 @@ def job(profile, np_, sharded, args):
                    PERSEUS_SHARD_OPTIMIZER_STATE="1" if sharded else "0")
         cmd = [sys.executable, "-m", "perseus_tf.runner", "-np", str(np_), "--",
                sys.executable, os.path.abspath(__file__), "--worker", profile, out,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--api", args.api]
         if args.bucket_mib:
             cmd += ["--bucket-mib", str(args.bucket_mib)]
         if args.gather_mib:
@@ -202,7 +223,7 @@ def main():
             tensors1 = max(r["tensor_peak"] for r in sharded)
             step0 = statistics.median(r["step"] for r in plain)
             step1 = statistics.median(r["step"] for r in sharded)
-            row = {"profile": profile, "ranks": np_, "state_unsharded": state0,
+            row = {"profile": profile, "ranks": np_, "api": args.api, "state_unsharded": state0,
                    "peak_before_steps": [max(r["peak_before_steps"] for r in plain),
                                          max(r["peak_before_steps"] for r in sharded)],
                    "state_sharded": state1, "share": state1 / (state0 / np_),
@@ -213,11 +234,12 @@ def main():
                    "step_unsharded": step0, "step_sharded": step1, "step_ratio": step1 / step0,
                    "wire_ratio": sharded[0]["wire"]}
             rows.append(row)
+            wire = "-" if row["wire_ratio"] is None else f"{row['wire_ratio']:.2f}"
             print(f"| {profile} | {np_} | {state0 / mib:.1f} MiB | {state1 / mib:.1f} MiB | "
                   f"{row['share']:.3f} | {peak0 / mib:.0f} MiB | {peak1 / mib:.0f} MiB | "
                   f"{row['peak_saving_ratio']:.2f} | {row['tensor_peak_saving_ratio']:.2f} | "
                   f"{step0 * 1e3:.0f} ms | {step1 * 1e3:.0f} ms | "
-                  f"{row['step_ratio']:.2f} | {row['wire_ratio']:.2f} |", flush=True)
+                  f"{row['step_ratio']:.2f} | {wire} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

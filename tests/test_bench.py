@@ -344,3 +344,20 @@ def test_rank_timelines_put_rank_1_on_rank_0s_clock_and_name_the_late_rank():
     # Rank 1's trace kept only its last span: the rows before it stay rank 0's alone.
     assert [r[2:4] for r in rank_timelines.rows(rank0, rank1[2:])] == \
         [["", ""], ["", ""], ["115.0", "-"]]
+
+
+def test_shard_benchmark_shim_keeps_half_the_state_at_2_ranks(tmp_path):
+    # The Horovod shim's sharded path (--api shim), ResNet-50's gradients at
+    # 2 ranks: every rank's Adam state is half the unsharded one's.
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "shard.py"), "--api", "shim",
+         "--profiles", "resnet50", "--np", "2", "--steps", "1", "--warmup", "1",
+         "--json", str(out)],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    [row] = json.loads(out.read_text())
+    assert row["api"] == "shim" and row["ranks"] == 2, row
+    assert row["state_sharded"] <= row["state_unsharded"] / 2 * 1.01, row
+    assert row["step_sharded"] > 0 and row["step_unsharded"] > 0, row
+    assert "| resnet50 | 2 |" in proc.stdout, proc.stdout

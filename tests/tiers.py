@@ -109,7 +109,7 @@ CHECK = [Job("test_cc_unit.py", 16), Job("test_layout.py", 2), Job("test_config.
 # Every file of the first pass, with its weight (seconds).
 FIRST_PASS = [
     Job("test_backup_restore.py", 50),
-    Job("test_bench.py", 128),
+    Job("test_bench.py", 160),
     Job("test_bounded.py", 17),
     Job("test_cc_unit.py", 3),
     Job("test_compression.py", 23),
