@@ -34,6 +34,7 @@ Usage: python benchmarks/shard.py [--profiles resnet50,bert_base] [--np 2,4]
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -89,25 +90,18 @@ def worker(args):
     if shim:
         import perseus_tf.horovod.keras as hvd
         hvd.init()
-        strategy = None
-    else:
-        strategy = ptf.PerseusStrategy()
+    strategy = None if shim else ptf.PerseusStrategy()
     rank = ptf.rank()
     # The gradients: fixed values, copied each step as backprop would make
     # them (made first, so that their making is not the process's peak).
     sources = [tf.Variable(tf.fill([n], 1e-3 * (1 + i % 7))) for i, n in enumerate(sizes)]
-    if shim:
+    with contextlib.nullcontext() if shim else strategy.scope():
         weights = [keras.Variable(tf.zeros([n]), name=f"w{i}") for i, n in enumerate(sizes)]
-        optimizer = hvd.DistributedOptimizer(
-            keras.optimizers.Adam(1e-3),
-            shard_optimizer_state=os.environ["PERSEUS_SHARD_OPTIMIZER_STATE"] == "1")
+        optimizer = keras.optimizers.Adam(1e-3)
+        if shim:
+            optimizer = hvd.DistributedOptimizer(
+                optimizer, shard_optimizer_state=os.environ["PERSEUS_SHARD_OPTIMIZER_STATE"] == "1")
         optimizer.build(weights)
-    else:
-        with strategy.scope():
-            weights = [keras.Variable(tf.zeros([n]), name=f"w{i}")
-                       for i, n in enumerate(sizes)]
-            optimizer = keras.optimizers.Adam(1e-3)
-            optimizer.build(weights)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     @tf.function

@@ -1103,8 +1103,7 @@ def _keras2_step(optimizer, shards, distribution, grads, variables, reduce):
 
     global_clip = optimizer.global_clipnorm and optimizer.global_clipnorm > 0
     # clipnorm of a split variable needs the norm of every rank's pieces.
-    piece_clip = bool(optimizer.clipnorm and optimizer.clipnorm > 0 and shards.pieces)
-    if reduce and not global_clip and not piece_clip:
+    if reduce and not global_clip and not _clips_pieces(optimizer, shards):
         # Each variable's clipping, decay and update need its own sum only.
         _pipelined(optimizer, shards, grads, variables, update, _strategy_assign(distribution))
         optimizer.iterations.assign_add(1)
@@ -1308,6 +1307,12 @@ def _clip_globally(optimizer, owned):
     return [(g * tf.cast(scale, g.dtype), v) for g, v in owned]
 
 
+def _clips_pieces(optimizer, shards):
+    """Whether the optimizer's clipnorm applies to split variables' pieces."""
+    clip = getattr(optimizer, "clipnorm", None)
+    return bool(clip and clip > 0 and shards.pieces)
+
+
 def _clip_pieces(optimizer, shards, owned):
     """clipnorm for this rank's pieces of split variables: each scaled by its
     variable's norm (every rank's pieces' squares summed: one allreduce), as
@@ -1315,9 +1320,9 @@ def _clip_pieces(optimizer, shards, owned):
     clipping by the piece's norm then leaves a piece as it is (its norm is
     at most its clipped variable's, at most clipnorm); it clips the whole
     variables this rank owns."""
-    clip = getattr(optimizer, "clipnorm", None)
-    if not clip or clip <= 0 or not shards.pieces:
+    if not _clips_pieces(optimizer, shards):
         return owned
+    clip = optimizer.clipnorm
     order = {index: k for k, index in enumerate(sorted(shards.pieces))}
     slot = {id(piece): order[index] for index, piece in shards.piece.items()}
     squares = [tf.constant(0.0)] * len(order)
